@@ -1,0 +1,63 @@
+//! The step-level backend boundary (design.md, principle 2).
+//!
+//! A backend runs whole steps — prefill a chunk, decode a token, copy a sequence state — not single
+//! ops, so each backend is free to fuse and schedule as it likes. The CPU backend is the reference
+//! every other backend is tested against.
+
+use anyhow::Result;
+
+use crate::config::ModelConfig;
+use crate::sampling::Sampler;
+
+/// Which rows of logits a prefill returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitRows {
+    /// Only the last position (what generation needs; skips the lm_head elsewhere).
+    Last,
+    /// Every position (teacher-forced scoring).
+    All,
+}
+
+pub trait Backend: Send + Sync {
+    /// Everything one sequence carries between steps: KV cache, conv and recurrent state, length.
+    type State: Send;
+
+    fn config(&self) -> &ModelConfig;
+
+    /// A human-readable name of the device, for logs and benchmark records.
+    fn device_name(&self) -> String;
+
+    /// The largest chunk `prefill` accepts at once; callers split longer prompts.
+    fn max_prefill_chunk(&self) -> usize;
+
+    /// An empty sequence that can grow to `max_seq` tokens.
+    fn new_state(&self, max_seq: usize) -> Result<Self::State>;
+
+    /// Tokens already consumed by a state.
+    fn state_len(&self, state: &Self::State) -> usize;
+
+    /// An independent copy of a state (a snapshot to branch from later).
+    fn fork(&self, state: &Self::State) -> Result<Self::State>;
+
+    /// Appends `tokens` to the sequence and returns logits, row-major `[rows, vocab]`.
+    /// On error the state is unchanged.
+    fn prefill(&self, state: &mut Self::State, tokens: &[u32], rows: LogitRows)
+    -> Result<Vec<f32>>;
+
+    /// Appends one token and returns the logits that follow it.
+    fn decode(&self, state: &mut Self::State, token: u32) -> Result<Vec<f32>> {
+        self.prefill(state, &[token], LogitRows::Last)
+    }
+
+    /// Appends one token and picks the next. Device backends override this to sample without
+    /// returning logits to the host.
+    fn decode_sample(
+        &self,
+        state: &mut Self::State,
+        token: u32,
+        sampler: &mut Sampler,
+    ) -> Result<u32> {
+        let logits = self.decode(state, token)?;
+        Ok(sampler.sample(&logits))
+    }
+}

@@ -1,0 +1,209 @@
+//! Turning logits into a token: greedy, or temperature / top-k / top-p / min-p with a seeded
+//! stream so that the same seed gives the same text.
+
+use crate::rng::Rng;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 means no limit.
+    pub top_k: usize,
+    /// 1 means no limit.
+    pub top_p: f32,
+    /// 0 means no limit; otherwise drop tokens below `min_p ·` the top probability.
+    pub min_p: f32,
+    pub seed: u64,
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+        }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0 || self.top_k == 1
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+    /// Ids at or above this are never chosen (padding rows of the vocabulary).
+    vocab_limit: Option<usize>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        let rng = Rng::new(params.seed);
+        Sampler {
+            params,
+            rng,
+            vocab_limit: None,
+        }
+    }
+
+    /// Never choose ids at or above `limit` (e.g. lm_head rows that the tokenizer cannot decode).
+    pub fn with_vocab_limit(mut self, limit: usize) -> Self {
+        self.vocab_limit = Some(limit);
+        self
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let n = self
+            .vocab_limit
+            .map_or(logits.len(), |l| l.min(logits.len()));
+        let logits = &logits[..n];
+        if self.params.is_greedy() {
+            return argmax(logits);
+        }
+        // Candidates sorted by logit, best first; ties broken by id so the order is total.
+        let mut ids: Vec<u32> = (0..n as u32)
+            .filter(|&i| !logits[i as usize].is_nan())
+            .collect();
+        if ids.is_empty() {
+            return 0;
+        }
+        let by_logit = |a: &u32, b: &u32| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        };
+        let k = if self.params.top_k == 0 {
+            ids.len()
+        } else {
+            self.params.top_k.min(ids.len())
+        };
+        if k < ids.len() {
+            ids.select_nth_unstable_by(k - 1, by_logit);
+            ids.truncate(k);
+        }
+        ids.sort_unstable_by(by_logit);
+
+        let inv_t = 1.0 / self.params.temperature;
+        let top = logits[ids[0] as usize];
+        let mut probs: Vec<f32> = ids
+            .iter()
+            .map(|&i| ((logits[i as usize] - top) * inv_t).exp())
+            .collect();
+        let total: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= total);
+
+        let mut keep = probs.len();
+        if self.params.min_p > 0.0 {
+            let floor = self.params.min_p * probs[0];
+            keep = probs.iter().take_while(|&&p| p >= floor).count().max(1);
+        }
+        if self.params.top_p < 1.0 {
+            let mut cumulative = 0.0;
+            let mut n = 0;
+            for &p in &probs[..keep] {
+                cumulative += p;
+                n += 1;
+                if cumulative >= self.params.top_p {
+                    break;
+                }
+            }
+            keep = n.max(1);
+        }
+        let mass: f32 = probs[..keep].iter().sum();
+        let mut r = self.rng.next_f32() * mass;
+        for (j, &p) in probs[..keep].iter().enumerate() {
+            r -= p;
+            if r < 0.0 {
+                return ids[j];
+            }
+        }
+        ids[keep - 1]
+    }
+}
+
+/// Index of the largest value; the first one on ties.
+pub fn argmax(values: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in values.iter().enumerate() {
+        if v > values[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(temperature: f32, top_k: usize, top_p: f32, min_p: f32, seed: u64) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+            seed,
+        }
+    }
+
+    #[test]
+    fn greedy_takes_the_first_maximum() {
+        let mut s = Sampler::new(SamplingParams::greedy());
+        assert_eq!(s.sample(&[0.0, 3.0, -1.0, 3.0]), 1);
+    }
+
+    #[test]
+    fn vocab_limit_masks_padding_rows() {
+        let mut s = Sampler::new(SamplingParams::greedy()).with_vocab_limit(2);
+        assert_eq!(s.sample(&[0.0, 1.0, 9.0]), 1);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_different_seed_differs() {
+        let logits: Vec<f32> = (0..50).map(|i| ((i * 37 % 11) as f32) * 0.3).collect();
+        let draw = |seed| {
+            let mut s = Sampler::new(params(1.0, 0, 1.0, 0.0, seed));
+            (0..64).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(7), draw(7));
+        assert_ne!(draw(7), draw(8));
+    }
+
+    #[test]
+    fn top_k_and_top_p_and_min_p_restrict_the_support() {
+        let logits = [5.0, 4.0, 3.0, 0.0, -2.0];
+        let mut seen = [false; 5];
+        let mut s = Sampler::new(params(1.0, 2, 1.0, 0.0, 1));
+        (0..500).for_each(|_| seen[s.sample(&logits) as usize] = true);
+        assert_eq!(seen, [true, true, false, false, false]);
+
+        // p ≈ [0.66, 0.24, 0.09, ...]: top_p 0.8 keeps the first two.
+        let mut seen = [false; 5];
+        let mut s = Sampler::new(params(1.0, 0, 0.8, 0.0, 2));
+        (0..500).for_each(|_| seen[s.sample(&logits) as usize] = true);
+        assert_eq!(seen, [true, true, false, false, false]);
+
+        // min_p 0.2: 0.09 / 0.66 < 0.2 drops the third.
+        let mut seen = [false; 5];
+        let mut s = Sampler::new(params(1.0, 0, 1.0, 0.2, 3));
+        (0..500).for_each(|_| seen[s.sample(&logits) as usize] = true);
+        assert_eq!(seen, [true, true, false, false, false]);
+    }
+
+    #[test]
+    fn sampling_follows_the_distribution() {
+        // Two tokens with p = 0.75 / 0.25 at temperature 1.
+        let logits = [3f32.ln(), 0.0];
+        let mut s = Sampler::new(params(1.0, 0, 1.0, 0.0, 42));
+        let ones = (0..20_000).filter(|_| s.sample(&logits) == 1).count();
+        assert!((4_500..5_500).contains(&ones), "{ones}");
+    }
+}

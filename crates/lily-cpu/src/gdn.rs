@@ -1,0 +1,119 @@
+//! The Gated DeltaNet layer (spec §2.5): projections, causal depthwise conv over q|k|v, L2 norms,
+//! gates, the delta rule per value head, gated RMSNorm, output projection.
+
+use lily_core::config::ModelConfig;
+use lily_core::weights::GdnWeights;
+use rayon::prelude::*;
+
+use crate::delta_rule::{self, HeadInputs};
+use crate::ops::{inv_rms, l2_normalize, matmul, sigmoid, silu, softplus};
+use crate::state::GdnState;
+
+/// Which form of the delta rule a prefill uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GdnForm {
+    /// Token by token, as decode runs.
+    Recurrent,
+    /// 64-token WY chunks, as a GPU prefill runs.
+    Chunked,
+}
+
+/// The chunk length of the WY form (HF, FLA and llama.cpp all use 64).
+pub const GDN_CHUNK: usize = 64;
+
+/// Eps of the q/k L2 norms (inside the root).
+const L2_EPS: f32 = 1e-6;
+
+pub fn gated_delta_net(
+    c: &ModelConfig,
+    w: &GdnWeights,
+    x: &[f32],
+    rows: usize,
+    state: &mut GdnState,
+    form: GdnForm,
+) -> Vec<f32> {
+    let (nk, nv) = (c.linear_num_key_heads, c.linear_num_value_heads);
+    let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+    let (key_dim, conv_dim, kernel) = (c.gdn_key_dim(), c.gdn_conv_dim(), c.conv_kernel);
+
+    let mixed = matmul(x, rows, &w.in_proj_qkv);
+    let z = matmul(x, rows, &w.in_proj_z);
+    let b = matmul(x, rows, &w.in_proj_b);
+    let a = matmul(x, rows, &w.in_proj_a);
+
+    // Causal conv: the window is the cached pre-conv rows followed by this chunk's rows.
+    let mut window = std::mem::take(&mut state.conv);
+    window.extend_from_slice(&mixed);
+    let mut conv = vec![0f32; rows * conv_dim];
+    conv.par_chunks_mut(conv_dim)
+        .enumerate()
+        .for_each(|(t, out)| {
+            for (ch, o) in out.iter_mut().enumerate() {
+                let taps = &w.conv1d.data[ch * kernel..(ch + 1) * kernel];
+                let sum: f32 = (0..kernel)
+                    .map(|j| taps[j] * window[(t + j) * conv_dim + ch])
+                    .sum();
+                *o = silu(sum);
+            }
+        });
+    state.conv = window[rows * conv_dim..].to_vec();
+
+    // Per value head: gather q/k (of its key head) and v, normalise, and compute the gates.
+    let ratio = nv / nk;
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    let mut out = vec![0f32; rows * nv * dv];
+    let mut per_head: Vec<Vec<f32>> = vec![vec![0f32; rows * dv]; nv];
+    per_head
+        .par_iter_mut()
+        .zip(state.recurrent.par_chunks_mut(dk * dv))
+        .enumerate()
+        .for_each(|(j, (o, s))| {
+            let kh = j / ratio;
+            let (mut q, mut k, mut v) = (
+                Vec::with_capacity(rows * dk),
+                Vec::with_capacity(rows * dk),
+                Vec::new(),
+            );
+            let (mut beta, mut g) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
+            let a_rate = w.a_log[j].exp();
+            for t in 0..rows {
+                let row = &conv[t * conv_dim..(t + 1) * conv_dim];
+                let mut qt = row[kh * dk..(kh + 1) * dk].to_vec();
+                let mut kt = row[key_dim + kh * dk..key_dim + (kh + 1) * dk].to_vec();
+                l2_normalize(&mut qt, L2_EPS);
+                l2_normalize(&mut kt, L2_EPS);
+                q.extend(qt.iter().map(|x| x * q_scale));
+                k.extend(kt);
+                v.extend_from_slice(&row[2 * key_dim + j * dv..2 * key_dim + (j + 1) * dv]);
+                beta.push(sigmoid(b[t * nv + j]));
+                g.push(-a_rate * softplus(a[t * nv + j] + w.dt_bias[j]));
+            }
+            let inputs = HeadInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                beta: &beta,
+                g: &g,
+                dk,
+                dv,
+            };
+            match form {
+                GdnForm::Recurrent => delta_rule::recurrent(&inputs, s, o),
+                GdnForm::Chunked => delta_rule::chunked(&inputs, GDN_CHUNK, s, o),
+            }
+        });
+
+    // Gated RMSNorm per value head: normalise, scale by the plain weight, gate with silu(z).
+    for t in 0..rows {
+        for j in 0..nv {
+            let o = &per_head[j][t * dv..(t + 1) * dv];
+            let inv = inv_rms(o, c.rms_norm_eps);
+            let zt = &z[(t * nv + j) * dv..(t * nv + j + 1) * dv];
+            let dst = &mut out[(t * nv + j) * dv..(t * nv + j + 1) * dv];
+            for i in 0..dv {
+                dst[i] = o[i] * inv * w.norm[i] * silu(zt[i]);
+            }
+        }
+    }
+    matmul(&out, rows, &w.out_proj)
+}

@@ -1,0 +1,66 @@
+//! Per-sequence state on the CPU: a KV cache per attention layer, a conv window and a recurrent
+//! matrix per Gated DeltaNet layer, and the number of tokens consumed.
+
+use lily_core::config::{LayerKind, ModelConfig};
+
+#[derive(Clone, Debug)]
+pub struct CpuState {
+    pub(crate) len: usize,
+    pub(crate) max_seq: usize,
+    pub(crate) layers: Vec<LayerState>,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) enum LayerState {
+    Attention(KvCache),
+    GatedDeltaNet(GdnState),
+}
+
+/// Keys (after q/k norm and RoPE) and values, `[position, kv_head, head_dim]`.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct KvCache {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct GdnState {
+    /// The last `kernel - 1` pre-conv q|k|v rows, oldest first: `[kernel - 1, conv_dim]`.
+    pub conv: Vec<f32>,
+    /// Per value head, `S[key_dim][value_dim]`, fp32.
+    pub recurrent: Vec<f32>,
+}
+
+impl CpuState {
+    pub(crate) fn new(c: &ModelConfig, max_seq: usize) -> Self {
+        let layers = c
+            .layer_kinds
+            .iter()
+            .map(|kind| match kind {
+                LayerKind::Attention => LayerState::Attention(KvCache::default()),
+                LayerKind::GatedDeltaNet => LayerState::GatedDeltaNet(GdnState {
+                    conv: vec![0.0; (c.conv_kernel - 1) * c.gdn_conv_dim()],
+                    recurrent: vec![
+                        0.0;
+                        c.linear_num_value_heads
+                            * c.linear_key_head_dim
+                            * c.linear_value_head_dim
+                    ],
+                }),
+            })
+            .collect();
+        CpuState {
+            len: 0,
+            max_seq,
+            layers,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}

@@ -1,0 +1,200 @@
+//! `lily bench`: the protocol of design.md. Prefill from an empty state (time to the first
+//! sampled token) and decode (64 greedy steps after a prefill to the context length), each a
+//! warm-up run then the median of `--runs`, on a pseudo-random token sequence fixed by seed.
+//! Decode is also reported against its memory-bandwidth ceiling.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, ensure};
+use lily_core::backend::{Backend, LogitRows};
+use lily_core::generate::prefill;
+use lily_core::rng::Rng;
+use lily_core::sampling::{Sampler, SamplingParams};
+use rayon::prelude::*;
+
+use crate::device::{Device, load_cpu};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A checkpoint directory or synthetic:NAME.
+    #[arg(long)]
+    model: String,
+    /// Prompt lengths for prefill (the protocol's full list is
+    /// 256,512,1024,2048,4096,8192,16384,32768,65536,131072; the CPU default is shorter).
+    #[arg(long, value_delimiter = ',', default_value = "256,512,1024")]
+    prompt_lens: Vec<usize>,
+    /// Context lengths for decode.
+    #[arg(long, value_delimiter = ',', default_value = "256,1024")]
+    contexts: Vec<usize>,
+    /// Greedy steps timed per decode sample.
+    #[arg(long, default_value_t = 64)]
+    decode_steps: usize,
+    /// Timed runs per figure (after one warm-up); the median is reported.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Also write every sample and the run's metadata as JSON.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    device: Device,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    ensure!(args.runs >= 1, "--runs must be at least 1");
+    ensure!(args.decode_steps >= 1, "--decode-steps must be at least 1");
+    let backend = load_cpu(&args.model, args.device)?;
+    let c = backend.config().clone();
+    let longest = args
+        .prompt_lens
+        .iter()
+        .chain(&args.contexts)
+        .max()
+        .copied()
+        .unwrap_or(1);
+    ensure!(
+        longest + args.decode_steps <= c.max_position_embeddings,
+        "benchmark length {} exceeds the model's context of {}",
+        longest + args.decode_steps,
+        c.max_position_embeddings
+    );
+    let mut rng = Rng::new(args.seed);
+    let tokens: Vec<u32> = (0..longest)
+        .map(|_| (rng.next_u64() % c.vocab_size as u64) as u32)
+        .collect();
+
+    let bandwidth = measure_copy_bandwidth();
+    let bytes_per_token = |ctx: usize| {
+        // f32 weights read once per token, the recurrent state read and written, the KV read.
+        (c.param_count().active * 4
+            + 2 * c.recurrent_state_bytes()
+            + c.kv_bytes_per_token(4) * ctx as u64) as f64
+    };
+
+    let mut rows = Vec::new();
+    for &len in &args.prompt_lens {
+        let samples = timed(args.runs, || {
+            let mut state = backend.new_state(len + 1)?;
+            let mut sampler = Sampler::new(SamplingParams::greedy());
+            let start = Instant::now();
+            let logits = prefill(&backend, &mut state, &tokens[..len], LogitRows::Last)?;
+            sampler.sample(&logits);
+            Ok(len as f64 / start.elapsed().as_secs_f64())
+        })?;
+        eprintln!("prefill {len}: {:.1} tok/s", median(&samples));
+        rows.push(Row {
+            kind: "prefill",
+            length: len,
+            samples,
+            ceiling: None,
+        });
+    }
+    for &ctx in &args.contexts {
+        let samples = timed(args.runs, || {
+            let mut state = backend.new_state(ctx + args.decode_steps + 1)?;
+            let mut sampler = Sampler::new(SamplingParams::greedy());
+            let logits = prefill(&backend, &mut state, &tokens[..ctx], LogitRows::Last)?;
+            let mut token = sampler.sample(&logits);
+            let start = Instant::now();
+            for _ in 0..args.decode_steps {
+                token = backend.decode_sample(&mut state, token, &mut sampler)?;
+            }
+            Ok(args.decode_steps as f64 / start.elapsed().as_secs_f64())
+        })?;
+        eprintln!("decode at {ctx}: {:.1} tok/s", median(&samples));
+        let ceiling = bandwidth / bytes_per_token(ctx);
+        rows.push(Row {
+            kind: "decode",
+            length: ctx,
+            samples,
+            ceiling: Some(ceiling),
+        });
+    }
+
+    let commit = env!("LILY_COMMIT");
+    println!(
+        "lily bench  model {}  device {}  commit {commit}",
+        args.model,
+        backend.device_name()
+    );
+    println!(
+        "host copy bandwidth {:.1} GB/s (read + write)\n",
+        bandwidth / 1e9
+    );
+    println!(
+        "| phase | tokens | tok/s (median of {}) | ceiling tok/s | % of ceiling |",
+        args.runs
+    );
+    println!("|---|---:|---:|---:|---:|");
+    for r in &rows {
+        let m = median(&r.samples);
+        let (ceil, pct) = match r.ceiling {
+            Some(cl) => (format!("{cl:.1}"), format!("{:.0} %", 100.0 * m / cl)),
+            None => ("—".into(), "—".into()),
+        };
+        println!("| {} | {} | {m:.1} | {ceil} | {pct} |", r.kind, r.length);
+    }
+    if let Some(path) = &args.json {
+        let record = serde_json::json!({
+            "commit": commit,
+            "model": args.model,
+            "device": backend.device_name(),
+            "cpu": cpu_model(),
+            "host_copy_bandwidth_bytes_per_s": bandwidth,
+            "decode_steps": args.decode_steps,
+            "seed": args.seed,
+            "results": rows.iter().map(|r| serde_json::json!({
+                "phase": r.kind, "tokens": r.length, "median_tok_s": median(&r.samples),
+                "samples_tok_s": r.samples, "ceiling_tok_s": r.ceiling,
+            })).collect::<Vec<_>>(),
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&record)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
+
+struct Row {
+    kind: &'static str,
+    length: usize,
+    samples: Vec<f64>,
+    ceiling: Option<f64>,
+}
+
+/// One warm-up, then `runs` timed samples.
+fn timed(runs: usize, mut f: impl FnMut() -> Result<f64>) -> Result<Vec<f64>> {
+    f()?;
+    (0..runs).map(|_| f()).collect()
+}
+
+fn median(samples: &[f64]) -> f64 {
+    let mut s = samples.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+/// Best of five parallel copies of 256 MiB, counting bytes read plus written.
+fn measure_copy_bandwidth() -> f64 {
+    let n = 64 << 20;
+    let src = vec![1f32; n];
+    let mut dst = vec![0f32; n];
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let start = Instant::now();
+        dst.par_chunks_mut(1 << 16)
+            .zip(src.par_chunks(1 << 16))
+            .for_each(|(d, s)| d.copy_from_slice(s));
+        let secs = start.elapsed().as_secs_f64();
+        best = best.max(2.0 * (n * 4) as f64 / secs);
+    }
+    std::hint::black_box(&dst);
+    best
+}
+
+fn cpu_model() -> Option<String> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("model name"))?;
+    Some(line.split(':').nth(1)?.trim().to_string())
+}

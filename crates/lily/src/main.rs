@@ -1,0 +1,49 @@
+//! `lily`: the command-line front end (the contract is in design.md).
+
+mod cmd;
+mod device;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "lily",
+    version,
+    about = "A specialised inference engine for Qwen3.6-35B-A3B"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of a prompt.
+    Generate(cmd::generate::Args),
+    /// Teacher-forced scoring: logits and log-probabilities of a token sequence.
+    Score(cmd::score::Args),
+    /// Describe a model: config, parameter count, memory needed.
+    Inspect(cmd::inspect::Args),
+    /// Measure prefill and decode speed (design.md, benchmark protocol).
+    Bench(cmd::bench::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => cmd::generate::run(args),
+        Command::Score(args) => cmd::score::run(args),
+        Command::Inspect(args) => cmd::inspect::run(args),
+        Command::Bench(args) => cmd::bench::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line: the context chain joined with ": ".
+            eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+            ExitCode::FAILURE
+        }
+    }
+}
