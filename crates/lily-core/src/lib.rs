@@ -8,6 +8,7 @@ pub mod generate;
 pub mod model_ref;
 pub mod npy;
 pub mod plan;
+pub mod quant;
 pub mod rng;
 pub mod safetensors_write;
 pub mod sampling;
