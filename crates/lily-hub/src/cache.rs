@@ -212,7 +212,9 @@ mod tests {
         }
         // Replacing a link points it at the new blob.
         std::fs::write(repo.blob_path("5678"), b"blob two").unwrap();
-        let link = repo.link_snapshot_file(&commit, "top.json", "5678").unwrap();
+        let link = repo
+            .link_snapshot_file(&commit, "top.json", "5678")
+            .unwrap();
         assert_eq!(std::fs::read(link).unwrap(), b"blob two");
     }
 

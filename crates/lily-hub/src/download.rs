@@ -176,9 +176,7 @@ impl FileJob<'_> {
             revision: self.commit,
             file: name,
         };
-        let (response, hub) = self
-            .client
-            .get(&url, (have > 0).then_some(have), subject)?;
+        let (response, hub) = self.client.get(&url, (have > 0).then_some(have), subject)?;
         if let Some(commit) = hub.commit.filter(|c| c != self.commit) {
             return Err(HubError::BadMetadata(format!(
                 "{url} served commit {commit}, not the requested {}",

@@ -5,7 +5,9 @@ use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HubError {
-    #[error("{0:?} is not a Hub repository id: expected ORG/NAME, e.g. mlx-community/Qwen3.6-35B-A3B-4bit")]
+    #[error(
+        "{0:?} is not a Hub repository id: expected ORG/NAME, e.g. mlx-community/Qwen3.6-35B-A3B-4bit"
+    )]
     InvalidRepoId(String),
 
     #[error("{0:?} is not a valid revision (a branch, a tag or a commit hash)")]

@@ -200,7 +200,9 @@ impl HubClient {
                     message
                 },
             },
-            ("RepoNotFound", _, _) | ("", 401 | 404, _) => HubError::RepoNotFound { repo, endpoint },
+            ("RepoNotFound", _, _) | ("", 401 | 404, _) => {
+                HubError::RepoNotFound { repo, endpoint }
+            }
             _ => HubError::Status {
                 url: url.to_string(),
                 status,

@@ -65,7 +65,10 @@ impl RepoInfo {
             .filter(|s| is_commit_hash(s))
             .ok_or_else(|| bad("the repository description has no commit hash".to_string()))?;
         // `gated` is false, or the kind of gate ("auto", "manual").
-        let gated = !matches!(raw.gated, serde_json::Value::Null | serde_json::Value::Bool(false));
+        let gated = !matches!(
+            raw.gated,
+            serde_json::Value::Null | serde_json::Value::Bool(false)
+        );
         let mut files = Vec::with_capacity(raw.siblings.len());
         for s in raw.siblings {
             check_repo_path(&s.rfilename)?;
@@ -93,7 +96,10 @@ impl RepoInfo {
                     (Checksum::GitBlobSha1(hash.clone()), hash)
                 }
                 (None, None) => {
-                    return Err(bad(format!("{} has neither an LFS hash nor a blob id", s.rfilename)));
+                    return Err(bad(format!(
+                        "{} has neither an LFS hash nor a blob id",
+                        s.rfilename
+                    )));
                 }
             };
             files.push(RepoFile {
@@ -153,7 +159,10 @@ mod tests {
         assert!(info.gated);
         assert_eq!(info.total_bytes(), 13);
         assert_eq!(info.files[0].path, "config.json");
-        assert_eq!(info.files[0].checksum, Checksum::GitBlobSha1("c".repeat(40)));
+        assert_eq!(
+            info.files[0].checksum,
+            Checksum::GitBlobSha1("c".repeat(40))
+        );
         assert_eq!(info.files[1].etag, "a".repeat(64));
         assert_eq!(info.files[1].checksum, Checksum::Sha256("a".repeat(64)));
         let open = RepoInfo::from_json(json!({"sha": COMMIT, "gated": false, "siblings": []}));
@@ -177,7 +186,10 @@ mod tests {
                 {"rfilename": "a", "size": 1, "blobId": blob}]}),
         ] {
             assert!(
-                matches!(RepoInfo::from_json(bad.clone()), Err(HubError::BadMetadata(_))),
+                matches!(
+                    RepoInfo::from_json(bad.clone()),
+                    Err(HubError::BadMetadata(_))
+                ),
                 "accepted {bad}"
             );
         }

@@ -73,7 +73,9 @@ impl Revision {
             || text.len() > 255
             || text.contains('\\')
             || text.chars().any(char::is_control)
-            || text.split('/').any(|c| c.is_empty() || c == "." || c == "..")
+            || text
+                .split('/')
+                .any(|c| c.is_empty() || c == "." || c == "..")
         {
             return Err(HubError::InvalidRevision(text.to_string()));
         }
@@ -109,7 +111,9 @@ pub fn check_repo_path(path: &str) -> Result<(), HubError> {
         || path.len() > 1024
         || path.contains('\\')
         || path.chars().any(char::is_control)
-        || path.split('/').any(|c| c.is_empty() || c == "." || c == "..")
+        || path
+            .split('/')
+            .any(|c| c.is_empty() || c == "." || c == "..")
     {
         return Err(HubError::BadMetadata(format!(
             "{path:?} is not a safe relative file path"
@@ -154,18 +158,13 @@ mod tests {
     fn repo_ids_follow_the_hub_rules() {
         let id = RepoId::parse("mlx-community/Qwen3.6-35B-A3B-4bit").unwrap();
         assert_eq!(id.to_string(), "mlx-community/Qwen3.6-35B-A3B-4bit");
-        assert_eq!(id.cache_folder(), "models--mlx-community--Qwen3.6-35B-A3B-4bit");
+        assert_eq!(
+            id.cache_folder(),
+            "models--mlx-community--Qwen3.6-35B-A3B-4bit"
+        );
         for bad in [
-            "Qwen",
-            "a/b/c",
-            "../etc",
-            "org/..",
-            "org/-x",
-            "org/x.",
-            "org/a--b",
-            "org/a b",
-            "/name",
-            "org/",
+            "Qwen", "a/b/c", "../etc", "org/..", "org/-x", "org/x.", "org/a--b", "org/a b",
+            "/name", "org/",
         ] {
             assert!(RepoId::parse(bad).is_err(), "{bad} was accepted");
         }

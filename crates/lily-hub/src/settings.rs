@@ -62,8 +62,9 @@ impl HubSettings {
                 .map(|t| t.trim().to_string())
                 .filter(|t| !t.is_empty())
         });
-        let offline = var("HF_HUB_OFFLINE")
-            .is_some_and(|v| matches!(v.to_ascii_lowercase().as_str(), "1" | "on" | "yes" | "true"));
+        let offline = var("HF_HUB_OFFLINE").is_some_and(|v| {
+            matches!(v.to_ascii_lowercase().as_str(), "1" | "on" | "yes" | "true")
+        });
         let endpoint = var("HF_ENDPOINT").unwrap_or_else(|| DEFAULT_ENDPOINT.to_string());
         Ok(HubSettings {
             endpoint: endpoint.trim_end_matches('/').to_string(),
