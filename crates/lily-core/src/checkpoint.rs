@@ -6,6 +6,11 @@
 //! asks for `layers.3.self_attn.q_proj.weight` whatever wrote the file. Tensors that belong to
 //! parts we do not run (vision tower, MTP head) are set aside; every other tensor must be taken
 //! by the loader, and [`Checkpoint::finish`] fails naming any that were not.
+//!
+//! MLX checkpoints are read as mlx-lm writes them: quantised linears as `weight` (u32 codes),
+//! `scales` and `biases` (bf16), in the format config.json's `quantization` block gives each
+//! module; zero-centred norms already shifted by one (detected as mlx-lm does, from the layout of
+//! the conv taps).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
@@ -15,7 +20,10 @@ use anyhow::{Context, Result, bail, ensure};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
+use crate::mlx::QuantizationConfig;
+use crate::quant::QuantMatrix;
 use crate::source::TensorSource;
+use crate::weights::{Linear, Matrix};
 
 /// One tensor's location inside a mapped shard.
 #[derive(Clone, Debug)]
@@ -36,6 +44,8 @@ pub struct Checkpoint {
     shards: Vec<Mmap>,
     entries: BTreeMap<String, Entry>,
     skipped: usize,
+    quantization: QuantizationConfig,
+    norms_shifted: bool,
 }
 
 /// Prefixes of tensors that the text model does not use.
@@ -68,6 +78,8 @@ impl Checkpoint {
             shards: Vec::new(),
             entries: BTreeMap::new(),
             skipped: 0,
+            quantization: QuantizationConfig::from_dir(dir)?,
+            norms_shifted: false,
         };
         for name in shard_names {
             let path = dir.join(&name);
@@ -86,6 +98,16 @@ impl Checkpoint {
             "{} holds no text-model tensors",
             dir.display()
         );
+        // mlx-lm's own test (qwen3_5.py `sanitize`): HF stores the conv taps as [C, 1, K] and
+        // zero-centred norms as w; after mlx-lm has moved the taps to [C, K, 1] it has also
+        // stored the norms as 1 + w.
+        let mut convs = ckpt
+            .entries
+            .iter()
+            .filter(|(n, _)| n.ends_with("conv1d.weight"))
+            .peekable();
+        ckpt.norms_shifted =
+            convs.peek().is_some() && convs.all(|(_, e)| e.shape.last() == Some(&1));
         Ok(ckpt)
     }
 
@@ -146,6 +168,109 @@ impl Checkpoint {
         self.entries.get(name).map(|e| e.shape.as_slice())
     }
 
+    /// The bytes of a tensor.
+    fn bytes(&self, e: &Entry) -> &[u8] {
+        &self.shards[e.shard][e.start..e.end]
+    }
+
+    /// Takes an MLX-quantised module: u32 codes `[count?, rows, cols·bits/32]` and bf16 scales
+    /// and biases `[count?, rows, cols/group]`, checked against config.json's format for it.
+    fn take_quantised(
+        &mut self,
+        module: &str,
+        count: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Vec<Linear>> {
+        let mut take = |suffix: &str| {
+            let name = format!("{module}.{suffix}");
+            self.entries.remove(&name).with_context(|| {
+                format!(
+                    "checkpoint {} has {module}.scales but no {name}",
+                    self.dir.display()
+                )
+            })
+        };
+        let (w, s, b) = (take("weight")?, take("scales")?, take("biases")?);
+        let lead: Vec<usize> = if count == 1 {
+            vec![rows]
+        } else {
+            vec![count, rows]
+        };
+        for (e, dtype) in [(&w, Dtype::U32), (&s, Dtype::BF16), (&b, Dtype::BF16)] {
+            ensure!(
+                e.dtype == dtype,
+                "tensor {} is {:?}; MLX quantised weights need {dtype:?} here",
+                self.describe(e),
+                e.dtype
+            );
+            ensure!(
+                e.shape.len() == lead.len() + 1 && e.shape[..lead.len()] == lead[..],
+                "tensor {} has shape {:?}, but the config implies {lead:?} rows of {cols} inputs",
+                self.describe(e),
+                e.shape
+            );
+        }
+        ensure!(
+            s.shape == b.shape,
+            "tensors {} and {} differ in shape",
+            self.describe(&s),
+            self.describe(&b)
+        );
+        let (words, groups) = (w.shape[lead.len()], s.shape[lead.len()]);
+        let bits = words * 32 / cols;
+        ensure!(
+            groups > 0 && bits * cols == words * 32 && cols.is_multiple_of(groups),
+            "tensor {} holds {words} code words and {groups} groups per row, which fit no \
+             quantisation of {cols} inputs",
+            self.describe(&w)
+        );
+        let group_size = cols / groups;
+        match self.quantization.for_module(module) {
+            Some(f) if f.bits as usize == bits && f.group_size == group_size => {}
+            Some(f) => bail!(
+                "tensor {} is stored as {bits}-bit codes in groups of {group_size}, but \
+                 config.json's `quantization` says {}-bit in groups of {}",
+                self.describe(&w),
+                f.bits,
+                f.group_size
+            ),
+            None => bail!(
+                "tensor {} is quantised, but config.json's `quantization` does not quantise \
+                 {module}",
+                self.describe(&w)
+            ),
+        }
+        let codes: Vec<u32> = self
+            .bytes(&w)
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        let halves = |e: &Entry| -> Vec<half::bf16> {
+            self.bytes(e)
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]))
+                .collect()
+        };
+        let (scales, biases) = (halves(&s), halves(&b));
+        let (per_w, per_g) = (rows * words, rows * groups);
+        (0..count)
+            .map(|i| {
+                let q = QuantMatrix::from_parts(
+                    rows,
+                    cols,
+                    bits as u32,
+                    group_size,
+                    codes[i * per_w..(i + 1) * per_w].to_vec(),
+                    scales[i * per_g..(i + 1) * per_g].to_vec(),
+                    biases[i * per_g..(i + 1) * per_g].to_vec(),
+                )
+                .with_context(|| format!("tensor {}", self.describe(&w)))?;
+                Ok(Linear::Affine(q))
+            })
+            .collect()
+    }
+
     fn describe(&self, e: &Entry) -> String {
         format!(
             "{:?} in {}",
@@ -174,8 +299,40 @@ impl TensorSource for Checkpoint {
                 shape
             );
         }
-        let bytes = &self.shards[entry.shard][entry.start..entry.end];
-        decode_f32(entry.dtype, bytes).with_context(|| format!("tensor {}", self.describe(&entry)))
+        decode_f32(entry.dtype, self.bytes(&entry))
+            .with_context(|| format!("tensor {}", self.describe(&entry)))
+    }
+
+    fn take_linears(
+        &mut self,
+        module: &str,
+        count: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Vec<Linear>> {
+        if self.entries.contains_key(&format!("{module}.scales")) {
+            return self.take_quantised(module, count, rows, cols);
+        }
+        let weight = format!("{module}.weight");
+        let name = if self.entries.contains_key(&weight) || !self.entries.contains_key(module) {
+            weight
+        } else {
+            module.to_string()
+        };
+        let shape = if count == 1 {
+            vec![rows, cols]
+        } else {
+            vec![count, rows, cols]
+        };
+        let data = self.take_f32(&name, &shape)?;
+        let matrix = |data| Linear::Dense(Matrix { rows, cols, data });
+        if count == 1 {
+            return Ok(vec![matrix(data)]);
+        }
+        Ok(data
+            .chunks_exact(rows * cols)
+            .map(|d| matrix(d.to_vec()))
+            .collect())
     }
 
     fn finish(self: Box<Self>) -> Result<()> {
@@ -196,7 +353,7 @@ impl TensorSource for Checkpoint {
     }
 
     fn norms_are_shifted(&self) -> bool {
-        false
+        self.norms_shifted
     }
 }
 

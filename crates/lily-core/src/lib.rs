@@ -5,6 +5,7 @@ pub mod backend;
 pub mod checkpoint;
 pub mod config;
 pub mod generate;
+pub mod mlx;
 pub mod model_ref;
 pub mod npy;
 pub mod plan;

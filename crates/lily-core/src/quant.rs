@@ -216,11 +216,7 @@ impl QuantMatrix {
 
     /// Splits after row `at` (a fused gate|up expert stack into its two halves).
     pub fn split_rows(mut self, at: usize) -> Result<(QuantMatrix, QuantMatrix)> {
-        ensure!(
-            at <= self.rows,
-            "cannot split {} rows at {at}",
-            self.rows
-        );
+        ensure!(at <= self.rows, "cannot split {} rows at {at}", self.rows);
         let codes = self.codes.split_off(at * self.words_per_row());
         let scales = self.scales.split_off(at * self.groups_per_row());
         let biases = self.biases.split_off(at * self.groups_per_row());

@@ -4,13 +4,36 @@
 //! They stand in for the real weights, which cannot be downloaded here, in benchmarks and server
 //! tests. Magnitudes are set per tensor role so that activations stay O(1) through every layer
 //! and the router's softmax is neither uniform nor one-hot.
+//!
+//! Linear weights are made directly in the runtime format, MLX affine (group 64; 8 bits for the
+//! router and shared-expert gate, 4 for the rest, as mlx-lm chooses), never by quantising f32
+//! values, so the 35 B model is made in seconds and a GPU can make the same bytes on the device.
+//! With `key(T) = key_of(T) ^ seed·0x2545F4914F6CDD1D` (wrapping) for a tensor name `T`, a
+//! quantised module `M` (canonical name, e.g. `layers.0.mlp.switch_mlp.gate_proj`, experts
+//! stacked as in MLX files, indices running over the whole stack) is:
+//!
+//! - code word `j` of `M.weight`: the high 32 bits of `mix64(key(M.weight) ^ mix64(j + φ))`,
+//!   `φ = 0x9E3779B97F4A7C15`: every code uniform over `0..2^bits`;
+//! - scale of group `g`: `bf16(c · (1 + u/4))` with `u = uniform_at(key(M.scales), g)` and the
+//!   f32 constant `c = σ / √((4^bits − 1)/12)` (computed in f64, rounded once), `σ` the role's
+//!   weight deviation: 1/√3 for `embed_tokens`, 3/√cols for the router and `lm_head`, 1/√cols
+//!   otherwise;
+//! - bias of group `g`: `bf16(−scale · (2^bits − 1)/2)` (the rounded scale), so weights centre
+//!   on zero.
+//!
+//! Everything else (norms, conv taps, A_log, dt_bias, and linears whose input dim does not
+//! divide into groups of 64) is f32 from [`uniform_at`] as [`init_for`] says.
 
 use anyhow::{Result, bail};
+use half::bf16;
 use rayon::prelude::*;
 
 use crate::config::{ModelConfig, QWEN36_35B_A3B_CONFIG};
-use crate::rng::{key_of, uniform_at};
+use crate::mlx::mlx_quant_bits;
+use crate::quant::{DEFAULT_GROUP_SIZE, QuantMatrix};
+use crate::rng::{key_of, mix64, uniform_at};
 use crate::source::TensorSource;
+use crate::weights::{Linear, Matrix};
 
 /// A small model with the real vocabulary, so the real tokenizer and template run end to end.
 const TINY_CONFIG: &str = r#"{
@@ -62,6 +85,58 @@ impl SyntheticSource {
     pub fn new(seed: u64) -> Self {
         SyntheticSource { seed }
     }
+
+    fn key(&self, tensor: &str) -> u64 {
+        key_of(tensor) ^ self.seed.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Matrix `index` of the quantised stack `module` (see the module docs).
+    pub fn quantised(
+        &self,
+        module: &str,
+        index: usize,
+        rows: usize,
+        cols: usize,
+        bits: u32,
+    ) -> Result<QuantMatrix> {
+        let group = DEFAULT_GROUP_SIZE;
+        let (words, groups) = (rows * cols * bits as usize / 32, rows * cols / group);
+        let code_key = self.key(&format!("{module}.weight"));
+        let scale_key = self.key(&format!("{module}.scales"));
+        let levels = ((1u64 << (2 * bits)) - 1) as f64 / 12.0;
+        let c = (quantised_sigma(module, cols) / levels.sqrt()) as f32;
+        let middle = ((1u32 << bits) - 1) as f32 / 2.0;
+        let (w0, g0) = (index * words, index * groups);
+        let codes: Vec<u32> = (0..words)
+            .into_par_iter()
+            .map(|j| code_word(code_key, (w0 + j) as u64))
+            .collect();
+        let scales: Vec<bf16> = (0..groups)
+            .into_par_iter()
+            .map(|g| bf16::from_f32(c * (1.0 + 0.25 * uniform_at(scale_key, (g0 + g) as u64))))
+            .collect();
+        let biases = scales
+            .iter()
+            .map(|s| bf16::from_f32(-s.to_f32() * middle))
+            .collect();
+        QuantMatrix::from_parts(rows, cols, bits, group, codes, scales, biases)
+    }
+}
+
+/// Word `index` of a synthetic code stream.
+pub fn code_word(key: u64, index: u64) -> u32 {
+    (mix64(key ^ mix64(index.wrapping_add(0x9e37_79b9_7f4a_7c15))) >> 32) as u32
+}
+
+/// The deviation of a quantised module's weights, by role (as [`init_for`] for f32 weights).
+fn quantised_sigma(module: &str, cols: usize) -> f64 {
+    if module == "embed_tokens" {
+        1.0 / 3f64.sqrt()
+    } else if module.ends_with("mlp.gate") || module == "lm_head" {
+        3.0 / (cols as f64).sqrt()
+    } else {
+        1.0 / (cols as f64).sqrt()
+    }
 }
 
 /// How a tensor's values are drawn, by its role.
@@ -101,12 +176,37 @@ fn init_for(name: &str, shape: &[usize]) -> Init {
 
 impl TensorSource for SyntheticSource {
     fn contains(&self, name: &str) -> bool {
-        // Experts are generated one tensor per expert; fused names do not exist.
-        !name.ends_with("experts.gate_up_proj") && !name.ends_with("experts.down_proj")
+        // Experts are stacked as in MLX files (`switch_mlp`); HF's expert names do not exist.
+        !name.contains(".experts.")
+    }
+
+    fn take_linears(
+        &mut self,
+        module: &str,
+        count: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Vec<Linear>> {
+        if let Some(bits) = mlx_quant_bits(module, cols) {
+            return (0..count)
+                .map(|i| Ok(Linear::Affine(self.quantised(module, i, rows, cols, bits)?)))
+                .collect();
+        }
+        let data = self.take_f32(&format!("{module}.weight"), &[count, rows, cols])?;
+        Ok(data
+            .chunks_exact(rows * cols)
+            .map(|d| {
+                Linear::Dense(Matrix {
+                    rows,
+                    cols,
+                    data: d.to_vec(),
+                })
+            })
+            .collect())
     }
 
     fn take_f32(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
-        let key = key_of(name) ^ self.seed.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        let key = self.key(name);
         let len: usize = shape.iter().product();
         let init = init_for(name, shape);
         let mut out = vec![0f32; len];

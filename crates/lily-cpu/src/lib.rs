@@ -6,6 +6,7 @@ pub mod delta_rule;
 mod gdn;
 mod moe;
 pub mod ops;
+pub mod quant;
 mod state;
 
 use anyhow::{Result, bail, ensure};
@@ -78,9 +79,9 @@ impl CpuBackend {
             );
         }
         let (h, n) = (c.hidden_size, tokens.len());
-        let mut hidden: Vec<f32> = Vec::with_capacity(n * h);
-        for &t in tokens {
-            hidden.extend_from_slice(self.weights.embed_tokens.row(t as usize));
+        let mut hidden = vec![0f32; n * h];
+        for (row, &t) in hidden.chunks_mut(h).zip(tokens) {
+            self.weights.embed_tokens.row_into(t as usize, row);
         }
         if let Some(tr) = trace.as_deref_mut() {
             tr.push(hidden.clone());

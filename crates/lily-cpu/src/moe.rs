@@ -3,8 +3,9 @@
 
 use lily_core::config::ModelConfig;
 use lily_core::weights::{Expert, MoeWeights};
+use rayon::prelude::*;
 
-use crate::ops::{add_in_place, dot, matmul, sigmoid, silu, softmax};
+use crate::ops::{add_in_place, matmul, sigmoid, silu, softmax};
 
 /// The experts chosen for one token and their combine weights.
 #[derive(Clone, Debug, PartialEq)]
@@ -37,28 +38,29 @@ pub fn moe(c: &ModelConfig, w: &MoeWeights, x: &[f32], rows: usize) -> Vec<f32> 
     let routes: Vec<Route> = logits.chunks(c.num_experts).map(|l| route(c, l)).collect();
 
     // Group rows by expert so each expert's weights are read once per chunk, and only the
-    // selected experts are computed.
-    let mut out = vec![0f32; rows * h];
-    for (e, expert) in w.experts.iter().enumerate() {
-        let picked: Vec<(usize, f32)> = routes
-            .iter()
-            .enumerate()
-            .filter_map(|(t, r)| {
-                r.experts
-                    .iter()
-                    .position(|&x| x == e)
-                    .map(|i| (t, r.weights[i]))
-            })
-            .collect();
-        if picked.is_empty() {
-            continue;
+    // selected experts are computed. The experts run in parallel (each product splits its rows
+    // over cores too), so a decode step is two waves of work per layer, not one per expert.
+    let mut picked: Vec<Vec<(usize, f32)>> = vec![Vec::new(); w.experts.len()];
+    for (t, r) in routes.iter().enumerate() {
+        for (&e, &weight) in r.experts.iter().zip(&r.weights) {
+            picked[e].push((t, weight));
         }
-        let gathered: Vec<f32> = picked
-            .iter()
-            .flat_map(|&(t, _)| x[t * h..(t + 1) * h].iter().copied())
-            .collect();
-        let y = swiglu(expert, &gathered, picked.len());
-        for (i, &(t, weight)) in picked.iter().enumerate() {
+    }
+    let outputs: Vec<(usize, Vec<f32>)> = picked
+        .par_iter()
+        .enumerate()
+        .filter(|(_, p)| !p.is_empty())
+        .map(|(e, p)| {
+            let gathered: Vec<f32> = p
+                .iter()
+                .flat_map(|&(t, _)| x[t * h..(t + 1) * h].iter().copied())
+                .collect();
+            (e, swiglu(&w.experts[e], &gathered, p.len()))
+        })
+        .collect();
+    let mut out = vec![0f32; rows * h];
+    for (e, y) in outputs {
+        for (i, &(t, weight)) in picked[e].iter().enumerate() {
             let dst = &mut out[t * h..(t + 1) * h];
             dst.iter_mut()
                 .zip(&y[i * h..(i + 1) * h])
@@ -67,8 +69,9 @@ pub fn moe(c: &ModelConfig, w: &MoeWeights, x: &[f32], rows: usize) -> Vec<f32> 
     }
 
     let shared = swiglu(&w.shared_expert, x, rows);
+    let gates = matmul(x, rows, &w.shared_expert_gate);
     for t in 0..rows {
-        let gate = sigmoid(dot(&x[t * h..(t + 1) * h], &w.shared_expert_gate));
+        let gate = sigmoid(gates[t]);
         let scaled: Vec<f32> = shared[t * h..(t + 1) * h]
             .iter()
             .map(|v| gate * v)

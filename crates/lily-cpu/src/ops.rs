@@ -1,10 +1,20 @@
 //! Dense f32 building blocks. Written for clarity; rayon spreads the matrix products over cores.
 
-use lily_core::weights::Matrix;
+use lily_core::weights::{Linear, Matrix};
 use rayon::prelude::*;
 
-/// `x · Wᵀ` for `x` of `rows` rows: returns `[rows, w.rows]`.
-pub fn matmul(x: &[f32], rows: usize, w: &Matrix) -> Vec<f32> {
+use crate::quant::quant_matmul;
+
+/// `x · Wᵀ` for `x` of `rows` rows: returns `[rows, w.rows()]`, dense or quantised.
+pub fn matmul(x: &[f32], rows: usize, w: &Linear) -> Vec<f32> {
+    match w {
+        Linear::Dense(m) => dense_matmul(x, rows, m),
+        Linear::Affine(q) => quant_matmul(x, rows, q),
+    }
+}
+
+/// `x · Wᵀ` for a dense f32 `W`.
+pub fn dense_matmul(x: &[f32], rows: usize, w: &Matrix) -> Vec<f32> {
     debug_assert_eq!(x.len(), rows * w.cols);
     let (n, k) = (w.rows, w.cols);
     // Each task owns a block of weight rows and reads it once for every input row, so a weight
@@ -117,7 +127,7 @@ mod tests {
                 cols: k,
                 data: (0..n * k).map(|i| (i as f32 * 0.11).cos()).collect(),
             };
-            let y = matmul(&x, rows, &w);
+            let y = dense_matmul(&x, rows, &w);
             for r in 0..rows {
                 for j in 0..n {
                     let want: f32 = (0..k).map(|i| x[r * k + i] * w.data[j * k + i]).sum();

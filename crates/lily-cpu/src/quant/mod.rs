@@ -1,0 +1,125 @@
+//! Products with MLX affine-quantised weights: `x · Wᵀ` for a few rows of `x` (decode, and the
+//! experts' share of a prefill), dequantising inside the dot product so each weight byte is read
+//! once per call and no f32 copy of `W` is ever made.
+//!
+//! Three kernels compute the same thing: a portable one (the readable definition), AVX2+FMA and
+//! AVX-512F, chosen once at run time from what the CPU reports. The SIMD kernels widen codes with
+//! `vpmovzxbd`, which puts the two nibbles of a byte in one 32-bit lane; to keep the input rows
+//! contiguous for the loads, 4-bit products first permute each 32-column block of `x` into
+//! "nibble order" (the 16 even columns, then the 16 odd ones). Each weight row's dot products
+//! with up to four input rows share one pass over its codes.
+
+mod avx2;
+mod avx512;
+mod portable;
+
+use std::sync::OnceLock;
+
+use lily_core::quant::QuantMatrix;
+use rayon::prelude::*;
+
+/// The instruction sets a kernel can use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Portable,
+    Avx2,
+    Avx512,
+}
+
+impl Isa {
+    /// The best kernel this CPU runs.
+    pub fn detect() -> Isa {
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| Isa::available().into_iter().last().unwrap_or(Isa::Portable))
+    }
+
+    /// Every kernel this CPU can run, portable first.
+    pub fn available() -> Vec<Isa> {
+        let mut isas = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                isas.push(Isa::Avx2);
+            }
+            if is_x86_feature_detected!("avx512f") {
+                isas.push(Isa::Avx512);
+            }
+        }
+        isas
+    }
+
+    /// Whether the kernel reads 4-bit inputs in nibble order.
+    fn nibble_order(self, bits: u32) -> bool {
+        bits == 4 && self != Isa::Portable
+    }
+}
+
+/// Input rows handled per pass over a weight row.
+pub(crate) const MAX_ROWS_PER_PASS: usize = 4;
+
+/// `x · Wᵀ` for `x` of `rows` rows: returns `[rows, w.rows()]`, with the best kernel.
+pub fn quant_matmul(x: &[f32], rows: usize, w: &QuantMatrix) -> Vec<f32> {
+    quant_matmul_with(Isa::detect(), x, rows, w)
+}
+
+/// `x · Wᵀ` with a chosen kernel; panics if this CPU cannot run it.
+pub fn quant_matmul_with(isa: Isa, x: &[f32], rows: usize, w: &QuantMatrix) -> Vec<f32> {
+    assert!(Isa::available().contains(&isa), "{isa:?} is not available");
+    assert_eq!(x.len(), rows * w.cols(), "input shape");
+    let xs = if isa.nibble_order(w.bits()) {
+        x.chunks(32).flat_map(nibble_order).collect()
+    } else {
+        x.to_vec()
+    };
+    let n = w.rows();
+    // Tasks of at least 32 weight rows (tens of KB) keep rayon's overhead small next to the
+    // memory traffic, yet split a 512-row expert matrix over many cores.
+    let per_task = n.div_ceil(rayon::current_num_threads() * 4).max(32);
+    let mut out_t = vec![0f32; n * rows];
+    out_t
+        .par_chunks_mut(per_task * rows)
+        .enumerate()
+        .for_each(|(task, chunk)| {
+            for (j, out) in chunk.chunks_mut(rows).enumerate() {
+                dot_rows(isa, w, task * per_task + j, &xs, out);
+            }
+        });
+    if rows == 1 {
+        return out_t;
+    }
+    let mut out = vec![0f32; rows * n];
+    for j in 0..n {
+        for r in 0..rows {
+            out[r * n + j] = out_t[j * rows + r];
+        }
+    }
+    out
+}
+
+/// `out[i] = W[row] · x_i` for every input row of `xs` (in the kernel's order).
+fn dot_rows(isa: Isa, w: &QuantMatrix, row: usize, xs: &[f32], out: &mut [f32]) {
+    match isa {
+        Isa::Portable => portable::dot_rows(w, row, xs, out),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `quant_matmul_with` checked that the CPU has AVX2 and FMA.
+        Isa::Avx2 => unsafe { avx2::dot_rows(w, row, xs, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `quant_matmul_with` checked that the CPU has AVX-512F.
+        Isa::Avx512 => unsafe { avx512::dot_rows(w, row, xs, out) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => unreachable!("only the portable kernel exists off x86_64"),
+    }
+}
+
+/// One 32-column block in nibble order: even columns, then odd ones.
+fn nibble_order(block: &[f32]) -> [f32; 32] {
+    let mut out = [0f32; 32];
+    for i in 0..16 {
+        out[i] = block[2 * i];
+        out[16 + i] = block[2 * i + 1];
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,83 @@
+//! Every kernel this CPU runs against dequantise-then-f32-product, and the SIMD kernels against
+//! the portable one, at shapes that leave partial passes and odd task splits.
+
+use lily_core::quant::QuantMatrix;
+use lily_core::rng::uniform_at;
+use lily_core::weights::Matrix;
+
+use super::*;
+use crate::ops::dense_matmul;
+
+fn random_matrix(rows: usize, cols: usize, bits: u32, group: usize, seed: u64) -> QuantMatrix {
+    // Per-row magnitudes differ so the scales and biases differ between groups and rows.
+    let values: Vec<f32> = (0..rows * cols)
+        .map(|i| uniform_at(seed, i as u64) * (1.0 + (i / cols % 7) as f32))
+        .collect();
+    QuantMatrix::quantize(rows, cols, bits, group, &values).unwrap()
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f32 {
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+    assert!(scale > 0.0);
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+#[test]
+fn every_kernel_equals_dequantise_then_multiply() {
+    let isas = Isa::available();
+    eprintln!(
+        "kernels tested on this CPU: {isas:?}; best: {:?}{}",
+        Isa::detect(),
+        if isas.contains(&Isa::Avx512) {
+            ""
+        } else {
+            " (no AVX-512 here: that kernel is checked at start-up on machines that have it)"
+        }
+    );
+    let shapes = [
+        // (weight rows, cols, bits, group, input rows)
+        (1, 64, 4, 64, 1),
+        (37, 128, 4, 64, 1),
+        (37, 128, 4, 64, 5),
+        (70, 192, 4, 32, 9),
+        (33, 256, 4, 128, 3),
+        (40, 128, 8, 64, 1),
+        (29, 192, 8, 32, 6),
+        (17, 256, 8, 128, 4),
+        (300, 512, 4, 64, 2),
+    ];
+    for (i, &(n, k, bits, group, rows)) in shapes.iter().enumerate() {
+        let w = random_matrix(n, k, bits, group, i as u64);
+        let x: Vec<f32> = (0..rows * k)
+            .map(|j| uniform_at(100 + i as u64, j as u64))
+            .collect();
+        let dense = Matrix {
+            rows: n,
+            cols: k,
+            data: w.dequantize(),
+        };
+        let want = dense_matmul(&x, rows, &dense);
+        let portable = quant_matmul_with(Isa::Portable, &x, rows, &w);
+        for &isa in &isas {
+            let got = quant_matmul_with(isa, &x, rows, &w);
+            assert_eq!(got.len(), rows * n);
+            let d = max_rel(&got, &want);
+            assert!(
+                d < 2e-6,
+                "{isa:?} {n}x{k} {bits}-bit g{group} rows {rows}: {d:e}"
+            );
+            let d = max_rel(&got, &portable);
+            assert!(d < 2e-6, "{isa:?} vs portable, {n}x{k}: {d:e}");
+        }
+    }
+}
+
+#[test]
+fn nibble_order_puts_even_columns_first() {
+    let block: Vec<f32> = (0..32).map(|i| i as f32).collect();
+    let o = nibble_order(&block);
+    assert_eq!(o[..3], [0.0, 2.0, 4.0]);
+    assert_eq!(o[15], 30.0);
+    assert_eq!(o[16..18], [1.0, 3.0]);
+    assert_eq!(o[31], 31.0);
+}

@@ -1,0 +1,109 @@
+//! The CPU backend on a checkpoint converted by mlx-lm (tests/fixtures/tiny-mlx-q4, made by
+//! tools/make_mlx_fixtures.py) against mlx-lm's own f32 logits and greedy tokens on it.
+
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+
+use lily_core::backend::{Backend, LogitRows};
+use lily_core::generate::{generate, prefill};
+use lily_core::model_ref::ModelRef;
+use lily_core::npy;
+use lily_core::sampling::{Sampler, SamplingParams};
+use lily_core::weights::{Linear, ModelWeights};
+use lily_cpu::CpuBackend;
+use serde_json::Value;
+
+fn fixture_dir(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+fn load(name: &str) -> CpuBackend {
+    let (config, source) = ModelRef::Dir(fixture_dir(name)).open().unwrap();
+    let weights = ModelWeights::load(&config, source).unwrap();
+    CpuBackend::new(config, weights)
+}
+
+fn cases() -> Value {
+    let text = std::fs::read_to_string(fixture_dir("tiny-mlx-q4").join("cases.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    assert!(scale > 0.0, "reference is all zeros");
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+#[test]
+fn the_mlx_checkpoint_loads_quantised_as_mlx_lm_stores_it() {
+    let backend = load("tiny-mlx-q4");
+    let w = backend.weights();
+    let bits = |l: &Linear| match l {
+        Linear::Affine(q) => (q.bits(), q.group_size()),
+        Linear::Dense(_) => panic!("a dense weight in an MLX 4-bit checkpoint"),
+    };
+    assert_eq!(bits(&w.embed_tokens), (4, 64));
+    assert_eq!(bits(&w.lm_head), (4, 64));
+    for layer in &w.layers {
+        assert_eq!(bits(&layer.moe.router), (8, 64));
+        assert_eq!(bits(&layer.moe.shared_expert_gate), (8, 64));
+        assert_eq!(bits(&layer.moe.experts[3].down_proj), (4, 64));
+        // mlx-lm stores bf16(1 + w): multipliers near one, not near zero.
+        let mean = layer.input_norm.iter().sum::<f32>() / layer.input_norm.len() as f32;
+        assert!((mean - 1.0).abs() < 0.1, "input norm mean {mean}");
+    }
+}
+
+#[test]
+fn logits_match_mlx_lm() {
+    let c = cases();
+    for chunk in [512, 37] {
+        let backend = load("tiny-mlx-q4").with_max_prefill_chunk(chunk);
+        for seq in c["sequences"].as_array().unwrap() {
+            let tokens = ids(&seq["tokens"]);
+            let file = fixture_dir("tiny-mlx-q4").join(seq["logits"].as_str().unwrap());
+            let (shape, reference) = npy::read_f32(&file).unwrap();
+            assert_eq!(shape, [tokens.len(), backend.config().vocab_size]);
+            let mut state = backend.new_state(tokens.len()).unwrap();
+            let logits = prefill(&backend, &mut state, &tokens, LogitRows::All).unwrap();
+            let d = rel_diff(&logits, &reference);
+            assert!(
+                d <= 1e-3,
+                "{} chunk {chunk}: relative diff {d:e}",
+                seq["name"]
+            );
+        }
+    }
+}
+
+#[test]
+fn greedy_tokens_match_mlx_lm() {
+    let backend = load("tiny-mlx-q4");
+    for case in cases()["greedy"].as_array().unwrap() {
+        let (prompt, expected) = (ids(&case["prompt"]), ids(&case["generated"]));
+        let mut state = backend.new_state(prompt.len() + expected.len()).unwrap();
+        let mut sampler = Sampler::new(SamplingParams::greedy());
+        let out = generate(
+            &backend,
+            &mut state,
+            &prompt,
+            expected.len(),
+            &[],
+            &mut sampler,
+            |_| ControlFlow::Continue(()),
+        )
+        .unwrap();
+        assert_eq!(out.tokens, expected);
+    }
+}
