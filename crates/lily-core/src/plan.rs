@@ -30,16 +30,69 @@ impl TensorGroup {
         self.rows * self.cols * self.count
     }
 
-    /// Bytes per weight in MLX affine format with group 64 and bf16 scale and bias.
-    fn quantised_bytes_per_weight(&self) -> f64 {
+    /// Bytes per weight in MLX affine format with `bits` per quantised weight, `group`
+    /// inputs per bf16 scale and bias; the router and shared gate keep 8 bits, and what is not
+    /// quantised (norms, or rows that do not divide into groups) stays bf16.
+    fn quantised_bytes_per_weight(&self, bits: u32, group: u32) -> f64 {
         let bits = match self.storage {
-            _ if !self.cols.is_multiple_of(64) => return 2.0,
-            Storage::Quantised => 4.0,
+            _ if group == 0 || !self.cols.is_multiple_of(u64::from(group)) => return 2.0,
+            Storage::Quantised => f64::from(bits),
             Storage::Quantised8 => 8.0,
             Storage::Plain => return 2.0,
         };
-        (bits + 32.0 / 64.0) / 8.0
+        (bits + 32.0 / f64::from(group)) / 8.0
     }
+}
+
+/// How a backend holds the weights in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    F32,
+    Bf16,
+    /// MLX affine: `bits` per weight, a bf16 scale and bias per `group_size` inputs.
+    Mlx { bits: u32, group_size: u32 },
+}
+
+impl WeightFormat {
+    /// The runtime format of design.md: MLX affine 4-bit, group 64.
+    pub const MLX_Q4: WeightFormat = WeightFormat::Mlx {
+        bits: 4,
+        group_size: 64,
+    };
+
+    pub fn label(&self) -> String {
+        match self {
+            WeightFormat::F32 => "f32".to_string(),
+            WeightFormat::Bf16 => "bf16".to_string(),
+            WeightFormat::Mlx { bits, group_size } => {
+                format!("MLX {bits}-bit (group {group_size})")
+            }
+        }
+    }
+}
+
+/// How one backend lays out a model and a sequence in its memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryLayout {
+    pub weights: WeightFormat,
+    /// Bytes per KV-cache element.
+    pub kv_elem_bytes: usize,
+    /// Bytes per causal-conv window element (the recurrent state is always f32).
+    pub conv_elem_bytes: usize,
+    /// Working memory beyond weights and state (activations, workspaces).
+    pub scratch_bytes: u64,
+}
+
+/// Memory needed to hold the model and one sequence of `max_seq` tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryNeed {
+    pub weights: u64,
+    pub kv_per_token: u64,
+    pub kv: u64,
+    /// Recurrent and conv state of the Gated DeltaNet layers.
+    pub state: u64,
+    pub scratch: u64,
+    pub total: u64,
 }
 
 /// Parameter counts of the text model (vision tower and MTP head excluded).
@@ -141,14 +194,57 @@ impl ModelConfig {
     pub fn weight_bytes(&self) -> WeightBytes {
         let inv = self.tensor_inventory();
         let total = self.param_count().total;
-        let q4 =
-            |g: &TensorGroup, n: u64| (n as f64 * g.quantised_bytes_per_weight()).round() as u64;
+        let q4 = |g: &TensorGroup, n: u64| {
+            (n as f64 * g.quantised_bytes_per_weight(4, 64)).round() as u64
+        };
         WeightBytes {
             f32: total * 4,
             bf16: total * 2,
             q4: inv.iter().map(|g| q4(g, g.params())).sum(),
             q4_active: inv.iter().map(|g| q4(g, g.rows * g.cols * g.active)).sum(),
         }
+    }
+
+    /// Bytes of all weights held in `format`.
+    pub fn weight_bytes_in(&self, format: WeightFormat) -> u64 {
+        match format {
+            WeightFormat::F32 => self.param_count().total * 4,
+            WeightFormat::Bf16 => self.param_count().total * 2,
+            WeightFormat::Mlx { bits, group_size } => self
+                .tensor_inventory()
+                .iter()
+                .map(|g| {
+                    (g.params() as f64 * g.quantised_bytes_per_weight(bits, group_size)).round()
+                        as u64
+                })
+                .sum(),
+        }
+    }
+
+    /// Memory for the weights and one sequence of `max_seq` tokens laid out as `layout`.
+    pub fn memory_need(&self, layout: &MemoryLayout, max_seq: usize) -> MemoryNeed {
+        let weights = self.weight_bytes_in(layout.weights);
+        let kv_per_token = self.kv_bytes_per_token(layout.kv_elem_bytes);
+        let kv = kv_per_token * max_seq as u64;
+        let state = self.recurrent_state_bytes() + self.conv_state_bytes(layout.conv_elem_bytes);
+        MemoryNeed {
+            weights,
+            kv_per_token,
+            kv,
+            state,
+            scratch: layout.scratch_bytes,
+            total: weights + kv + state + layout.scratch_bytes,
+        }
+    }
+
+    /// The longest context whose memory need fits in `available` bytes, at most the model's
+    /// `max_position_embeddings`; `None` when not even an empty context fits.
+    pub fn longest_context(&self, layout: &MemoryLayout, available: u64) -> Option<usize> {
+        let fixed = self.memory_need(layout, 0).total;
+        let room = available.checked_sub(fixed)?;
+        let per_token = self.kv_bytes_per_token(layout.kv_elem_bytes).max(1);
+        let tokens = usize::try_from(room / per_token).unwrap_or(usize::MAX);
+        Some(tokens.min(self.max_position_embeddings))
     }
 
     /// KV-cache bytes per token of context for an element size (2 for bf16, 4 for f32).
@@ -171,6 +267,7 @@ impl ModelConfig {
 
 #[cfg(test)]
 mod tests {
+    use super::{MemoryLayout, WeightFormat};
     use crate::config::{ModelConfig, QWEN36_35B_A3B_CONFIG};
 
     #[test]
@@ -193,5 +290,54 @@ mod tests {
             "{}",
             bytes.q4_active
         );
+    }
+
+    /// perf.md's figures: 19.5 GB of 4-bit weights, 20 KiB of bf16 KV per token, 60 MiB of
+    /// recurrent state; and its memory target, that 32K of context fits a 24 GB card.
+    #[test]
+    fn the_gpu_memory_plan_matches_perf_md() {
+        let c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
+        let gpu = MemoryLayout {
+            weights: WeightFormat::MLX_Q4,
+            kv_elem_bytes: 2,
+            conv_elem_bytes: 4,
+            scratch_bytes: 2_000_000_000,
+        };
+        let need = c.memory_need(&gpu, 32_768);
+        assert_eq!(need.weights, c.weight_bytes().q4);
+        assert!((need.weights as f64 / 1e9 - 19.5).abs() < 0.05, "{}", need.weights);
+        assert_eq!(need.kv_per_token, 20 * 1024);
+        assert_eq!(need.kv, 20 * 1024 * 32_768);
+        assert_eq!(c.recurrent_state_bytes(), 60 << 20);
+        assert_eq!(need.state, (60 << 20) + c.conv_state_bytes(4));
+        assert_eq!(
+            need.total,
+            need.weights + need.kv + need.state + 2_000_000_000
+        );
+        let card_24gb = 24 << 30;
+        assert!(need.total < card_24gb);
+        let longest = c.longest_context(&gpu, card_24gb).unwrap();
+        assert!(longest >= 32_768, "{longest}");
+        // The longest context is the last one that fits.
+        assert!(c.memory_need(&gpu, longest).total <= card_24gb);
+        assert!(c.memory_need(&gpu, longest + 1).total > card_24gb);
+        // Capped by the model's own limit when memory is plentiful; none when weights do not fit.
+        assert_eq!(c.longest_context(&gpu, 1 << 40), Some(262_144));
+        assert_eq!(c.longest_context(&gpu, 10_000_000_000), None);
+    }
+
+    #[test]
+    fn weight_formats_size_the_same_parameters() {
+        let c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
+        let params = c.param_count().total;
+        assert_eq!(c.weight_bytes_in(WeightFormat::F32), params * 4);
+        assert_eq!(c.weight_bytes_in(WeightFormat::Bf16), params * 2);
+        let q8 = c.weight_bytes_in(WeightFormat::Mlx {
+            bits: 8,
+            group_size: 64,
+        });
+        // 8.5 bits per quantised weight instead of 4.5: about 1.9x the 4-bit size.
+        let q4 = c.weight_bytes_in(WeightFormat::MLX_Q4) as f64;
+        assert!((q8 as f64 / q4 - 8.5 / 4.5).abs() < 0.01, "{q8} vs {q4}");
     }
 }
