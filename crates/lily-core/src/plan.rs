@@ -50,7 +50,10 @@ pub enum WeightFormat {
     F32,
     Bf16,
     /// MLX affine: `bits` per weight, a bf16 scale and bias per `group_size` inputs.
-    Mlx { bits: u32, group_size: u32 },
+    Mlx {
+        bits: u32,
+        group_size: u32,
+    },
 }
 
 impl WeightFormat {
@@ -305,7 +308,11 @@ mod tests {
         };
         let need = c.memory_need(&gpu, 32_768);
         assert_eq!(need.weights, c.weight_bytes().q4);
-        assert!((need.weights as f64 / 1e9 - 19.5).abs() < 0.05, "{}", need.weights);
+        assert!(
+            (need.weights as f64 / 1e9 - 19.5).abs() < 0.05,
+            "{}",
+            need.weights
+        );
         assert_eq!(need.kv_per_token, 20 * 1024);
         assert_eq!(need.kv, 20 * 1024 * 32_768);
         assert_eq!(c.recurrent_state_bytes(), 60 << 20);
