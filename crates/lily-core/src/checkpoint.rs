@@ -168,6 +168,16 @@ impl Checkpoint {
         self.entries.get(name).map(|e| e.shape.as_slice())
     }
 
+    /// The stored dtype of a tensor not yet taken.
+    pub fn dtype(&self, name: &str) -> Option<Dtype> {
+        self.entries.get(name).map(|e| e.dtype)
+    }
+
+    /// Whether the checkpoint is MLX-quantised (by its config or by its tensors).
+    pub fn is_quantised(&self) -> bool {
+        self.quantization.is_quantised() || self.entries.keys().any(|n| n.ends_with(".scales"))
+    }
+
     /// The bytes of a tensor.
     fn bytes(&self, e: &Entry) -> &[u8] {
         &self.shards[e.shard][e.start..e.end]

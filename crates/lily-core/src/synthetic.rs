@@ -232,3 +232,52 @@ impl TensorSource for SyntheticSource {
         false
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantised_weights_follow_the_documented_formula() {
+        let src = SyntheticSource::new(11);
+        let (rows, cols) = (8, 128);
+        let m = src
+            .quantised("layers.0.mlp.switch_mlp.up_proj", 2, rows, cols, 4)
+            .unwrap();
+        // Matrix 2 of the stack starts at word 2·rows·cols/8 and group 2·rows·cols/64.
+        let key = |t: &str| key_of(t) ^ 11u64.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        let word0 = 2 * rows * cols / 8;
+        let expect = (mix64(
+            key("layers.0.mlp.switch_mlp.up_proj.weight")
+                ^ mix64((word0 as u64).wrapping_add(0x9e37_79b9_7f4a_7c15)),
+        ) >> 32) as u32;
+        assert_eq!(m.codes()[0], expect);
+        let u = uniform_at(key("layers.0.mlp.switch_mlp.up_proj.scales"), 2 * 16);
+        let c = ((1.0 / (cols as f64).sqrt()) / (255.0f64 / 12.0).sqrt()) as f32;
+        assert_eq!(m.scales()[0], bf16::from_f32(c * (1.0 + 0.25 * u)));
+        assert_eq!(m.biases()[0], bf16::from_f32(-m.scales()[0].to_f32() * 7.5));
+    }
+
+    #[test]
+    fn quantised_weights_have_the_roles_deviation_and_no_offset() {
+        let src = SyntheticSource::new(3);
+        for (module, bits, sigma) in [
+            ("layers.1.self_attn.q_proj", 4, 1.0 / 512f64.sqrt()),
+            ("layers.1.mlp.gate", 8, 3.0 / 512f64.sqrt()),
+            ("embed_tokens", 4, 1.0 / 3f64.sqrt()),
+        ] {
+            let w = src
+                .quantised(module, 0, 256, 512, bits)
+                .unwrap()
+                .dequantize();
+            let n = w.len() as f64;
+            let mean = w.iter().map(|&v| v as f64).sum::<f64>() / n;
+            let std = (w.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();
+            assert!(mean.abs() < 0.02 * sigma, "{module}: mean {mean}");
+            assert!(
+                (std / sigma - 1.0).abs() < 0.05,
+                "{module}: std {std} vs {sigma}"
+            );
+        }
+    }
+}

@@ -107,3 +107,21 @@ fn greedy_tokens_match_mlx_lm() {
         assert_eq!(out.tokens, expected);
     }
 }
+
+/// `--quantize q4` on the bf16 source gives the weights mlx-lm converted: the same logits, bit
+/// for bit, as loading the converted directory.
+#[test]
+fn quantising_at_load_equals_loading_mlx_lms_conversion() {
+    let (config, weights) =
+        lily_core::load::load_weights(&ModelRef::Dir(fixture_dir("tiny-mlx-hf")), true).unwrap();
+    let at_load = CpuBackend::new(config, weights);
+    let converted = load("tiny-mlx-q4");
+    let tokens = ids(&cases()["sequences"][1]["tokens"]);
+    let run = |b: &CpuBackend| {
+        let mut state = b.new_state(tokens.len()).unwrap();
+        prefill(b, &mut state, &tokens, LogitRows::All).unwrap()
+    };
+    let (a, b) = (run(&at_load), run(&converted));
+    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    assert!(b.iter().any(|v| *v != 0.0));
+}
