@@ -111,6 +111,33 @@ fn dot_rows(isa: Isa, w: &QuantMatrix, row: usize, xs: &[f32], out: &mut [f32]) 
     }
 }
 
+/// Compares `isa` with the portable kernel on small 4- and 8-bit products.
+fn self_check(isa: Isa) -> Result<(), String> {
+    for (rows, cols, bits, group) in [(40, 256, 4, 64), (24, 128, 8, 64), (8, 192, 4, 32)] {
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1009) as f32 - 504.0) / 504.0)
+            .collect();
+        let w =
+            QuantMatrix::quantize(rows, cols, bits, group, &values).map_err(|e| e.to_string())?;
+        let x: Vec<f32> = (0..5 * cols)
+            .map(|i| ((i % 13) as f32 - 6.0) / 6.0)
+            .collect();
+        let want = quant_matmul_with(Isa::Portable, &x, 5, &w);
+        let got = quant_matmul_with(isa, &x, 5, &w);
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = got
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        if diff > 1e-5 * scale {
+            return Err(format!(
+                "{bits}-bit {rows}x{cols}: differs from the portable kernel by {diff:e}"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// One 32-column block in nibble order: even columns, then odd ones.
 fn nibble_order(block: &[f32]) -> [f32; 32] {
     let mut out = [0f32; 32];

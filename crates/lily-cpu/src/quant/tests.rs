@@ -73,6 +73,13 @@ fn every_kernel_equals_dequantise_then_multiply() {
 }
 
 #[test]
+fn the_start_up_check_passes_for_every_kernel_here() {
+    for isa in Isa::available() {
+        self_check(isa).unwrap();
+    }
+}
+
+#[test]
 fn nibble_order_puts_even_columns_first() {
     let block: Vec<f32> = (0..32).map(|i| i as f32).collect();
     let o = nibble_order(&block);
