@@ -27,10 +27,17 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The best kernel this CPU runs.
+    /// The best kernel this CPU runs, checked once against the portable kernel, so a SIMD
+    /// kernel that the test machines could not run is still verified where it is used.
     pub fn detect() -> Isa {
         static BEST: OnceLock<Isa> = OnceLock::new();
-        *BEST.get_or_init(|| Isa::available().into_iter().last().unwrap_or(Isa::Portable))
+        *BEST.get_or_init(|| {
+            let best = Isa::available().into_iter().last().unwrap_or(Isa::Portable);
+            if let Err(e) = self_check(best) {
+                panic!("the {best:?} matrix kernel is wrong on this CPU ({e}); please report it");
+            }
+            best
+        })
     }
 
     /// Every kernel this CPU can run, portable first.
