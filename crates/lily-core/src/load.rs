@@ -7,6 +7,7 @@ use crate::config::ModelConfig;
 use crate::mlx::QuantizationConfig;
 use crate::model_ref::ModelRef;
 use crate::quantize::QuantizingSource;
+use crate::source::TensorSource;
 use crate::weights::ModelWeights;
 
 /// How the loaded linear weights are held.
@@ -76,8 +77,13 @@ pub fn available_memory() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// Loads `model`'s config and weights after checking that they fit in this machine's memory.
-pub fn load_weights(model: &ModelRef, quantize: bool) -> Result<(ModelConfig, ModelWeights)> {
+/// Loads `model`'s config and weights after checking that they fit in this machine's memory;
+/// `wrap` sees the tensor source first (a progress bar).
+pub fn load_weights(
+    model: &ModelRef,
+    quantize: bool,
+    wrap: impl FnOnce(Box<dyn TensorSource>, &ModelConfig) -> Box<dyn TensorSource>,
+) -> Result<(ModelConfig, ModelWeights)> {
     let format = weight_format(model, quantize)?;
     let (config, source) = model.open()?;
     let needed = weight_bytes(&config, format);
@@ -87,7 +93,7 @@ pub fn load_weights(model: &ModelRef, quantize: bool) -> Result<(ModelConfig, Mo
     } else {
         source
     };
-    let weights = ModelWeights::load(&config, source)?;
+    let weights = ModelWeights::load(&config, wrap(source, &config))?;
     Ok((config, weights))
 }
 

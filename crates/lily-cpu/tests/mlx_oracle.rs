@@ -112,8 +112,8 @@ fn greedy_tokens_match_mlx_lm() {
 /// for bit, as loading the converted directory.
 #[test]
 fn quantising_at_load_equals_loading_mlx_lms_conversion() {
-    let (config, weights) =
-        lily_core::load::load_weights(&ModelRef::Dir(fixture_dir("tiny-mlx-hf")), true).unwrap();
+    let dir = ModelRef::Dir(fixture_dir("tiny-mlx-hf"));
+    let (config, weights) = lily_core::load::load_weights(&dir, true, |s, _| s).unwrap();
     let at_load = CpuBackend::new(config, weights);
     let converted = load("tiny-mlx-q4");
     let tokens = ids(&cases()["sequences"][1]["tokens"]);

@@ -161,7 +161,9 @@ fn bf16_dequantize_rounds_twice_as_mlx_does() {
 #[test]
 fn codes_are_packed_lowest_bits_first() {
     // Row 0: codes 0..15 then 15..0 at 4 bits; one group of 32.
-    let codes: Vec<u32> = (0..32u32).map(|c| if c < 16 { c } else { 31 - c }).collect();
+    let codes: Vec<u32> = (0..32u32)
+        .map(|c| if c < 16 { c } else { 31 - c })
+        .collect();
     let pack = |chunk: &[u32]| chunk.iter().rev().fold(0u32, |acc, &c| (acc << 4) | c);
     let words: Vec<u32> = codes.chunks(8).map(pack).collect();
     assert_eq!(words[0], 0x7654_3210);
@@ -186,7 +188,9 @@ fn codes_are_packed_lowest_bits_first() {
 
 #[test]
 fn splitting_rows_keeps_every_byte() {
-    let w: Vec<f32> = (0..6 * 128).map(|i| ((i * 37) % 101) as f32 - 50.0).collect();
+    let w: Vec<f32> = (0..6 * 128)
+        .map(|i| ((i * 37) % 101) as f32 - 50.0)
+        .collect();
     let m = QuantMatrix::quantize(6, 128, 4, 64, &w).unwrap();
     let (a, b) = m.clone().split_rows(2).unwrap();
     assert_eq!((a.rows(), b.rows()), (2, 4));
