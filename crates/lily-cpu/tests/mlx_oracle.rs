@@ -78,8 +78,9 @@ fn logits_match_mlx_lm() {
             let mut state = backend.new_state(tokens.len()).unwrap();
             let logits = prefill(&backend, &mut state, &tokens, LogitRows::All).unwrap();
             let d = rel_diff(&logits, &reference);
+            // The bar is 1e-3; an f32 engine on the same codes lands near 1e-6.
             assert!(
-                d <= 1e-3,
+                d <= 1e-5,
                 "{} chunk {chunk}: relative diff {d:e}",
                 seq["name"]
             );
