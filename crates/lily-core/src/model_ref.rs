@@ -1,4 +1,5 @@
-//! What `--model` names: a checkpoint directory or `synthetic:NAME`.
+//! What `--model` names: a checkpoint directory or `synthetic:NAME`. (A Hub repository
+//! `ORG/NAME` is looked up in the download cache by the binary, and becomes its directory.)
 
 use std::path::{Path, PathBuf};
 
@@ -27,8 +28,8 @@ impl ModelRef {
         let path = Path::new(spec);
         if !path.is_dir() {
             bail!(
-                "model {spec:?} is neither a checkpoint directory nor synthetic:NAME \
-                 (e.g. synthetic:tiny)"
+                "model {spec:?} is neither a checkpoint directory, a Hub repository ORG/NAME \
+                 nor synthetic:NAME (e.g. synthetic:tiny)"
             );
         }
         Ok(ModelRef::Dir(path.to_path_buf()))

@@ -14,8 +14,9 @@ pub enum HubError {
     InvalidRevision(String),
 
     #[error(
-        "{repo} is not in the cache {cache}; run `lily pull {repo}` or pass --download \
-         (the cache is $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)"
+        "{repo} is neither a directory nor in the Hub cache {cache}; run `lily pull {repo}` or \
+         pass --download (the cache is $HF_HUB_CACHE, else $HF_HOME/hub, else \
+         ~/.cache/huggingface/hub)"
     )]
     NotCached { repo: String, cache: PathBuf },
 

@@ -2,9 +2,10 @@
 
 use anyhow::{Result, bail};
 use clap::ValueEnum;
-use lily_core::model_ref::ModelRef;
 use lily_core::weights::ModelWeights;
 use lily_cpu::CpuBackend;
+
+use crate::progress::LoadBar;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum Device {
@@ -19,7 +20,7 @@ pub fn load_cpu(model: &str, device: Device) -> Result<CpuBackend> {
     if device == Device::Cuda {
         bail!("--device cuda: this build has no CUDA backend yet; use --device cpu");
     }
-    let model = ModelRef::parse(model)?;
+    let model = crate::cmd::pull::resolve_model(model)?;
     let (config, source) = model.open()?;
     // The CPU backend holds every weight as f32.
     let needed = config.param_count().total * 4;
@@ -34,7 +35,7 @@ pub fn load_cpu(model: &str, device: Device) -> Result<CpuBackend> {
             available as f64 / 1e9
         );
     }
-    let weights = ModelWeights::load(&config, source)?;
+    let weights = ModelWeights::load(&config, LoadBar::wrap(source, &config))?;
     Ok(CpuBackend::new(config, weights))
 }
 
