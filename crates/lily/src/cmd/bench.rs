@@ -9,6 +9,8 @@ use std::time::Instant;
 use anyhow::{Context, Result, ensure};
 use lily_core::backend::{Backend, LogitRows};
 use lily_core::generate::prefill;
+use lily_core::load::{WeightFormat, weight_format};
+use lily_core::model_ref::ModelRef;
 use lily_core::rng::Rng;
 use lily_core::sampling::{Sampler, SamplingParams};
 use rayon::prelude::*;
@@ -66,11 +68,16 @@ pub fn run(args: Args) -> Result<()> {
         .collect();
 
     let bandwidth = measure_copy_bandwidth();
+    // Weights read per decoded token: the active ones (chosen experts, not the embedding table)
+    // in the format they were loaded in.
+    let format = weight_format(&ModelRef::parse(&args.model)?, false)?;
+    let weight_bytes = match format {
+        WeightFormat::F32 => c.param_count().active * 4,
+        WeightFormat::Mlx => c.weight_bytes().q4_active,
+    } as f64;
     let bytes_per_token = |ctx: usize| {
-        // f32 weights read once per token, the recurrent state read and written, the KV read.
-        (c.param_count().active * 4
-            + 2 * c.recurrent_state_bytes()
-            + c.kv_bytes_per_token(4) * ctx as u64) as f64
+        // Weights once per token, the recurrent state read and written, the f32 KV read.
+        weight_bytes + (2 * c.recurrent_state_bytes() + c.kv_bytes_per_token(4) * ctx as u64) as f64
     };
 
     let mut rows = Vec::new();
@@ -120,21 +127,30 @@ pub fn run(args: Args) -> Result<()> {
         backend.device_name()
     );
     println!(
-        "host copy bandwidth {:.1} GB/s (read + write)\n",
-        bandwidth / 1e9
+        "host copy bandwidth {:.1} GB/s (read + write); {:.3} GB of {format:?} weights read per \
+         decoded token\n",
+        bandwidth / 1e9,
+        weight_bytes / 1e9
     );
     println!(
-        "| phase | tokens | tok/s (median of {}) | ceiling tok/s | % of ceiling |",
+        "| phase | tokens | tok/s (median of {}) | ceiling tok/s | % of ceiling | weights GB/s |",
         args.runs
     );
-    println!("|---|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|");
     for r in &rows {
         let m = median(&r.samples);
-        let (ceil, pct) = match r.ceiling {
-            Some(cl) => (format!("{cl:.1}"), format!("{:.0} %", 100.0 * m / cl)),
-            None => ("—".into(), "—".into()),
+        let (ceil, pct, rate) = match r.ceiling {
+            Some(cl) => (
+                format!("{cl:.1}"),
+                format!("{:.0} %", 100.0 * m / cl),
+                format!("{:.1}", m * weight_bytes / 1e9),
+            ),
+            None => ("—".into(), "—".into(), "—".into()),
         };
-        println!("| {} | {} | {m:.1} | {ceil} | {pct} |", r.kind, r.length);
+        println!(
+            "| {} | {} | {m:.1} | {ceil} | {pct} | {rate} |",
+            r.kind, r.length
+        );
     }
     if let Some(path) = &args.json {
         let record = serde_json::json!({
@@ -143,6 +159,7 @@ pub fn run(args: Args) -> Result<()> {
             "device": backend.device_name(),
             "cpu": cpu_model(),
             "host_copy_bandwidth_bytes_per_s": bandwidth,
+            "weight_bytes_per_decoded_token": weight_bytes,
             "decode_steps": args.decode_steps,
             "seed": args.seed,
             "results": rows.iter().map(|r| serde_json::json!({
