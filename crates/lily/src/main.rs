@@ -2,6 +2,7 @@
 
 mod cmd;
 mod device;
+mod progress;
 
 use std::process::ExitCode;
 
@@ -16,6 +17,9 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Let --model ORG/NAME download what the Hub cache lacks (otherwise only `pull` does).
+    #[arg(long, global = true)]
+    download: bool,
 }
 
 #[derive(Subcommand)]
@@ -28,17 +32,21 @@ enum Command {
     Inspect(cmd::inspect::Args),
     /// Measure prefill and decode speed (design.md, benchmark protocol).
     Bench(cmd::bench::Args),
+    /// Download a model from the Hugging Face Hub into its cache (resumable, checksummed).
+    Pull(cmd::pull::Args),
     /// Convert a bf16/f32 checkpoint to MLX 4-bit (group 64), as mlx_lm.convert -q does.
     Quantize(cmd::quantize::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    cmd::pull::allow_downloads(cli.download);
     let result = match cli.command {
         Command::Generate(args) => cmd::generate::run(args),
         Command::Score(args) => cmd::score::run(args),
         Command::Inspect(args) => cmd::inspect::run(args),
         Command::Bench(args) => cmd::bench::run(args),
+        Command::Pull(args) => cmd::pull::run(args),
         Command::Quantize(args) => cmd::quantize::run(args),
     };
     match result {

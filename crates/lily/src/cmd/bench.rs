@@ -10,7 +10,6 @@ use anyhow::{Context, Result, ensure};
 use lily_core::backend::{Backend, LogitRows};
 use lily_core::generate::prefill;
 use lily_core::load::{WeightFormat, weight_format};
-use lily_core::model_ref::ModelRef;
 use lily_core::rng::Rng;
 use lily_core::sampling::{Sampler, SamplingParams};
 use rayon::prelude::*;
@@ -70,7 +69,7 @@ pub fn run(args: Args) -> Result<()> {
     let bandwidth = measure_copy_bandwidth();
     // Weights read per decoded token: the active ones (chosen experts, not the embedding table)
     // in the format they were loaded in.
-    let format = weight_format(&ModelRef::parse(&args.model)?, false)?;
+    let format = weight_format(&crate::cmd::pull::resolve_model(&args.model)?, false)?;
     let weight_bytes = match format {
         WeightFormat::F32 => c.param_count().active * 4,
         WeightFormat::Mlx => c.weight_bytes().q4_active,
