@@ -162,6 +162,12 @@ fn download_pulls_what_the_cache_lacks_before_running() {
     let out = lily(home.path(), &hub.endpoint, None, &with);
     assert_ok(&out);
     let json: Value = serde_json::from_str(&stdout(&out)).unwrap();
+    let name = json["model"].as_str().unwrap();
+    assert!(name.starts_with("lily-test/tiny-a ("), "{name}");
+    assert!(
+        name.contains("models--lily-test--tiny-a/snapshots"),
+        "{name}"
+    );
     assert_eq!(json["format"]["files"], 2);
     let on_disk: u64 = [
         "model-00001-of-00002.safetensors",

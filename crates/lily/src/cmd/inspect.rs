@@ -63,8 +63,13 @@ pub fn run(args: Args) -> Result<()> {
         None => Some(WeightFormat::MLX_Q4),
     };
     let (devices, gpu_note) = devices::detect();
+    // A Hub repository is named as given, with the snapshot it resolved to.
+    let name = match model.display_name() {
+        shown if shown == args.model => shown,
+        shown => format!("{} ({shown})", args.model),
+    };
     let report = Report {
-        name: model.display_name(),
+        name,
         config: &config,
         format,
         quantised,
