@@ -191,8 +191,10 @@ impl ChatOutputParser {
 
     fn advance_call(&mut self, call: &mut Call) -> bool {
         let Some(name) = call.name.clone() else {
-            let Some(open) = self.buf.find(FUNCTION_OPEN) else {
-                return self.unstructured_call_ends(call);
+            let close = self.buf.find(CALL_CLOSE);
+            let open = match self.buf.find(FUNCTION_OPEN) {
+                Some(open) if close.is_none_or(|close| open < close) => open,
+                _ => return self.unstructured_call_ends(call),
             };
             let start = open + FUNCTION_OPEN.len();
             let Some(end) = self.buf[start..].find('>') else {
@@ -232,7 +234,8 @@ impl ChatOutputParser {
             return false;
         }
         // Stray text inside a call block is not part of any argument: skip to the next tag.
-        let skip = body[1..].find('<').map_or(body.len(), |i| i + 1);
+        let first = body.chars().next().map_or(0, char::len_utf8);
+        let skip = body[first..].find('<').map_or(body.len(), |i| i + first);
         self.buf.drain(..skipped + skip);
         true
     }

@@ -173,3 +173,70 @@ fn without_tools_tool_call_tags_are_plain_content() {
     assert_eq!(parsed.content, text);
     assert!(parsed.calls.is_empty());
 }
+
+#[test]
+fn any_text_in_any_pieces_parses_without_panicking_and_the_same_way() {
+    // Fragments that combine into tags, near-tags, whitespace and multi-byte text.
+    let fragments = [
+        "<",
+        ">",
+        "</",
+        "think",
+        "</think>",
+        "<tool_call>",
+        "</tool_call>",
+        "<function=",
+        "get_weather",
+        "</function>",
+        "<parameter=",
+        "city",
+        "</parameter>",
+        "\n",
+        " ",
+        "é",
+        "雪",
+        "🦜",
+        "x",
+        "{",
+        "\"",
+    ];
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = |n: usize| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed % n as u64) as usize
+    };
+    for _ in 0..300 {
+        let text: String = (0..next(40))
+            .map(|_| fragments[next(fragments.len())])
+            .collect();
+        let thinking = next(2) == 0;
+        let tools = (next(2) == 0).then(weather_tools);
+        let whole = parse_pieces(&[&text], thinking, tools.clone());
+        let cuts: Vec<usize> = text
+            .char_indices()
+            .map(|(i, _)| i)
+            .filter(|_| next(3) == 0)
+            .collect();
+        let mut pieces = Vec::new();
+        let mut start = 0;
+        for cut in cuts.into_iter().chain([text.len()]) {
+            pieces.push(&text[start..cut]);
+            start = cut;
+        }
+        assert_eq!(
+            parse_pieces(&pieces, thinking, tools),
+            whole,
+            "{text:?} in {pieces:?}"
+        );
+        for (_, arguments) in &whole.calls {
+            assert!(
+                serde_json::from_str::<Value>(arguments)
+                    .unwrap()
+                    .is_object(),
+                "{text:?}"
+            );
+        }
+    }
+}
