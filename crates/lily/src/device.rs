@@ -1,10 +1,12 @@
 //! Choosing a device and loading the model onto it.
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use clap::ValueEnum;
 use lily_core::load::load_weights;
 use lily_cpu::CpuBackend;
+use lily_cuda::CudaBackend;
 
+use crate::backends::AnyBackend;
 use crate::progress::LoadBar;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -15,20 +17,27 @@ pub enum Device {
     Cuda,
 }
 
-/// Loads `model` for the CPU backend (the only one built so far).
-pub fn load_cpu(model: &str, device: Device) -> Result<CpuBackend> {
-    load_cpu_with(model, device, false)
+/// Loads `model` onto the chosen device (`auto`: the GPU when one is present).
+pub fn load(model: &str, device: Device) -> Result<AnyBackend> {
+    load_with(model, device, false)
 }
 
-/// As [`load_cpu`]; `quantize` makes MLX 4-bit weights of a bf16/f32 checkpoint (`--quantize q4`).
-pub fn load_cpu_with(model: &str, device: Device, quantize: bool) -> Result<CpuBackend> {
-    if device == Device::Cuda {
-        bail!("--device cuda: this build has no CUDA backend yet; use --device cpu");
-    }
+/// As [`load`]; `quantize` makes MLX 4-bit weights of a bf16/f32 checkpoint (`--quantize q4`).
+pub fn load_with(model: &str, device: Device, quantize: bool) -> Result<AnyBackend> {
+    let use_cuda = match device {
+        Device::Cuda => true,
+        Device::Cpu => false,
+        Device::Auto => lily_cuda::gpu_available(),
+    };
     let model = crate::cmd::pull::resolve_model(model)?;
-    // Refuses, naming the sizes, when the weights (f32, or MLX 4-bit) do not fit in memory.
+    // Weights are made in host memory first on every device; this checks they fit there.
     let (config, weights) = load_weights(&model, quantize, LoadBar::wrap)?;
-    Ok(CpuBackend::new(config, weights))
+    if use_cuda {
+        return Ok(AnyBackend::Cuda(Box::new(CudaBackend::new(
+            config, &weights,
+        )?)));
+    }
+    Ok(AnyBackend::Cpu(Box::new(CpuBackend::new(config, weights))))
 }
 
 /// `MemAvailable` from /proc/meminfo, where there is one.

@@ -1,5 +1,6 @@
 //! `lily`: the command-line front end (the contract is in design.md).
 
+mod backends;
 mod cmd;
 mod device;
 mod progress;

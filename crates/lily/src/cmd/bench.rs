@@ -14,7 +14,8 @@ use lily_core::rng::Rng;
 use lily_core::sampling::{Sampler, SamplingParams};
 use rayon::prelude::*;
 
-use crate::device::{Device, load_cpu};
+use crate::backends::{AnyBackend, AnyState};
+use crate::device::{Device, load};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -46,7 +47,7 @@ pub struct Args {
 pub fn run(args: Args) -> Result<()> {
     ensure!(args.runs >= 1, "--runs must be at least 1");
     ensure!(args.decode_steps >= 1, "--decode-steps must be at least 1");
-    let backend = load_cpu(&args.model, args.device)?;
+    let backend = load(&args.model, args.device)?;
     let c = backend.config().clone();
     let longest = args
         .prompt_lens
@@ -66,7 +67,11 @@ pub fn run(args: Args) -> Result<()> {
         .map(|_| (rng.next_u64() % c.vocab_size as u64) as u32)
         .collect();
 
-    let bandwidth = measure_copy_bandwidth();
+    // The decode ceiling: the device's own copy rate over the bytes a token must read.
+    let (bandwidth, bandwidth_source, kv_elem) = match &backend {
+        AnyBackend::Cuda(gpu) => (gpu.copy_bandwidth()?, "device", 2),
+        AnyBackend::Cpu(_) => (measure_copy_bandwidth(), "host", 4),
+    };
     // Weights read per decoded token: the active ones (chosen experts, not the embedding table)
     // in the format they were loaded in.
     let format = weight_format(&crate::cmd::pull::resolve_model(&args.model)?, false)?;
@@ -75,8 +80,9 @@ pub fn run(args: Args) -> Result<()> {
         WeightFormat::Mlx => c.weight_bytes().q4_active,
     } as f64;
     let bytes_per_token = |ctx: usize| {
-        // Weights once per token, the recurrent state read and written, the f32 KV read.
-        weight_bytes + (2 * c.recurrent_state_bytes() + c.kv_bytes_per_token(4) * ctx as u64) as f64
+        // Weights once per token, the recurrent state read and written, the KV read.
+        weight_bytes
+            + (2 * c.recurrent_state_bytes() + c.kv_bytes_per_token(kv_elem) * ctx as u64) as f64
     };
 
     let mut rows = Vec::new();
@@ -126,16 +132,16 @@ pub fn run(args: Args) -> Result<()> {
         backend.device_name()
     );
     println!(
-        "host copy bandwidth {:.1} GB/s (read + write); {:.3} GB of {format:?} weights read per \
-         decoded token\n",
+        "{bandwidth_source} copy bandwidth {:.1} GB/s (read + write); {:.3} GB of {format:?} weights \
+         read per decoded token\n",
         bandwidth / 1e9,
         weight_bytes / 1e9
     );
     println!(
-        "| phase | tokens | tok/s (median of {}) | ceiling tok/s | % of ceiling | weights GB/s |",
+        "| phase | tokens | tok/s (median of {}) | ceiling tok/s | % of ceiling | weights GB/s | × llama.cpp (H200) |",
         args.runs
     );
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
     for r in &rows {
         let m = median(&r.samples);
         let (ceil, pct, rate) = match r.ceiling {
@@ -146,10 +152,34 @@ pub fn run(args: Args) -> Result<()> {
             ),
             None => ("—".into(), "—".into(), "—".into()),
         };
+        let peer =
+            llama_cpp_h200(r.kind, r.length).map_or("—".into(), |p| format!("{:.2}", m / p));
         println!(
-            "| {} | {} | {m:.1} | {ceil} | {pct} | {rate} |",
+            "| {} | {} | {m:.1} | {ceil} | {pct} | {rate} | {peer} |",
             r.kind, r.length
         );
+    }
+    if let (AnyBackend::Cuda(gpu), Some(&ctx)) = (&backend, args.contexts.first()) {
+        // Where a step's time goes, kernel family by family (no graph, so launch gaps show).
+        let steps = 16;
+        let mut state = backend.new_state(ctx + steps + 1)?;
+        prefill(&backend, &mut state, &tokens[..ctx], LogitRows::Last)?;
+        if let AnyState::Cuda(s) = &mut state {
+            let families = gpu.profile_decode(s, steps)?;
+            let total: f64 = families.iter().map(|(_, ms)| ms).sum();
+            println!(
+                "\nper decode step at context {ctx}, kernels launched one by one: {:.3} ms",
+                total
+            );
+            println!("| kernel family | µs per step | share |\n|---|---:|---:|");
+            for (family, ms) in families {
+                println!(
+                    "| {family} | {:.1} | {:.0} % |",
+                    ms * 1e3,
+                    100.0 * ms / total
+                );
+            }
+        }
     }
     if let Some(path) = &args.json {
         let record = serde_json::json!({
@@ -157,7 +187,8 @@ pub fn run(args: Args) -> Result<()> {
             "model": args.model,
             "device": backend.device_name(),
             "cpu": cpu_model(),
-            "host_copy_bandwidth_bytes_per_s": bandwidth,
+            "copy_bandwidth_bytes_per_s": bandwidth,
+            "copy_bandwidth_of": bandwidth_source,
             "weight_bytes_per_decoded_token": weight_bytes,
             "decode_steps": args.decode_steps,
             "seed": args.seed,
@@ -170,6 +201,30 @@ pub fn run(args: Args) -> Result<()> {
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(())
+}
+
+/// llama.cpp on the same H200 (perf.md): decode tok/s by context, prefill tok/s by prompt.
+fn llama_cpp_h200(phase: &str, tokens: usize) -> Option<f64> {
+    let table: &[(usize, f64)] = match phase {
+        "decode" => &[
+            (256, 249.0),
+            (1024, 251.0),
+            (4096, 262.0),
+            (16384, 247.0),
+            (32768, 224.0),
+            (65536, 219.0),
+            (131072, 190.0),
+        ],
+        _ => &[
+            (256, 5699.0),
+            (1024, 9433.0),
+            (2048, 10125.0),
+            (4096, 10623.0),
+            (8192, 11176.0),
+            (16384, 11124.0),
+        ],
+    };
+    table.iter().find(|(t, _)| *t == tokens).map(|(_, v)| *v)
 }
 
 struct Row {

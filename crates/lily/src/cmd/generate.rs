@@ -6,7 +6,7 @@ use lily_core::backend::Backend;
 use lily_core::generate::generate;
 use lily_core::sampling::{Sampler, SamplingParams};
 
-use crate::device::{Device, load_cpu};
+use crate::device::{Device, load};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -55,7 +55,7 @@ pub fn run(args: Args) -> Result<()> {
         _ => bail!("give --tokens or --prompt"),
     };
     check_sampling(args.temperature, args.top_p, args.min_p)?;
-    let backend = load_cpu(&args.model, args.device)?;
+    let backend = load(&args.model, args.device)?;
     let max_seq = args.max_seq.unwrap_or(prompt.len() + args.max_tokens);
     let mut state = backend.new_state(max_seq)?;
     let params = SamplingParams {

@@ -11,7 +11,7 @@ use lily_core::npy;
 use lily_core::sampling::argmax;
 
 use super::quantize::QuantizeArg;
-use crate::device::{Device, load_cpu_with};
+use crate::device::{Device, load_with};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -57,7 +57,7 @@ impl Scored {
 }
 
 fn score(model: &str, quantize: bool, device: Device, tokens: &[u32]) -> Result<Scored> {
-    let backend = load_cpu_with(model, device, quantize)?;
+    let backend = load_with(model, device, quantize)?;
     let vocab = backend.config().vocab_size;
     let mut state = backend.new_state(tokens.len())?;
     let logits = prefill(&backend, &mut state, tokens, LogitRows::All)?;

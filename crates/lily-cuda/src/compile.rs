@@ -1,0 +1,158 @@
+//! Kernels are CUDA C++ compiled at start with NVRTC, specialised for the loaded model: its
+//! dimensions become `-D` constants, so loops over heads and head dims unroll and register arrays
+//! have fixed sizes. PTX is cached on disk, keyed by the source, the options and the GPU.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+use lily_core::config::ModelConfig;
+
+/// A kernel file, paired with the Rust module that launches it, and its entry points.
+pub struct KernelFile {
+    pub name: &'static str,
+    pub source: &'static str,
+    pub entries: &'static [&'static str],
+}
+
+pub const KERNEL_FILES: [KernelFile; 6] = [
+    KernelFile {
+        name: "gemv",
+        source: include_str!("kernels/gemv.cu"),
+        entries: &[
+            "gemv_b4",
+            "gemv_b8",
+            "gemv_b32",
+            "embed_b4",
+            "embed_b8",
+            "embed_b32",
+        ],
+    },
+    KernelFile {
+        name: "norm",
+        source: include_str!("kernels/norm.cu"),
+        entries: &["add_rms_norm"],
+    },
+    KernelFile {
+        name: "attention",
+        source: include_str!("kernels/attention.cu"),
+        entries: &["attn_prep", "attn_split", "attn_combine"],
+    },
+    KernelFile {
+        name: "gdn",
+        source: include_str!("kernels/gdn.cu"),
+        entries: &["gdn_conv", "gdn_step", "gdn_gated_norm"],
+    },
+    KernelFile {
+        name: "moe",
+        source: include_str!("kernels/moe.cu"),
+        entries: &[
+            "moe_topk",
+            "moe_gate_up_b4",
+            "moe_gate_up_b8",
+            "moe_gate_up_b32",
+            "moe_down_b4",
+            "moe_down_b8",
+            "moe_down_b32",
+        ],
+    },
+    KernelFile {
+        name: "sample",
+        source: include_str!("kernels/sample.cu"),
+        entries: &["argmax_partial", "argmax_final", "advance"],
+    },
+];
+
+const COMMON: &str = include_str!("kernels/common.cuh");
+
+/// KV splits of decode attention: enough blocks to cover the GPU at long contexts; at short ones
+/// most splits hold a handful of positions.
+pub const ATTN_SPLITS: usize = 64;
+
+/// The `-D` constants for a model.
+pub fn model_defines(c: &ModelConfig) -> Vec<(String, String)> {
+    let d = |k: &str, v: String| (k.to_string(), v);
+    vec![
+        d("NH", c.num_attention_heads.to_string()),
+        d("NKV", c.num_kv_heads.to_string()),
+        d("HD", c.head_dim.to_string()),
+        d("ROT", c.rotary_dim.to_string()),
+        d("ROPE_THETA", format!("{:.1}f", c.rope_theta)),
+        d("NSPLIT", ATTN_SPLITS.to_string()),
+        d("NK", c.linear_num_key_heads.to_string()),
+        d("NV", c.linear_num_value_heads.to_string()),
+        d("DK", c.linear_key_head_dim.to_string()),
+        d("DV", c.linear_value_head_dim.to_string()),
+        d("CONV_K", c.conv_kernel.to_string()),
+        d("NE", c.num_experts.to_string()),
+        d("TOPK", c.experts_per_token.to_string()),
+        d("NORM_TOPK", (c.norm_topk_prob as u8).to_string()),
+    ]
+}
+
+/// Compiles one kernel file for `arch` (e.g. "sm_90"), using the on-disk cache when it can.
+pub fn compile(name: &str, source: &str, defines: &[(String, String)], arch: &str) -> Result<Ptx> {
+    let mut options: Vec<String> = defines.iter().map(|(k, v)| format!("-D{k}={v}")).collect();
+    options.push(format!("--gpu-architecture={arch}"));
+    options.push("--std=c++17".to_string());
+    let full_source = format!("{COMMON}\n{source}");
+    let cache = cache_path(name, &full_source, &options);
+    if let Some(path) = &cache
+        && let Ok(text) = std::fs::read_to_string(path)
+    {
+        return Ok(Ptx::from_src(text));
+    }
+    // SAFETY: only probes whether the shared library can be opened.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        bail!("NVRTC (libnvrtc.so.13) was not found; put CUDA's lib directory on LD_LIBRARY_PATH");
+    }
+    let opts = CompileOptions {
+        options: options.clone(),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&full_source, opts).map_err(|e| match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+            anyhow::anyhow!(
+                "kernel {name}.cu does not compile:\n{}",
+                log.to_string_lossy()
+            )
+        }
+        other => anyhow::anyhow!("kernel {name}.cu: {other}"),
+    })?;
+    if let Some(path) = cache {
+        // A cache that cannot be written costs a recompile next time, nothing else.
+        let _ = path.parent().map(std::fs::create_dir_all);
+        let _ = std::fs::write(&path, ptx.to_src());
+    }
+    Ok(ptx)
+}
+
+fn cache_path(name: &str, source: &str, options: &[String]) -> Option<PathBuf> {
+    let base = std::env::var_os("LILY_KERNEL_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("lily/kernels"))
+        })
+        .or_else(|| {
+            std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/lily/kernels"))
+        })?;
+    let mut h = DefaultHasher::new();
+    source.hash(&mut h);
+    options.hash(&mut h);
+    Some(base.join(format!("{name}-{:016x}.ptx", h.finish())))
+}
+
+/// Compiles every kernel file for `arch`; used by the CI check that needs no GPU.
+pub fn compile_all(c: &ModelConfig, arch: &str) -> Result<Vec<(String, Ptx)>> {
+    let defines = model_defines(c);
+    KERNEL_FILES
+        .iter()
+        .map(|file| {
+            compile(file.name, file.source, &defines, arch)
+                .map(|p| (file.name.to_string(), p))
+                .with_context(|| format!("for {arch}"))
+        })
+        .collect()
+}

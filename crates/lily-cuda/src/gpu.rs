@@ -1,0 +1,175 @@
+//! The device, its stream, the compiled kernels and the launch helper.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg, ValidAsZeroBits,
+};
+use lily_core::config::ModelConfig;
+
+use crate::compile::{KERNEL_FILES, compile, model_defines};
+use crate::mat::MatArg;
+
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    functions: HashMap<String, CudaFunction>,
+    pub name: String,
+    pub arch: String,
+}
+
+/// Whether a CUDA driver and at least one GPU are present (without panicking when not).
+pub fn gpu_available() -> bool {
+    // SAFETY: only probes whether the driver library can be opened.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return false;
+    }
+    CudaContext::device_count().map(|n| n > 0).unwrap_or(false)
+}
+
+impl Gpu {
+    /// Opens GPU 0 and compiles every kernel for the model.
+    pub fn new(config: &ModelConfig) -> Result<Self> {
+        if !gpu_available() {
+            bail!("no CUDA GPU found (the CUDA driver library is missing or sees no device)");
+        }
+        let ctx = CudaContext::new(0).context("cannot open GPU 0")?;
+        // One stream does all the work, so cudarc's cross-stream event tracking is not needed,
+        // and it would add events inside captured graphs.
+        // SAFETY: no buffer is ever used from a second stream.
+        unsafe { ctx.disable_event_tracking() };
+        // A created stream: the legacy default stream cannot be captured into a graph.
+        let stream = ctx.new_stream().context("cannot create a CUDA stream")?;
+        let (major, minor) = ctx.compute_capability()?;
+        if major < 8 {
+            bail!("GPU compute capability {major}.{minor} is below 8.0 (Ampere), which Lily needs");
+        }
+        let arch = format!("sm_{major}{minor}");
+        let name = ctx.name()?;
+        let defines = model_defines(config);
+        let mut functions = HashMap::new();
+        for file in &KERNEL_FILES {
+            let ptx = compile(file.name, file.source, &defines, &arch)?;
+            let module = ctx
+                .load_module(ptx)
+                .with_context(|| format!("loading kernels {}.cu", file.name))?;
+            for entry in file.entries {
+                let f = module
+                    .load_function(entry)
+                    .with_context(|| format!("kernel {entry}"))?;
+                functions.insert(entry.to_string(), f);
+            }
+        }
+        Ok(Gpu {
+            ctx,
+            stream,
+            functions,
+            name,
+            arch,
+        })
+    }
+
+    pub fn function(&self, name: &str) -> Result<&CudaFunction> {
+        self.functions
+            .get(name)
+            .with_context(|| format!("kernel {name} is not compiled"))
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        Ok(self.stream.clone_htod(data)?)
+    }
+
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
+        Ok(self.stream.alloc_zeros(len.max(1))?)
+    }
+
+    pub fn download<T: DeviceRepr + Default + Clone>(&self, data: &CudaSlice<T>) -> Result<Vec<T>> {
+        Ok(self.stream.clone_dtoh(data)?)
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+}
+
+/// The raw device address of a buffer, for kernel arguments and structs passed by value.
+pub fn ptr<T>(buf: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    buf.device_ptr(stream).0
+}
+
+/// A kernel argument by value.
+#[derive(Clone, Copy, Debug)]
+pub enum KArg {
+    Ptr(u64),
+    I32(i32),
+    F32(f32),
+    Mat(MatArg),
+}
+
+impl From<u64> for KArg {
+    fn from(v: u64) -> Self {
+        KArg::Ptr(v)
+    }
+}
+impl From<i32> for KArg {
+    fn from(v: i32) -> Self {
+        KArg::I32(v)
+    }
+}
+impl From<f32> for KArg {
+    fn from(v: f32) -> Self {
+        KArg::F32(v)
+    }
+}
+impl From<MatArg> for KArg {
+    fn from(v: MatArg) -> Self {
+        KArg::Mat(v)
+    }
+}
+
+/// A launch shape: grid and block dimensions (no dynamic shared memory is used).
+pub struct Shape {
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+}
+
+impl Gpu {
+    /// Launches kernel `name` on the stream.
+    pub fn launch(&self, name: &str, shape: Shape, args: &[KArg]) -> Result<()> {
+        let f = self.function(name)?;
+        let cfg = LaunchConfig {
+            grid_dim: shape.grid,
+            block_dim: (shape.block, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut builder = self.stream.launch_builder(f);
+        for a in args {
+            match a {
+                KArg::Ptr(v) => builder.arg(v),
+                KArg::I32(v) => builder.arg(v),
+                KArg::F32(v) => builder.arg(v),
+                KArg::Mat(v) => builder.arg(v),
+            };
+        }
+        // SAFETY: argument types and order follow the kernel signatures in kernels/*.cu (each
+        // launcher in step.rs mirrors one), and every buffer outlives the stream's work.
+        unsafe { builder.launch(cfg) }.map_err(|e| anyhow::anyhow!("kernel {name}: {e:?}"))?;
+        Ok(())
+    }
+}
+
+/// `launch!(gpu, "name", grid, block; args...)`: converts each argument to a [`KArg`].
+#[macro_export]
+macro_rules! launch {
+    ($gpu:expr, $name:expr, $grid:expr, $block:expr; $($arg:expr),* $(,)?) => {
+        $gpu.launch($name, $crate::gpu::Shape { grid: $grid, block: $block }, &[$($crate::gpu::KArg::from($arg)),*])?
+    };
+}

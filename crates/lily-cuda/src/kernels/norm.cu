@@ -1,0 +1,14 @@
+// hidden += delta (when given), then out = RMSNorm(hidden) · scale. The residual add rides
+// along with the norm that needs its result, saving a pass over the hidden state.
+extern "C" __global__ void add_rms_norm(float* hidden, const float* delta, const float* scale,
+                                        float* out, int n, float eps) {
+    __shared__ float scratch[32];
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float h = hidden[i];
+        if (delta) { h += delta[i]; hidden[i] = h; }
+        ss += h * h;
+    }
+    float inv = rsqrtf(block_sum(ss, scratch) / n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = hidden[i] * inv * scale[i];
+}

@@ -1,0 +1,241 @@
+//! The CUDA backend. Kernels are CUDA C++ files under `kernels/`, compiled with NVRTC at start
+//! for the loaded model's dimensions and the GPU's architecture (`compile`), each paired with
+//! the Rust code that launches it (`step`). A decode step runs entirely on the device and is
+//! captured once per sequence as a CUDA graph; prefill (until the tensor-core path exists) is a
+//! replay of that graph per prompt token.
+
+pub mod compile;
+pub mod gpu;
+pub mod mat;
+mod state;
+mod step;
+mod weights;
+
+use std::sync::Mutex;
+
+use anyhow::{Context, Result, bail, ensure};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use lily_core::backend::{Backend, LogitRows};
+use lily_core::config::ModelConfig;
+use lily_core::sampling::Sampler;
+use lily_core::weights::ModelWeights;
+
+pub use gpu::gpu_available;
+pub use state::CudaState;
+
+use crate::gpu::Gpu;
+use crate::step::{Scratch, Timeline, encode_step};
+use crate::weights::DeviceWeights;
+
+pub struct CudaBackend {
+    config: ModelConfig,
+    gpu: Gpu,
+    weights: DeviceWeights,
+    /// One step runs at a time; the scratch activations are shared by every sequence.
+    scratch: Mutex<Scratch>,
+}
+
+// SAFETY: every use of the stream and the scratch buffers goes through `&self` methods that take
+// the scratch lock first, so work from two threads never interleaves on the stream.
+unsafe impl Sync for CudaBackend {}
+unsafe impl Send for CudaBackend {}
+
+impl CudaBackend {
+    pub fn new(config: ModelConfig, host: &ModelWeights) -> Result<Self> {
+        let gpu = Gpu::new(&config)?;
+        let weights = DeviceWeights::upload(&gpu, &config, host).context("uploading weights")?;
+        let scratch = Mutex::new(Scratch::new(&gpu, &config)?);
+        gpu.sync()?;
+        Ok(CudaBackend {
+            config,
+            gpu,
+            weights,
+            scratch,
+        })
+    }
+
+    /// Runs one step for `state` (its token slot already holds the input): replays the state's
+    /// graph, capturing it on first use.
+    fn step(&self, state: &mut CudaState, scratch: &Scratch) -> Result<()> {
+        if state.graph.is_none() {
+            self.gpu
+                .stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let encoded = encode_step(&self.gpu, &self.config, &self.weights, scratch, state, None);
+            let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0));
+            encoded?;
+            state.graph = Some(graph?.context("graph capture produced no graph")?);
+        }
+        state.graph.as_ref().map(|g| g.launch()).transpose()?;
+        state.len += 1;
+        Ok(())
+    }
+
+    /// Runs `steps` decode steps of `state` without the graph, timing each kernel family on the
+    /// GPU's timeline; returns milliseconds per step by family. Launch gaps that a graph would
+    /// remove show up here, so the sum exceeds a graph step's time.
+    pub fn profile_decode(
+        &self,
+        state: &mut CudaState,
+        steps: usize,
+    ) -> Result<Vec<(&'static str, f64)>> {
+        ensure!(
+            steps > 0 && state.len + steps <= state.max_seq,
+            "no room for {steps} profiled steps"
+        );
+        let scratch = self
+            .scratch
+            .lock()
+            .map_err(|_| anyhow::anyhow!("GPU scratch lock poisoned"))?;
+        let mut timeline = Timeline::default();
+        for _ in 0..steps {
+            encode_step(
+                &self.gpu,
+                &self.config,
+                &self.weights,
+                &scratch,
+                state,
+                Some(&mut timeline),
+            )?;
+            state.len += 1;
+        }
+        state.device_token = None;
+        self.gpu.sync()?;
+        let mut totals = timeline.totals()?;
+        totals.iter_mut().for_each(|(_, ms)| *ms /= steps as f64);
+        totals.retain(|(family, _)| *family != "start");
+        Ok(totals)
+    }
+
+    /// Device-to-device copy rate in bytes per second (read plus written), best of five copies
+    /// of 1 GiB: the decode ceiling `lily bench` reports against.
+    pub fn copy_bandwidth(&self) -> Result<f64> {
+        let _lock = self
+            .scratch
+            .lock()
+            .map_err(|_| anyhow::anyhow!("GPU scratch lock poisoned"))?;
+        let n = 1usize << 30;
+        let src = self.gpu.zeros::<u8>(n)?;
+        let mut dst = self.gpu.zeros::<u8>(n)?;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let mut best = 0f64;
+        for _ in 0..5 {
+            let (start, end) = (
+                self.gpu.ctx.new_event(timing)?,
+                self.gpu.ctx.new_event(timing)?,
+            );
+            start.record(&self.gpu.stream)?;
+            self.gpu.stream.memcpy_dtod(&src, &mut dst)?;
+            end.record(&self.gpu.stream)?;
+            let ms = start.elapsed_ms(&end)? as f64;
+            best = best.max(2.0 * n as f64 / (ms / 1e3));
+        }
+        Ok(best)
+    }
+
+    fn set_token(&self, state: &mut CudaState, token: u32) -> Result<()> {
+        if state.device_token != Some(token) {
+            self.gpu.stream.memcpy_htod(&[token], &mut state.token)?;
+            state.device_token = Some(token);
+        }
+        Ok(())
+    }
+
+    fn check_room(&self, state: &CudaState, tokens: &[u32]) -> Result<()> {
+        let vocab = self.config.vocab_size;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            bail!("token id {bad} is out of range (vocabulary size {vocab})");
+        }
+        if state.len + tokens.len() > state.max_seq {
+            bail!(
+                "sequence of {} tokens exceeds the context of {} tokens",
+                state.len + tokens.len(),
+                state.max_seq
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Backend for CudaBackend {
+    type State = CudaState;
+
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    fn device_name(&self) -> String {
+        format!("{} ({})", self.gpu.name, self.gpu.arch)
+    }
+
+    fn max_prefill_chunk(&self) -> usize {
+        4096
+    }
+
+    fn new_state(&self, max_seq: usize) -> Result<CudaState> {
+        ensure!(max_seq > 0, "the context must hold at least one token");
+        let kv = self.config.kv_bytes_per_token(2) as usize * max_seq;
+        let (free, _) = self.gpu.memory()?;
+        ensure!(
+            kv + self.config.recurrent_state_bytes() as usize <= free,
+            "a context of {max_seq} tokens needs {:.2} GB of KV cache and state, but the GPU has {:.2} GB free",
+            kv as f64 / 1e9,
+            free as f64 / 1e9
+        );
+        CudaState::new(&self.gpu, &self.config, max_seq)
+    }
+
+    fn state_len(&self, state: &CudaState) -> usize {
+        state.len
+    }
+
+    fn fork(&self, state: &CudaState) -> Result<CudaState> {
+        let _lock = self
+            .scratch
+            .lock()
+            .map_err(|_| anyhow::anyhow!("GPU scratch lock poisoned"))?;
+        state.fork(&self.gpu)
+    }
+
+    fn prefill(&self, state: &mut CudaState, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
+        ensure!(!tokens.is_empty(), "no tokens to run");
+        self.check_room(state, tokens)?;
+        let scratch = self
+            .scratch
+            .lock()
+            .map_err(|_| anyhow::anyhow!("GPU scratch lock poisoned"))?;
+        let mut out = Vec::new();
+        for (i, &t) in tokens.iter().enumerate() {
+            self.set_token(state, t)?;
+            self.step(state, &scratch)?;
+            // The step's argmax overwrote the slot with a token the host has not seen.
+            state.device_token = None;
+            if rows == LogitRows::All || i + 1 == tokens.len() {
+                out.extend(self.gpu.download(&scratch.logits)?);
+            }
+        }
+        Ok(out)
+    }
+
+    fn decode_sample(
+        &self,
+        state: &mut CudaState,
+        token: u32,
+        sampler: &mut Sampler,
+    ) -> Result<u32> {
+        if !sampler.params().is_greedy() {
+            let logits = self.decode(state, token)?;
+            return Ok(sampler.sample(&logits));
+        }
+        self.check_room(state, &[token])?;
+        let scratch = self
+            .scratch
+            .lock()
+            .map_err(|_| anyhow::anyhow!("GPU scratch lock poisoned"))?;
+        self.set_token(state, token)?;
+        self.step(state, &scratch)?;
+        let next = self.gpu.download(&state.token)?[0];
+        state.device_token = Some(next);
+        Ok(next)
+    }
+}

@@ -1,0 +1,122 @@
+//! Weight matrices on the device, as stored: dense f32, or MLX affine codes with bf16 scales
+//! and biases (the runtime format on every backend, uploaded byte for byte). Kernels see one
+//! `Mat` struct by value.
+
+use anyhow::{Result, bail, ensure};
+use cudarc::driver::{CudaSlice, DeviceRepr};
+use lily_core::weights::Linear;
+
+use crate::gpu::{Gpu, ptr};
+
+/// The kernels' `struct Mat` (kernels/common.cuh), passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MatArg {
+    pub w: u64,
+    pub scales: u64,
+    pub biases: u64,
+    pub rows: i32,
+    pub cols: i32,
+    pub group: i32,
+}
+
+// SAFETY: plain-old-data with the C layout of `struct Mat`.
+unsafe impl DeviceRepr for MatArg {}
+
+pub struct DeviceMat {
+    /// 4 or 8 for affine codes, 32 for dense f32.
+    pub bits: u32,
+    pub rows: usize,
+    pub cols: usize,
+    pub group: usize,
+    w: CudaSlice<u8>,
+    scales: Option<CudaSlice<u16>>,
+    biases: Option<CudaSlice<u16>>,
+}
+
+/// Bits, columns and group of a weight, as the kernels name them.
+fn format(l: &Linear) -> (u32, usize, usize) {
+    match l {
+        Linear::Dense(m) => (32, m.cols, m.cols),
+        Linear::Affine(q) => (q.bits(), q.cols(), q.group_size()),
+    }
+}
+
+impl DeviceMat {
+    pub fn upload(gpu: &Gpu, l: &Linear) -> Result<Self> {
+        Self::stack(gpu, &[l])
+    }
+
+    /// Uploads equal-shaped matrices one after another (experts), rows concatenated.
+    pub fn stack(gpu: &Gpu, parts: &[&Linear]) -> Result<Self> {
+        let Some(first) = parts.first() else {
+            bail!("no matrices to upload")
+        };
+        let (bits, cols, group) = format(first);
+        ensure!(
+            parts
+                .iter()
+                .all(|p| format(p) == (bits, cols, group) && p.rows() == first.rows()),
+            "stacked matrices must share shape and format"
+        );
+        if bits != 32 {
+            ensure!(
+                group % (128 / bits as usize) == 0,
+                "group size {group} does not suit the {bits}-bit GPU kernels"
+            );
+        }
+        let rows = first.rows() * parts.len();
+        let s = &gpu.stream;
+        let mut w = gpu.zeros::<u8>(rows * cols * bits as usize / 8)?;
+        let (mut scales, mut biases) = match bits {
+            32 => (None, None),
+            _ => (
+                Some(gpu.zeros::<u16>(rows * cols / group)?),
+                Some(gpu.zeros::<u16>(rows * cols / group)?),
+            ),
+        };
+        let (mut at_w, mut at_g) = (0, 0);
+        for part in parts {
+            match part {
+                Linear::Dense(m) => {
+                    let bytes: Vec<u8> = m.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    s.memcpy_htod(&bytes, &mut w.slice_mut(at_w..at_w + bytes.len()))?;
+                    at_w += bytes.len();
+                }
+                Linear::Affine(q) => {
+                    let bytes: Vec<u8> = q.codes().iter().flat_map(|v| v.to_le_bytes()).collect();
+                    s.memcpy_htod(&bytes, &mut w.slice_mut(at_w..at_w + bytes.len()))?;
+                    at_w += bytes.len();
+                    let n = q.scales().len();
+                    let sc: Vec<u16> = q.scales().iter().map(|v| v.to_bits()).collect();
+                    let bi: Vec<u16> = q.biases().iter().map(|v| v.to_bits()).collect();
+                    if let (Some(ds), Some(db)) = (scales.as_mut(), biases.as_mut()) {
+                        s.memcpy_htod(&sc, &mut ds.slice_mut(at_g..at_g + n))?;
+                        s.memcpy_htod(&bi, &mut db.slice_mut(at_g..at_g + n))?;
+                    }
+                    at_g += n;
+                }
+            }
+        }
+        Ok(DeviceMat {
+            bits,
+            rows,
+            cols,
+            group,
+            w,
+            scales,
+            biases,
+        })
+    }
+
+    pub fn arg(&self, gpu: &Gpu) -> MatArg {
+        MatArg {
+            w: ptr(&self.w, &gpu.stream),
+            scales: self.scales.as_ref().map_or(0, |s| ptr(s, &gpu.stream)),
+            biases: self.biases.as_ref().map_or(0, |s| ptr(s, &gpu.stream)),
+            rows: self.rows as i32,
+            cols: self.cols as i32,
+            group: self.group as i32,
+        }
+    }
+}

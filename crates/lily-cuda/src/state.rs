@@ -1,0 +1,112 @@
+//! One sequence on the GPU: KV caches, conv windows, recurrent states, the token slot that
+//! the step reads and the argmax writes, the position counter, and the step's captured graph.
+
+use anyhow::Result;
+use cudarc::driver::{CudaGraph, CudaSlice};
+use lily_core::config::{LayerKind, ModelConfig};
+
+use crate::gpu::Gpu;
+
+pub struct CudaState {
+    pub(crate) len: usize,
+    pub(crate) max_seq: usize,
+    /// The token the next step embeds; written by the host or by the previous step's argmax.
+    pub(crate) token: CudaSlice<u32>,
+    /// The next position (= len), advanced on the device by every step.
+    pub(crate) pos: CudaSlice<i32>,
+    /// What the device's token slot holds, when the host knows it.
+    pub(crate) device_token: Option<u32>,
+    pub(crate) layers: Vec<LayerState>,
+    pub(crate) graph: Option<CudaGraph>,
+}
+
+pub(crate) enum LayerState {
+    Attention {
+        k: CudaSlice<u16>,
+        v: CudaSlice<u16>,
+    },
+    GatedDeltaNet {
+        window: CudaSlice<f32>,
+        recurrent: CudaSlice<f32>,
+    },
+}
+
+// SAFETY: the state is only used from the thread that owns the backend's stream at a time; the
+// raw CUDA handles inside (the graph) are not tied to a thread.
+unsafe impl Send for CudaState {}
+
+impl CudaState {
+    /// Tokens consumed.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub(crate) fn new(gpu: &Gpu, c: &ModelConfig, max_seq: usize) -> Result<Self> {
+        let layers = c
+            .layer_kinds
+            .iter()
+            .map(|kind| {
+                Ok(match kind {
+                    LayerKind::Attention => {
+                        let n = max_seq * c.num_kv_heads * c.head_dim;
+                        LayerState::Attention {
+                            k: gpu.zeros(n)?,
+                            v: gpu.zeros(n)?,
+                        }
+                    }
+                    LayerKind::GatedDeltaNet => LayerState::GatedDeltaNet {
+                        window: gpu.zeros((c.conv_kernel - 1) * c.gdn_conv_dim())?,
+                        recurrent: gpu.zeros(
+                            c.linear_num_value_heads
+                                * c.linear_key_head_dim
+                                * c.linear_value_head_dim,
+                        )?,
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(CudaState {
+            len: 0,
+            max_seq,
+            token: gpu.zeros(1)?,
+            pos: gpu.zeros(1)?,
+            device_token: None,
+            layers,
+            graph: None,
+        })
+    }
+
+    /// A copy on the device; the copy captures its own graph when first stepped.
+    pub(crate) fn fork(&self, gpu: &Gpu) -> Result<Self> {
+        let s = &gpu.stream;
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(match l {
+                    LayerState::Attention { k, v } => LayerState::Attention {
+                        k: s.clone_dtod(k)?,
+                        v: s.clone_dtod(v)?,
+                    },
+                    LayerState::GatedDeltaNet { window, recurrent } => LayerState::GatedDeltaNet {
+                        window: s.clone_dtod(window)?,
+                        recurrent: s.clone_dtod(recurrent)?,
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(CudaState {
+            len: self.len,
+            max_seq: self.max_seq,
+            token: s.clone_dtod(&self.token)?,
+            pos: s.clone_dtod(&self.pos)?,
+            device_token: self.device_token,
+            layers,
+            graph: None,
+        })
+    }
+}

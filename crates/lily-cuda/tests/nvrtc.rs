@@ -1,0 +1,52 @@
+//! Every kernel compiles with NVRTC for every supported architecture and for models of several
+//! shapes. Needs libnvrtc but no GPU: CI installs the `nvidia-cuda-nvrtc` wheel (13.0 line) and
+//! runs this with `--ignored` (scripts/test.sh).
+
+use std::path::Path;
+
+use lily_core::config::ModelConfig;
+use lily_core::synthetic::synthetic_config;
+use lily_cuda::compile::compile_all;
+
+const ARCHS: [&str; 4] = ["sm_80", "sm_86", "sm_89", "sm_90"];
+
+fn fixture_config(name: &str) -> ModelConfig {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name);
+    ModelConfig::from_dir(&dir).unwrap()
+}
+
+#[test]
+#[ignore = "needs libnvrtc.so.13 on LD_LIBRARY_PATH; scripts/test.sh installs it and runs this"]
+fn every_kernel_compiles_for_every_architecture() {
+    // A private cache directory, so the test compiles rather than reading earlier results.
+    let cache = std::env::temp_dir().join(format!("lily-nvrtc-test-{}", std::process::id()));
+    // SAFETY: set before any thread of this test binary reads the environment.
+    unsafe { std::env::set_var("LILY_KERNEL_CACHE", &cache) };
+    let models = [
+        (
+            "qwen3.6-35b-a3b",
+            synthetic_config("qwen3.6-35b-a3b").unwrap(),
+            &ARCHS[..],
+        ),
+        ("tiny", synthetic_config("tiny").unwrap(), &ARCHS[..]),
+        ("tiny-a", fixture_config("tiny-a"), &ARCHS[3..]),
+        ("tiny-b", fixture_config("tiny-b"), &ARCHS[3..]),
+    ];
+    for (name, config, archs) in models {
+        for arch in archs {
+            let compiled =
+                compile_all(&config, arch).unwrap_or_else(|e| panic!("{name} for {arch}: {e:#}"));
+            for (file, ptx) in compiled {
+                let text = ptx.to_src();
+                assert!(
+                    text.contains(&format!(".target {arch}")),
+                    "{name}/{file}: no {arch} target"
+                );
+                assert!(text.contains(".entry"), "{name}/{file}: no kernel entry");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(cache);
+}

@@ -1,0 +1,98 @@
+//! The backend chosen at run time (`--device`), behind the same step-level trait, so every
+//! command and the server are written once for any backend.
+
+use anyhow::{Result, bail};
+use lily_core::backend::{Backend, LogitRows};
+use lily_core::config::ModelConfig;
+use lily_core::sampling::Sampler;
+use lily_cpu::{CpuBackend, CpuState};
+use lily_cuda::{CudaBackend, CudaState};
+
+pub enum AnyBackend {
+    Cpu(Box<CpuBackend>),
+    Cuda(Box<CudaBackend>),
+}
+
+pub enum AnyState {
+    Cpu(CpuState),
+    Cuda(Box<CudaState>),
+}
+
+fn mismatch() -> anyhow::Error {
+    anyhow::anyhow!("a sequence state was used with a backend other than the one that made it")
+}
+
+/// Forwards a call to whichever backend this is, with the state of the same kind.
+macro_rules! with_state {
+    ($self:expr, $state:expr, $b:ident, $s:ident => $body:expr) => {
+        match ($self, $state) {
+            (AnyBackend::Cpu($b), AnyState::Cpu($s)) => $body,
+            (AnyBackend::Cuda($b), AnyState::Cuda($s)) => $body,
+            _ => bail!(mismatch()),
+        }
+    };
+}
+
+impl Backend for AnyBackend {
+    type State = AnyState;
+
+    fn config(&self) -> &ModelConfig {
+        match self {
+            AnyBackend::Cpu(b) => b.config(),
+            AnyBackend::Cuda(b) => b.config(),
+        }
+    }
+
+    fn device_name(&self) -> String {
+        match self {
+            AnyBackend::Cpu(b) => b.device_name(),
+            AnyBackend::Cuda(b) => b.device_name(),
+        }
+    }
+
+    fn max_prefill_chunk(&self) -> usize {
+        match self {
+            AnyBackend::Cpu(b) => b.max_prefill_chunk(),
+            AnyBackend::Cuda(b) => b.max_prefill_chunk(),
+        }
+    }
+
+    fn new_state(&self, max_seq: usize) -> Result<AnyState> {
+        Ok(match self {
+            AnyBackend::Cpu(b) => AnyState::Cpu(b.new_state(max_seq)?),
+            AnyBackend::Cuda(b) => AnyState::Cuda(Box::new(b.new_state(max_seq)?)),
+        })
+    }
+
+    fn state_len(&self, state: &AnyState) -> usize {
+        match state {
+            AnyState::Cpu(s) => s.len(),
+            AnyState::Cuda(s) => s.len(),
+        }
+    }
+
+    fn fork(&self, state: &AnyState) -> Result<AnyState> {
+        Ok(match (self, state) {
+            (AnyBackend::Cpu(b), AnyState::Cpu(s)) => AnyState::Cpu(b.fork(s)?),
+            (AnyBackend::Cuda(b), AnyState::Cuda(s)) => AnyState::Cuda(Box::new(b.fork(s)?)),
+            _ => bail!(mismatch()),
+        })
+    }
+
+    fn prefill(&self, state: &mut AnyState, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
+        with_state!(self, state, b, s => b.prefill(s, tokens, rows))
+    }
+
+    fn decode(&self, state: &mut AnyState, token: u32) -> Result<Vec<f32>> {
+        with_state!(self, state, b, s => b.decode(s, token))
+    }
+
+    fn decode_sample(
+        &self,
+        state: &mut AnyState,
+        token: u32,
+        sampler: &mut Sampler,
+    ) -> Result<u32> {
+        with_state!(self, state, b, s => b.decode_sample(s, token, sampler))
+    }
+}

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Builds what a GPU run needs into .gpu/ (git-ignored): the release `lily` binary and the CUDA
+# test binary. Then run tools/gpu-check.sh on the GPU machine with `.gpu` carried.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .gpu
+cargo build --release -p lily
+cp target/release/lily .gpu/lily
+bin=$(cargo test --release -p lily-cuda --test gpu --no-run --message-format=json 2>/dev/null \
+  | python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
+        print(m["executable"])')
+cp "$bin" .gpu/gpu-tests
+strip .gpu/lily .gpu/gpu-tests 2>/dev/null || true
+ls -la .gpu

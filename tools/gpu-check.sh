@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine from the repository root, with .gpu/ carried (tools/gpu-build.sh):
+# the CUDA-vs-CPU tests, then the decode benchmark. Logs go to $OUT when it is set.
+set -uo pipefail
+export LD_LIBRARY_PATH=/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+export LILY_KERNEL_CACHE=/tmp/lily-kernels LILY_FIXTURES=$PWD/tests/fixtures
+out=${OUT:-/tmp/lily-out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$out/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
+step=${1:-all}
+if [ "$step" = all ] || [ "$step" = test ]; then
+  .gpu/gpu-tests --include-ignored --nocapture --test-threads 1 2>&1 | tee "$out/gpu-tests.log"
+fi
+if [ "$step" = all ] || [ "$step" = bench ]; then
+  .gpu/lily bench --model synthetic:qwen3.6-35b-a3b --device cuda --prompt-lens 256 \
+    --contexts "${CONTEXTS:-256,1024,4096}" --json "$out/bench-cuda.json" 2>&1 | tee "$out/bench-cuda.md"
+fi
+if [ "$step" = all ] || [ "$step" = agree ]; then
+  # The first 32 greedy tokens of the full-size synthetic model, CPU against GPU.
+  prompt=9419,11,1814,13,576,374,264,1296
+  .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cuda --tokens $prompt --max-tokens 32 \
+    --temperature 0 --ignore-eos --json 2>&1 | tee "$out/greedy-cuda.json"
+  .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cpu --tokens $prompt --max-tokens 32 \
+    --temperature 0 --ignore-eos --json 2>&1 | tee "$out/greedy-cpu.json"
+fi
