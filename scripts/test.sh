@@ -5,3 +5,10 @@ cd "$(dirname "$0")/.."
 # The CLI tests check that numpy itself reads the logits `lily score` writes.
 python3 -c "import numpy" 2>/dev/null || python3 -m pip install -q numpy
 cargo test --workspace --all-targets
+# Every CUDA kernel compiles with NVRTC (no GPU needed): the 13.0 line, as the H200 driver
+# loads its PTX. Installed into a scratch folder, never cached across runs.
+nvrtc_dir=$(mktemp -d)
+python3 -m pip install -q --target "$nvrtc_dir" "nvidia-cuda-nvrtc==13.0.*"
+LD_LIBRARY_PATH="$nvrtc_dir/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}" \
+  cargo test -p lily-cuda --test nvrtc -- --ignored
+rm -rf "$nvrtc_dir"
