@@ -4,6 +4,7 @@ mod backends;
 mod cmd;
 mod device;
 mod progress;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -35,6 +36,10 @@ enum Command {
     Bench(cmd::bench::Args),
     /// Download a model from the Hugging Face Hub into its cache (resumable, checksummed).
     Pull(cmd::pull::Args),
+    /// Serve an OpenAI-compatible API (chat, completions, streaming, tools).
+    Serve(cmd::serve::Args),
+    /// Chat in the terminal (streamed, thinking dimmed).
+    Chat(cmd::chat::Args),
     /// Convert a bf16/f32 checkpoint to MLX 4-bit (group 64), as mlx_lm.convert -q does.
     Quantize(cmd::quantize::Args),
 }
@@ -48,6 +53,8 @@ fn main() -> ExitCode {
         Command::Inspect(args) => cmd::inspect::run(args),
         Command::Bench(args) => cmd::bench::run(args),
         Command::Pull(args) => cmd::pull::run(args),
+        Command::Serve(args) => cmd::serve::run(args),
+        Command::Chat(args) => cmd::chat::run(args),
         Command::Quantize(args) => cmd::quantize::run(args),
     };
     match result {

@@ -1,12 +1,17 @@
 use std::io::Write;
 use std::ops::ControlFlow;
+use std::sync::Arc;
 
 use anyhow::{Result, bail};
 use lily_core::backend::Backend;
 use lily_core::generate::generate;
 use lily_core::sampling::{Sampler, SamplingParams};
 
+use crate::cmd::pull::resolve_model;
 use crate::device::{Device, load};
+use crate::serve::engine::{Engine, EngineEvent, GenerationJob};
+use crate::serve::prompt::chat_prompt;
+use crate::serve::text_model_for;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -16,9 +21,15 @@ pub struct Args {
     /// Prompt token ids, comma-separated (no template or tokenizer is used).
     #[arg(long, conflicts_with = "prompt")]
     tokens: Option<String>,
-    /// Prompt text (rendered with the chat template).
+    /// Prompt text, sent as one user message through the chat template.
     #[arg(long)]
     prompt: Option<String>,
+    /// With --prompt: answer without thinking (the template's enable_thinking=false).
+    #[arg(long, requires = "prompt")]
+    no_thinking: bool,
+    /// With --prompt: end the output where this text appears (repeatable); it is not printed.
+    #[arg(long, requires = "prompt")]
+    stop: Vec<String>,
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
     /// 0 for greedy decoding.
@@ -47,30 +58,35 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let prompt = match (&args.tokens, &args.prompt) {
-        (Some(t), None) => super::parse_tokens(t)?,
-        (None, Some(_)) => {
-            bail!("--prompt needs the tokenizer, which is not built yet; use --tokens")
-        }
-        _ => bail!("give --tokens or --prompt"),
-    };
     check_sampling(args.temperature, args.top_p, args.min_p)?;
-    let backend = load(&args.model, args.device)?;
-    let max_seq = args.max_seq.unwrap_or(prompt.len() + args.max_tokens);
-    let mut state = backend.new_state(max_seq)?;
-    let params = SamplingParams {
+    match (&args.tokens, &args.prompt) {
+        (Some(tokens), None) => run_tokens(&args, super::parse_tokens(tokens)?),
+        (None, Some(prompt)) => run_prompt(&args, prompt),
+        _ => bail!("give --tokens or --prompt"),
+    }
+}
+
+fn sampling(args: &Args) -> SamplingParams {
+    SamplingParams {
         temperature: args.temperature,
         top_k: args.top_k,
         top_p: args.top_p,
         min_p: args.min_p,
         seed: args.seed,
-    };
+    }
+}
+
+/// Token ids in and out, no tokenizer involved.
+fn run_tokens(args: &Args, prompt: Vec<u32>) -> Result<()> {
+    let backend = load(&args.model, args.device)?;
+    let max_seq = args.max_seq.unwrap_or(prompt.len() + args.max_tokens);
+    let mut state = backend.new_state(max_seq)?;
     let stop: Vec<u32> = if args.ignore_eos {
         Vec::new()
     } else {
         backend.config().eos_token_ids.clone()
     };
-    let mut sampler = Sampler::new(params);
+    let mut sampler = Sampler::new(sampling(args));
     let stdout = std::io::stdout();
     let json = args.json;
     let mut first = true;
@@ -94,6 +110,62 @@ pub fn run(args: Args) -> Result<()> {
     if json {
         let value = serde_json::json!({ "tokens": generation.tokens, "text": null });
         println!("{value}");
+    } else {
+        println!();
+    }
+    Ok(())
+}
+
+/// Text through the chat template, with the server's engine: the same sampling, masking of
+/// undecodable ids, stop tokens and stop strings. Prints the raw output text (thinking included).
+fn run_prompt(args: &Args, prompt: &str) -> Result<()> {
+    if args.ignore_eos {
+        bail!("--ignore-eos works with --tokens only; a chat reply ends at its end-of-turn token");
+    }
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1 with --prompt");
+    }
+    let model = resolve_model(&args.model)?;
+    let text = Arc::new(text_model_for(&model)?);
+    let mut kwargs = serde_json::Map::new();
+    kwargs.insert("enable_thinking".into(), (!args.no_thinking).into());
+    let messages = [serde_json::json!({"role": "user", "content": prompt})];
+    let prompt = chat_prompt(&text, &messages, &[], &kwargs)?;
+    let max_seq = args
+        .max_seq
+        .unwrap_or(prompt.tokens.len() + args.max_tokens);
+    let mut engine = Engine::new(load(&args.model, args.device)?, text, max_seq, 0)?;
+    let job = GenerationJob {
+        prompt: prompt.tokens,
+        turn_boundary: None,
+        max_tokens: args.max_tokens,
+        sampling: sampling(args),
+        stop: args.stop.clone(),
+    };
+    let json = args.json;
+    let mut output = String::new();
+    let stdout = std::io::stdout();
+    let outcome = engine.run(
+        &job,
+        |event| {
+            if let EngineEvent::Text(piece) = event {
+                if json {
+                    output.push_str(&piece);
+                } else {
+                    let mut out = stdout.lock();
+                    let _ = write!(out, "{piece}");
+                    let _ = out.flush();
+                }
+            }
+            ControlFlow::Continue(())
+        },
+        || false,
+    )?;
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({ "tokens": outcome.tokens, "text": output })
+        );
     } else {
         println!();
     }

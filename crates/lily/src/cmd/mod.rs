@@ -1,9 +1,11 @@
 pub mod bench;
+pub mod chat;
 pub mod generate;
 pub mod inspect;
 pub mod pull;
 pub mod quantize;
 pub mod score;
+pub mod serve;
 
 /// Parses `1,2,3` into token ids.
 pub fn parse_tokens(text: &str) -> anyhow::Result<Vec<u32>> {

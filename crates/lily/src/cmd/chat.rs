@@ -1,0 +1,244 @@
+//! `lily chat`: a conversation in the terminal. Replies stream as they are generated, thinking
+//! dimmed; each turn reuses the state snapshotted at the end of the previous one.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use lily_chat::{ChatDelta, ChatOutputParser};
+use serde_json::{Map, Value, json};
+
+use crate::cmd::pull::resolve_model;
+use crate::device::{Device, load};
+use crate::serve::engine::{Engine, EngineEvent, GenerationJob, Outcome};
+use crate::serve::ids::random_u64;
+use crate::serve::prompt::chat_prompt;
+use crate::serve::sampling_defaults::SamplingDefaults;
+use crate::serve::text_model_for;
+
+const DIM: &str = "\x1b[2m";
+const RESET: &str = "\x1b[0m";
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A checkpoint directory or synthetic:NAME.
+    #[arg(long)]
+    model: String,
+    /// A system message for the conversation.
+    #[arg(long)]
+    system: Option<String>,
+    /// Answer without thinking.
+    #[arg(long)]
+    no_thinking: bool,
+    /// The most tokens per reply (default: what the context has left).
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Context length in tokens for the whole conversation [default: 32768, or the model's
+    /// positions if fewer].
+    #[arg(long)]
+    max_seq: Option<usize>,
+    /// Sampling; unset values come from the model's generation_config.json (0: greedy).
+    #[arg(long)]
+    temperature: Option<f32>,
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    top_p: Option<f32>,
+    #[arg(long)]
+    min_p: Option<f32>,
+    /// Seed of the first reply (each later reply uses the next one); random if unset.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Memory for conversation snapshots in MiB (what makes later turns start fast).
+    #[arg(long, default_value_t = 1024)]
+    snapshot_cache_mb: usize,
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    device: Device,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let model = resolve_model(&args.model)?;
+    let max_seq = super::serve::context_length(args.max_seq, &model.config()?)?;
+    let text = Arc::new(text_model_for(&model)?);
+    let dir = match &model {
+        lily_core::model_ref::ModelRef::Dir(dir) => Some(dir.as_path()),
+        lily_core::model_ref::ModelRef::Synthetic(_) => None,
+    };
+    let mut sampling = SamplingDefaults::for_model(dir)?;
+    sampling.temperature = args.temperature.unwrap_or(sampling.temperature);
+    sampling.top_k = args.top_k.unwrap_or(sampling.top_k);
+    sampling.top_p = args.top_p.unwrap_or(sampling.top_p);
+    sampling.min_p = args.min_p.unwrap_or(sampling.min_p);
+    super::generate::check_sampling(sampling.temperature, sampling.top_p, sampling.min_p)?;
+    let backend = load(&args.model, args.device)?;
+    let budget = args.snapshot_cache_mb << 20;
+    let mut engine = Engine::new(backend, text.clone(), max_seq, budget)?;
+
+    let style = Style {
+        color: std::io::stdout().is_terminal(),
+    };
+    eprintln!(
+        "lily chat: {} — /reset starts over, /exit (or Ctrl-D) quits",
+        model.display_name()
+    );
+    let mut history: Vec<Value> = Vec::new();
+    if let Some(system) = &args.system {
+        history.push(json!({"role": "system", "content": system}));
+    }
+    let mut kwargs = Map::new();
+    kwargs.insert("enable_thinking".into(), (!args.no_thinking).into());
+    let mut seed = args.seed.unwrap_or_else(random_u64);
+    let stdin = std::io::stdin();
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin
+            .lock()
+            .read_line(&mut line)
+            .context("reading the terminal")?
+            == 0
+        {
+            eprintln!();
+            return Ok(());
+        }
+        let line = line.trim();
+        match line {
+            "" => continue,
+            "/exit" | "/quit" => return Ok(()),
+            "/reset" => {
+                history.truncate(usize::from(args.system.is_some()));
+                eprintln!("(conversation cleared)");
+                continue;
+            }
+            _ => {}
+        }
+        history.push(json!({"role": "user", "content": line}));
+        let prompt = match chat_prompt(&text, &history, &[], &kwargs) {
+            Ok(prompt) => prompt,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                history.pop();
+                continue;
+            }
+        };
+        let job = GenerationJob {
+            max_tokens: args
+                .max_tokens
+                .unwrap_or(usize::MAX)
+                .min(max_seq.saturating_sub(prompt.tokens.len())),
+            prompt: prompt.tokens,
+            turn_boundary: prompt.turn_boundary,
+            sampling: sampling.params(seed),
+            stop: Vec::new(),
+        };
+        seed = seed.wrapping_add(1);
+        if job.prompt.len() >= max_seq {
+            eprintln!(
+                "error: the conversation has {} tokens, the context {}: /reset, or restart with a \
+                 larger --max-seq",
+                job.prompt.len(),
+                max_seq
+            );
+            history.pop();
+            continue;
+        }
+        let mut reply = Reply::new(ChatOutputParser::new(prompt.thinking, None), style);
+        let outcome = engine.run(&job, |event| reply.on_event(event), || false)?;
+        history.push(reply.finish(&outcome));
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Style {
+    color: bool,
+}
+
+/// One streamed reply: prints as it goes and remembers what the history needs.
+struct Reply {
+    parser: ChatOutputParser,
+    style: Style,
+    reasoning: String,
+    content: String,
+    in_reasoning: bool,
+    started: Option<Instant>,
+}
+
+impl Reply {
+    fn new(parser: ChatOutputParser, style: Style) -> Self {
+        Reply {
+            parser,
+            style,
+            reasoning: String::new(),
+            content: String::new(),
+            in_reasoning: false,
+            started: None,
+        }
+    }
+
+    fn on_event(&mut self, event: EngineEvent) -> ControlFlow<()> {
+        match event {
+            EngineEvent::Started { .. } => self.started = Some(Instant::now()),
+            EngineEvent::Text(text) => {
+                let deltas = self.parser.push(&text);
+                self.print(deltas);
+            }
+        }
+        ControlFlow::Continue(())
+    }
+
+    fn print(&mut self, deltas: Vec<ChatDelta>) {
+        let mut out = std::io::stdout().lock();
+        for delta in deltas {
+            match delta {
+                ChatDelta::Reasoning(t) => {
+                    if !self.in_reasoning && self.style.color {
+                        let _ = write!(out, "{DIM}");
+                    }
+                    self.in_reasoning = true;
+                    let _ = write!(out, "{t}");
+                    self.reasoning.push_str(&t);
+                }
+                ChatDelta::Content(t) => {
+                    self.end_reasoning(&mut out);
+                    let _ = write!(out, "{t}");
+                    self.content.push_str(&t);
+                }
+                // Tools are not offered in the terminal, so the parser reports none.
+                ChatDelta::ToolCallStart { .. } | ChatDelta::ToolCallArguments { .. } => {}
+            }
+        }
+        let _ = out.flush();
+    }
+
+    fn end_reasoning(&mut self, out: &mut impl Write) {
+        if self.in_reasoning {
+            let _ = write!(out, "{}\n\n", if self.style.color { RESET } else { "" });
+            self.in_reasoning = false;
+        }
+    }
+
+    /// Prints the rest and the speed; returns the assistant message for the history.
+    fn finish(&mut self, outcome: &Outcome) -> Value {
+        let deltas = self.parser.finish();
+        self.print(deltas);
+        self.end_reasoning(&mut std::io::stdout().lock());
+        println!();
+        let seconds = self.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
+        let speed = outcome.tokens.len() as f64 / seconds.max(1e-9);
+        let (dim, reset) = if self.style.color {
+            (DIM, RESET)
+        } else {
+            ("", "")
+        };
+        eprintln!(
+            "{dim}[{} tokens, {speed:.1} tok/s, {} of {} prompt tokens reused, {:?}]{reset}",
+            outcome.tokens.len(),
+            outcome.cached_tokens,
+            outcome.prompt_tokens,
+            outcome.finish
+        );
+        json!({"role": "assistant", "content": self.content, "reasoning_content": self.reasoning})
+    }
+}

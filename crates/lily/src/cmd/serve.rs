@@ -1,0 +1,132 @@
+//! `lily serve`: the OpenAI-compatible HTTP server.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use lily_core::backend::Backend;
+use lily_core::config::ModelConfig;
+use lily_core::model_ref::ModelRef;
+
+use crate::cmd::pull::resolve_model;
+use crate::device::{Device, load};
+use crate::serve::engine::Engine;
+use crate::serve::ids::unix_time;
+use crate::serve::routes::{AppState, router};
+use crate::serve::sampling_defaults::SamplingDefaults;
+use crate::serve::text_model_for;
+use crate::serve::worker::EngineHandle;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A checkpoint directory or synthetic:NAME.
+    #[arg(long)]
+    model: String,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// 0 picks a free port (the address is printed).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// The context length in tokens, prompt and reply together [default: 32768, or the model's
+    /// positions if fewer].
+    #[arg(long)]
+    max_seq: Option<usize>,
+    /// Requests that may wait while one generates; more get 429.
+    #[arg(long, default_value_t = 16)]
+    queue_size: usize,
+    /// Memory for snapshots of conversation states (multi-turn reuse), in MiB; 0 turns it off.
+    #[arg(long, default_value_t = 2048)]
+    snapshot_cache_mb: usize,
+    /// Thinking off unless a request sets chat_template_kwargs.enable_thinking.
+    #[arg(long)]
+    no_thinking: bool,
+    /// The model name clients send (default: the --model argument).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    device: Device,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let model = resolve_model(&args.model)?;
+    let max_seq = context_length(args.max_seq, &model.config()?)?;
+    let dir = match &model {
+        ModelRef::Dir(dir) => Some(dir.as_path()),
+        ModelRef::Synthetic(_) => None,
+    };
+    let defaults = SamplingDefaults::for_model(dir)?;
+    // Every endpoint returns text, so a checkpoint without a tokenizer cannot be served at all.
+    let text = Arc::new(text_model_for(&model)?);
+    let backend = load(&args.model, args.device)?;
+    eprintln!(
+        "lily: {} on {}",
+        model.display_name(),
+        backend.device_name()
+    );
+    eprintln!("lily: {}", text.provenance);
+    let vocab_size = backend.config().vocab_size;
+    let budget = args.snapshot_cache_mb << 20;
+    let engine = Engine::new(backend, text.clone(), max_seq, budget)?;
+    let engine = EngineHandle::spawn(engine, args.queue_size).context("starting the engine")?;
+    let app = Arc::new(AppState {
+        engine,
+        text,
+        model_name: args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| args.model.clone()),
+        model_aliases: vec![args.model.clone()],
+        created: unix_time(),
+        max_seq,
+        vocab_size,
+        defaults,
+        default_thinking: !args.no_thinking,
+    });
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(serve(app, &args.host, args.port))
+}
+
+async fn serve(app: Arc<AppState>, host: &str, port: u16) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind((host, port))
+        .await
+        .with_context(|| format!("cannot listen on {host}:{port}"))?;
+    let address: SocketAddr = listener.local_addr()?;
+    eprintln!("lily: serving {} on http://{address}/v1", app.model_name);
+    axum::serve(listener, router(app))
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("serving")?;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut terminate =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(signal) => signal,
+                Err(_) => return interrupt.await.unwrap_or(()),
+            };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = terminate.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    interrupt.await.unwrap_or(());
+}
+
+/// `--max-seq`, checked against the positions the model has; 32768 by default.
+pub fn context_length(requested: Option<usize>, config: &ModelConfig) -> Result<usize> {
+    let positions = config.max_position_embeddings;
+    let max_seq = requested.unwrap_or(positions.min(32768));
+    if max_seq < 2 || max_seq > positions {
+        bail!("--max-seq must be between 2 and the model's {positions} positions");
+    }
+    Ok(max_seq)
+}

@@ -1,0 +1,174 @@
+//! The engine on `synthetic:tiny` (real vocabulary, random weights) with the real tokenizer and
+//! template.
+
+use std::ops::ControlFlow;
+use std::sync::{Arc, OnceLock};
+
+use lily_chat::TextModel;
+use lily_core::sampling::SamplingParams;
+use serde_json::{Map, Value, json};
+
+use super::*;
+use crate::backends::AnyBackend;
+use crate::device::{Device, load};
+use crate::serve::prompt::chat_prompt;
+
+fn text_model() -> Arc<TextModel> {
+    static TEXT: OnceLock<Arc<TextModel>> = OnceLock::new();
+    TEXT.get_or_init(|| Arc::new(TextModel::embedded().unwrap()))
+        .clone()
+}
+
+fn engine(snapshot_budget: usize) -> Engine<AnyBackend> {
+    let backend = load("synthetic:tiny", Device::Cpu).unwrap();
+    Engine::new(backend, text_model(), 4096, snapshot_budget).unwrap()
+}
+
+fn job(messages: &[Value], max_tokens: usize, sampling: SamplingParams) -> GenerationJob {
+    let mut kwargs = Map::new();
+    kwargs.insert("enable_thinking".into(), false.into());
+    let prompt = chat_prompt(&text_model(), messages, &[], &kwargs).unwrap();
+    GenerationJob {
+        prompt: prompt.tokens,
+        turn_boundary: prompt.turn_boundary,
+        max_tokens,
+        sampling,
+        stop: Vec::new(),
+    }
+}
+
+/// Runs `job`, returning the outcome and the text it streamed.
+fn run(engine: &mut Engine<AnyBackend>, job: &GenerationJob) -> (Outcome, String) {
+    let mut text = String::new();
+    let outcome = engine
+        .run(
+            job,
+            |event| {
+                if let EngineEvent::Text(t) = event {
+                    text.push_str(&t);
+                }
+                ControlFlow::Continue(())
+            },
+            || false,
+        )
+        .unwrap();
+    (outcome, text)
+}
+
+fn sampled(seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature: 1.0,
+        top_k: 20,
+        top_p: 0.95,
+        min_p: 0.0,
+        seed,
+    }
+}
+
+#[test]
+fn the_same_seed_gives_the_same_output_and_another_seed_differs() {
+    let mut engine = engine(0);
+    let messages = [json!({"role": "user", "content": "Write a haiku."})];
+    let (a, text_a) = run(&mut engine, &job(&messages, 24, sampled(7)));
+    let (b, text_b) = run(&mut engine, &job(&messages, 24, sampled(7)));
+    let (c, _) = run(&mut engine, &job(&messages, 24, sampled(8)));
+    assert_eq!(a.tokens.len(), 24);
+    assert_eq!(a.finish, Finish::Length);
+    assert_eq!((&a.tokens, &text_a), (&b.tokens, &text_b));
+    assert_ne!(a.tokens, c.tokens);
+    // The streamed text is the decoding of the tokens.
+    assert_eq!(text_a, text_model().tokenizer.decode(&a.tokens));
+    // Undecodable padding ids of the lm_head are never sampled.
+    let limit = text_model().tokenizer.decodable_len() as u32;
+    assert!(a.tokens.iter().chain(&c.tokens).all(|&t| t < limit));
+}
+
+#[test]
+fn a_second_turn_reuses_the_first_and_matches_a_cold_run() {
+    let mut warm = engine(256 << 20);
+    let first = [json!({"role": "user", "content": "Name a colour."})];
+    let (turn1, reply) = run(&mut warm, &job(&first, 6, SamplingParams::greedy()));
+    assert_eq!(turn1.cached_tokens, 0);
+    let second = [
+        first[0].clone(),
+        json!({"role": "assistant", "content": reply}),
+        json!({"role": "user", "content": "And another?"}),
+    ];
+    let second_job = job(&second, 8, SamplingParams::greedy());
+    let (turn2, text2) = run(&mut warm, &second_job);
+    // At least the first user turn (`<|im_start|>user\n…<|im_end|>\n`) came from a snapshot.
+    let first_turn = job(&first, 1, SamplingParams::greedy())
+        .turn_boundary
+        .unwrap();
+    assert!(turn2.cached_tokens >= first_turn, "{turn2:?}");
+    assert!(turn2.cached_tokens < second_job.prompt.len());
+
+    let mut cold = engine(0);
+    let (cold2, cold_text) = run(&mut cold, &second_job);
+    assert_eq!(cold2.cached_tokens, 0);
+    assert_eq!((turn2.tokens, text2), (cold2.tokens, cold_text));
+
+    // The same prompt again starts from the snapshot taken after it, logits included.
+    let (again, _) = run(&mut warm, &second_job);
+    assert_eq!(again.cached_tokens, second_job.prompt.len());
+}
+
+#[test]
+fn stop_strings_end_the_output_before_them() {
+    let mut engine = engine(0);
+    let messages = [json!({"role": "user", "content": "Count."})];
+    let plain = job(&messages, 16, SamplingParams::greedy());
+    let (full, text) = run(&mut engine, &plain);
+    // A stop string made of the last character of one token and the first of the next.
+    let tokenizer = &text_model().tokenizer;
+    let (k, stop) = (1..full.tokens.len())
+        .find_map(|k| {
+            let before = tokenizer.decode(&full.tokens[..k]);
+            let after = tokenizer.decode(&full.tokens[..k + 1]);
+            let added = after.strip_prefix(before.as_str())?;
+            let stop = format!("{}{}", before.chars().last()?, added.chars().next()?);
+            (!stop.contains('\u{FFFD}')).then_some((k, stop))
+        })
+        .expect("two adjacent tokens that decode on their own");
+    let mut with_stop = plain.clone();
+    with_stop.stop = vec![stop.clone()];
+    let (stopped, stopped_text) = run(&mut engine, &with_stop);
+    assert_eq!(stopped.finish, Finish::Stop);
+    let first = text.find(&stop).unwrap();
+    assert_eq!(stopped_text, text[..first]);
+    assert!(stopped.tokens.len() <= k + 1);
+    assert_eq!(stopped.tokens, full.tokens[..stopped.tokens.len()]);
+}
+
+#[test]
+fn a_consumer_that_goes_away_cancels_the_generation() {
+    let mut engine = engine(0);
+    let messages = [json!({"role": "user", "content": "Talk."})];
+    let mut texts = 0;
+    let outcome = engine
+        .run(
+            &job(&messages, 50, SamplingParams::greedy()),
+            |event| match event {
+                EngineEvent::Text(_) => {
+                    texts += 1;
+                    ControlFlow::Break(())
+                }
+                EngineEvent::Started { .. } => ControlFlow::Continue(()),
+            },
+            || false,
+        )
+        .unwrap();
+    assert_eq!(outcome.finish, Finish::Cancelled);
+    assert_eq!(texts, 1);
+    assert!(outcome.tokens.len() < 50);
+    // Cancelled before the prefill: nothing is generated.
+    let outcome = engine
+        .run(
+            &job(&messages, 50, SamplingParams::greedy()),
+            |_| ControlFlow::Continue(()),
+            || true,
+        )
+        .unwrap();
+    assert_eq!(outcome.finish, Finish::Cancelled);
+    assert!(outcome.tokens.is_empty());
+}

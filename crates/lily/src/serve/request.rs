@@ -1,0 +1,511 @@
+//! Reading and validating OpenAI request bodies. Unknown fields are ignored (clients send many);
+//! known fields with a value we cannot honour are a 400 that names them, never silently dropped.
+
+use lily_core::sampling::SamplingParams;
+use serde_json::{Map, Value};
+
+use super::error::{ApiError, ApiResult};
+use super::ids::random_u64;
+use super::sampling_defaults::SamplingDefaults;
+
+/// The most stop strings a request may give.
+const MAX_STOP_STRINGS: usize = 16;
+
+/// What chat and text completions share.
+#[derive(Clone, Debug)]
+pub struct CommonRequest {
+    pub model: String,
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct ChatRequest {
+    pub common: CommonRequest,
+    /// Messages as the chat template reads them (content as text, tool-call arguments as
+    /// objects).
+    pub messages: Vec<Value>,
+    /// Empty when the request has none or `tool_choice` is "none".
+    pub tools: Vec<Value>,
+    /// `chat_template_kwargs`, with `enable_thinking` always set.
+    pub template_kwargs: Map<String, Value>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum CompletionPrompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+#[derive(Clone, Debug)]
+pub struct CompletionRequest {
+    pub common: CommonRequest,
+    pub prompt: CompletionPrompt,
+}
+
+/// The body as a JSON object.
+pub fn parse_body(bytes: &[u8]) -> ApiResult<Map<String, Value>> {
+    match serde_json::from_slice::<Value>(bytes) {
+        Ok(Value::Object(body)) => Ok(body),
+        Ok(_) => Err(ApiError::invalid("the request body must be a JSON object")),
+        Err(e) => Err(ApiError::invalid(format!(
+            "the request body is not valid JSON: {e}"
+        ))),
+    }
+}
+
+pub fn parse_chat(
+    body: &Map<String, Value>,
+    defaults: &SamplingDefaults,
+    default_thinking: bool,
+) -> ApiResult<ChatRequest> {
+    let fields = Fields(body);
+    let common = parse_common(&fields, defaults, None)?;
+    for (name, neutral) in [("logprobs", Value::Bool(false)), ("top_logprobs", 0.into())] {
+        fields.require_neutral(name, &[neutral], "log-probabilities")?;
+    }
+    match body.get("response_format") {
+        None | Some(Value::Null) => {}
+        Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}
+        Some(_) => {
+            return Err(ApiError::unsupported(
+                "response_format",
+                "structured output",
+            ));
+        }
+    }
+    let messages = match body.get("messages") {
+        Some(Value::Array(list)) if !list.is_empty() => list
+            .iter()
+            .enumerate()
+            .map(|(i, m)| normalize_message(i, m))
+            .collect::<ApiResult<Vec<_>>>()?,
+        Some(Value::Array(_)) => return Err(ApiError::param("messages", "must not be empty")),
+        Some(_) => return Err(ApiError::param("messages", "must be a list of messages")),
+        None => return Err(ApiError::param("messages", "is required")),
+    };
+    let tools = parse_tools(body)?;
+    let mut template_kwargs = match body.get("chat_template_kwargs") {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(kwargs)) => kwargs.clone(),
+        Some(_) => return Err(ApiError::param("chat_template_kwargs", "must be an object")),
+    };
+    for reserved in ["messages", "tools", "add_generation_prompt"] {
+        if template_kwargs.contains_key(reserved) {
+            return Err(ApiError::param(
+                format!("chat_template_kwargs.{reserved}"),
+                "is set by the server",
+            ));
+        }
+    }
+    match template_kwargs.get("enable_thinking") {
+        None | Some(Value::Null) => {
+            template_kwargs.insert("enable_thinking".into(), default_thinking.into());
+        }
+        Some(Value::Bool(_)) => {}
+        Some(_) => {
+            return Err(ApiError::param(
+                "chat_template_kwargs.enable_thinking",
+                "must be true or false",
+            ));
+        }
+    }
+    Ok(ChatRequest {
+        common,
+        messages,
+        tools,
+        template_kwargs,
+    })
+}
+
+pub fn parse_completion(
+    body: &Map<String, Value>,
+    defaults: &SamplingDefaults,
+) -> ApiResult<CompletionRequest> {
+    let fields = Fields(body);
+    // OpenAI's default for text completions.
+    let common = parse_common(&fields, defaults, Some(16))?;
+    fields.require_neutral("echo", &[Value::Bool(false)], "echo")?;
+    fields.require_neutral("suffix", &[], "suffix")?;
+    fields.require_neutral("best_of", &[1.into()], "best_of other than 1")?;
+    fields.require_neutral("logprobs", &[Value::Bool(false)], "log-probabilities")?;
+    let prompt = match body.get("prompt") {
+        Some(Value::String(s)) => CompletionPrompt::Text(s.clone()),
+        Some(Value::Array(items)) => match items.as_slice() {
+            [Value::String(s)] => CompletionPrompt::Text(s.clone()),
+            [Value::Array(ids)] => CompletionPrompt::Tokens(token_ids(ids)?),
+            ids if !ids.is_empty() && ids.iter().all(Value::is_number) => {
+                CompletionPrompt::Tokens(token_ids(ids)?)
+            }
+            [] => return Err(ApiError::param("prompt", "must not be empty")),
+            _ => {
+                return Err(ApiError::unsupported(
+                    "prompt",
+                    "more than one prompt per request",
+                ));
+            }
+        },
+        Some(_) => {
+            return Err(ApiError::param(
+                "prompt",
+                "must be a string or a list of token ids",
+            ));
+        }
+        None => return Err(ApiError::param("prompt", "is required")),
+    };
+    if prompt == CompletionPrompt::Text(String::new()) {
+        return Err(ApiError::param("prompt", "must not be empty"));
+    }
+    Ok(CompletionRequest { common, prompt })
+}
+
+fn token_ids(values: &[Value]) -> ApiResult<Vec<u32>> {
+    let ids = values
+        .iter()
+        .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()))
+        .collect::<Option<Vec<u32>>>()
+        .ok_or_else(|| ApiError::param("prompt", "token ids must be non-negative integers"))?;
+    if ids.is_empty() {
+        return Err(ApiError::param("prompt", "must not be empty"));
+    }
+    Ok(ids)
+}
+
+fn parse_common(
+    fields: &Fields,
+    defaults: &SamplingDefaults,
+    default_max_tokens: Option<usize>,
+) -> ApiResult<CommonRequest> {
+    let model = match fields.0.get("model") {
+        Some(Value::String(m)) => m.clone(),
+        Some(_) => return Err(ApiError::param("model", "must be a string")),
+        None => return Err(ApiError::param("model", "is required")),
+    };
+    fields.require_neutral("n", &[1.into()], "n other than 1")?;
+    fields.require_neutral("presence_penalty", &[0.into()], "presence_penalty")?;
+    fields.require_neutral("frequency_penalty", &[0.into()], "frequency_penalty")?;
+    fields.require_neutral("repetition_penalty", &[1.into()], "repetition_penalty")?;
+    match fields.0.get("logit_bias") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(m)) if m.is_empty() => {}
+        Some(_) => return Err(ApiError::unsupported("logit_bias", "logit_bias")),
+    }
+    let max_tokens = match fields.count("max_completion_tokens")? {
+        Some(n) => Some(n),
+        None => fields.count("max_tokens")?,
+    }
+    .or(default_max_tokens);
+    if max_tokens == Some(0) {
+        return Err(ApiError::param("max_tokens", "must be at least 1"));
+    }
+    let top_k = match fields.number("top_k")? {
+        None => defaults.top_k,
+        Some(k) if k == -1.0 || k == 0.0 => 0,
+        Some(k) if k >= 1.0 && k.fract() == 0.0 => k as usize,
+        Some(_) => {
+            return Err(ApiError::param(
+                "top_k",
+                "must be -1 (no limit) or a positive integer",
+            ));
+        }
+    };
+    let seed = match fields.0.get("seed") {
+        None | Some(Value::Null) => random_u64(),
+        Some(v) => match (v.as_u64(), v.as_i64()) {
+            (Some(s), _) => s,
+            // A negative seed is as good a seed as any other.
+            (None, Some(s)) => s as u64,
+            _ => return Err(ApiError::param("seed", "must be an integer")),
+        },
+    };
+    let sampling = SamplingParams {
+        temperature: fields
+            .ranged("temperature", 0.0, 2.0, true)?
+            .unwrap_or(defaults.temperature),
+        top_k,
+        top_p: fields
+            .ranged("top_p", 0.0, 1.0, false)?
+            .unwrap_or(defaults.top_p),
+        min_p: fields
+            .ranged("min_p", 0.0, 1.0, true)?
+            .unwrap_or(defaults.min_p),
+        seed,
+    };
+    let stream = match fields.0.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::param("stream", "must be true or false")),
+    };
+    let include_usage = match fields.0.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => match o.get("include_usage") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => {
+                return Err(ApiError::param(
+                    "stream_options.include_usage",
+                    "must be true or false",
+                ));
+            }
+        },
+        Some(_) => return Err(ApiError::param("stream_options", "must be an object")),
+    };
+    Ok(CommonRequest {
+        model,
+        max_tokens,
+        sampling,
+        stop: parse_stop(fields.0.get("stop"))?,
+        stream,
+        include_usage,
+    })
+}
+
+fn parse_stop(value: Option<&Value>) -> ApiResult<Vec<String>> {
+    let stops = match value {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|s| s.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| ApiError::param("stop", "must be a string or a list of strings"))?,
+        Some(_) => {
+            return Err(ApiError::param(
+                "stop",
+                "must be a string or a list of strings",
+            ));
+        }
+    };
+    if stops.len() > MAX_STOP_STRINGS {
+        return Err(ApiError::param(
+            "stop",
+            format!("at most {MAX_STOP_STRINGS} stop strings are allowed"),
+        ));
+    }
+    if stops.iter().any(String::is_empty) {
+        return Err(ApiError::param("stop", "stop strings must not be empty"));
+    }
+    Ok(stops)
+}
+
+fn parse_tools(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
+    let use_tools = match body.get("tool_choice") {
+        None | Some(Value::Null) => true,
+        Some(Value::String(c)) if c == "auto" => true,
+        Some(Value::String(c)) if c == "none" => false,
+        Some(_) => {
+            return Err(ApiError::unsupported(
+                "tool_choice",
+                "forcing a tool call (\"required\" or a named function)",
+            ));
+        }
+    };
+    let tools = match body.get("tools") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(tools)) => tools,
+        Some(_) => return Err(ApiError::param("tools", "must be a list of tools")),
+    };
+    for (i, tool) in tools.iter().enumerate() {
+        let param = format!("tools[{i}]");
+        if tool.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(ApiError::param(
+                param,
+                "only tools of type \"function\" are supported",
+            ));
+        }
+        if tool
+            .pointer("/function/name")
+            .and_then(Value::as_str)
+            .is_none()
+        {
+            return Err(ApiError::param(param, "function.name is required"));
+        }
+    }
+    Ok(if use_tools { tools.clone() } else { Vec::new() })
+}
+
+/// One message as the template reads it.
+fn normalize_message(index: usize, message: &Value) -> ApiResult<Value> {
+    let at = |field: &str| format!("messages[{index}].{field}");
+    let Some(message) = message.as_object() else {
+        return Err(ApiError::param(
+            format!("messages[{index}]"),
+            "must be an object",
+        ));
+    };
+    let role = match message.get("role").and_then(Value::as_str) {
+        Some("system" | "developer") => "system",
+        Some(role @ ("user" | "assistant" | "tool")) => role,
+        Some(other) => {
+            return Err(ApiError::param(
+                at("role"),
+                format!("{other:?} is not one of system, developer, user, assistant, tool"),
+            ));
+        }
+        None => return Err(ApiError::param(at("role"), "is required")),
+    };
+    let content = match message.get("content") {
+        None | Some(Value::Null) if role == "assistant" => Value::Null,
+        None | Some(Value::Null) => return Err(ApiError::param(at("content"), "is required")),
+        Some(content) => Value::String(content_text(content, &at("content"))?),
+    };
+    let mut out = Map::new();
+    out.insert("role".into(), role.into());
+    out.insert("content".into(), content);
+    if role == "assistant" {
+        let reasoning = message
+            .get("reasoning_content")
+            .or(message.get("reasoning"));
+        match reasoning {
+            None | Some(Value::Null) => {}
+            Some(Value::String(r)) => {
+                out.insert("reasoning_content".into(), r.clone().into());
+            }
+            Some(_) => return Err(ApiError::param(at("reasoning_content"), "must be a string")),
+        }
+        match message.get("tool_calls") {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(calls)) => {
+                let calls = calls
+                    .iter()
+                    .enumerate()
+                    .map(|(j, c)| normalize_tool_call(c, &at(&format!("tool_calls[{j}]"))))
+                    .collect::<ApiResult<Vec<_>>>()?;
+                out.insert("tool_calls".into(), calls.into());
+            }
+            Some(_) => return Err(ApiError::param(at("tool_calls"), "must be a list")),
+        }
+    }
+    Ok(Value::Object(out))
+}
+
+/// A string, or a list of text parts joined; other parts (images, audio) are not supported.
+fn content_text(content: &Value, param: &str) -> ApiResult<String> {
+    match content {
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => {
+            let mut text = String::new();
+            for (i, part) in parts.iter().enumerate() {
+                match (part.get("type").and_then(Value::as_str), part.get("text")) {
+                    (Some("text"), Some(Value::String(t))) => text.push_str(t),
+                    (Some("text"), _) => {
+                        return Err(ApiError::param(
+                            format!("{param}[{i}].text"),
+                            "must be a string",
+                        ));
+                    }
+                    (Some(kind), _) => {
+                        return Err(ApiError::unsupported(
+                            &format!("{param}[{i}]"),
+                            &format!("content of type {kind:?} (this server is text-only)"),
+                        ));
+                    }
+                    (None, _) => {
+                        return Err(ApiError::param(format!("{param}[{i}].type"), "is required"));
+                    }
+                }
+            }
+            Ok(text)
+        }
+        _ => Err(ApiError::param(
+            param,
+            "must be a string or a list of text parts",
+        )),
+    }
+}
+
+/// OpenAI sends arguments as a JSON string; the template iterates them as an object.
+fn normalize_tool_call(call: &Value, param: &str) -> ApiResult<Value> {
+    let function = call.get("function").unwrap_or(call);
+    let Some(name) = function.get("name").and_then(Value::as_str) else {
+        return Err(ApiError::param(
+            format!("{param}.function.name"),
+            "is required",
+        ));
+    };
+    let arguments = match function.get("arguments") {
+        None | Some(Value::Null) => Value::Object(Map::new()),
+        Some(Value::String(s)) if s.trim().is_empty() => Value::Object(Map::new()),
+        Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
+            Ok(Value::Object(args)) => Value::Object(args),
+            _ => {
+                return Err(ApiError::param(
+                    format!("{param}.function.arguments"),
+                    "must be a JSON object (as a string)",
+                ));
+            }
+        },
+        Some(Value::Object(args)) => Value::Object(args.clone()),
+        Some(_) => {
+            return Err(ApiError::param(
+                format!("{param}.function.arguments"),
+                "must be a JSON object (as a string)",
+            ));
+        }
+    };
+    Ok(serde_json::json!({"type": "function", "function": {"name": name, "arguments": arguments}}))
+}
+
+/// Typed access to the body's fields, with errors that name them.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    fn number(&self, name: &str) -> ApiResult<Option<f64>> {
+        match self.0.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| ApiError::param(name, "must be a number")),
+        }
+    }
+
+    /// A number in `[lo, hi]` (or `(lo, hi]` when `lo_inclusive` is false).
+    fn ranged(&self, name: &str, lo: f64, hi: f64, lo_inclusive: bool) -> ApiResult<Option<f32>> {
+        let Some(x) = self.number(name)? else {
+            return Ok(None);
+        };
+        let above = if lo_inclusive { x >= lo } else { x > lo };
+        if !(above && x <= hi) {
+            let open = if lo_inclusive { '[' } else { '(' };
+            return Err(ApiError::param(
+                name,
+                format!("must be in {open}{lo}, {hi}], got {x}"),
+            ));
+        }
+        Ok(Some(x as f32))
+    }
+
+    fn count(&self, name: &str) -> ApiResult<Option<usize>> {
+        match self.0.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|n| Some(n as usize))
+                .ok_or_else(|| ApiError::param(name, "must be a non-negative integer")),
+        }
+    }
+
+    /// The field may be absent, null, or one of `neutral` (values that change nothing).
+    fn require_neutral(&self, name: &str, neutral: &[Value], what: &str) -> ApiResult<()> {
+        match self.0.get(name) {
+            None | Some(Value::Null) => Ok(()),
+            Some(v) if neutral.iter().any(|n| same_value(n, v)) => Ok(()),
+            Some(_) => Err(ApiError::unsupported(name, what)),
+        }
+    }
+}
+
+/// JSON equality that treats 1 and 1.0 alike.
+fn same_value(a: &Value, b: &Value) -> bool {
+    match (a.as_f64(), b.as_f64()) {
+        (Some(x), Some(y)) => x == y,
+        _ => a == b,
+    }
+}
+
+#[cfg(test)]
+mod tests;

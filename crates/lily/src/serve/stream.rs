@@ -1,0 +1,102 @@
+//! Server-sent events: the engine's events for one request, turned into `data: {json}` chunks by
+//! an endpoint's format, then `data: [DONE]`. Dropping the body (the client disconnected) drops
+//! the receiver, which cancels the generation.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::error::ApiError;
+use super::worker::WorkerEvent;
+
+/// A comment line keeps proxies and clients from timing out during a long prefill.
+const KEEP_ALIVE: Duration = Duration::from_secs(15);
+
+pub struct Step {
+    pub chunks: Vec<Value>,
+    /// The format has said everything; `[DONE]` follows.
+    pub done: bool,
+}
+
+/// How one endpoint turns engine events into chunks.
+pub trait StreamFormat: Send + 'static {
+    /// Chunks sent before the first event (e.g. the assistant role).
+    fn opening(&mut self) -> Vec<Value>;
+    fn on_event(&mut self, event: WorkerEvent) -> Step;
+}
+
+enum Phase {
+    Opening,
+    Events,
+    Finished,
+}
+
+pub fn sse_response<F: StreamFormat>(
+    events: UnboundedReceiver<WorkerEvent>,
+    format: F,
+) -> Response {
+    let stream = futures_util::stream::unfold(
+        (events, format, Phase::Opening),
+        |(mut events, mut format, mut phase)| async move {
+            loop {
+                let step = match phase {
+                    Phase::Finished => return None,
+                    Phase::Opening => {
+                        phase = Phase::Events;
+                        Step {
+                            chunks: format.opening(),
+                            done: false,
+                        }
+                    }
+                    Phase::Events => match tokio::time::timeout(KEEP_ALIVE, events.recv()).await {
+                        Err(_) => {
+                            let ping = Bytes::from_static(b": keep-alive\n\n");
+                            return Some((Ok::<Bytes, Infallible>(ping), (events, format, phase)));
+                        }
+                        Ok(Some(event)) => format.on_event(event),
+                        Ok(None) => Step {
+                            chunks: vec![
+                                ApiError::internal("the generation ended without a result").body(),
+                            ],
+                            done: true,
+                        },
+                    },
+                };
+                // An empty chunk would end a chunked HTTP/1.1 body: wait for content instead.
+                if step.chunks.is_empty() && !step.done {
+                    continue;
+                }
+                if step.done {
+                    phase = Phase::Finished;
+                }
+                return Some((Ok(frames(&step.chunks, step.done)), (events, format, phase)));
+            }
+        },
+    );
+    (
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+fn frames(chunks: &[Value], done: bool) -> Bytes {
+    let mut out = String::new();
+    for chunk in chunks {
+        out.push_str("data: ");
+        out.push_str(&chunk.to_string());
+        out.push_str("\n\n");
+    }
+    if done {
+        out.push_str("data: [DONE]\n\n");
+    }
+    Bytes::from(out)
+}

@@ -1,0 +1,116 @@
+//! The engine's own thread: it owns the backend and takes jobs from a bounded FIFO queue, one
+//! generation at a time. Events go back on a channel per request; a request whose receiver is
+//! gone (the client disconnected) is cancelled at the next step.
+
+use std::ops::ControlFlow;
+use std::panic::AssertUnwindSafe;
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, atomic::AtomicBool, atomic::Ordering};
+use std::time::{Duration, Instant};
+
+use lily_core::backend::Backend;
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
+
+use super::engine::{Engine, EngineEvent, GenerationJob, Outcome};
+use super::error::ApiError;
+
+#[derive(Debug)]
+pub enum WorkerEvent {
+    Engine(EngineEvent),
+    Done(Outcome),
+    Failed(String),
+}
+
+struct QueuedJob {
+    job: GenerationJob,
+    events: UnboundedSender<WorkerEvent>,
+}
+
+#[derive(Clone)]
+pub struct EngineHandle {
+    jobs: SyncSender<QueuedJob>,
+    capacity: usize,
+    alive: Arc<AtomicBool>,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread with room for `capacity` waiting requests.
+    pub fn spawn<B: Backend + 'static>(engine: Engine<B>, capacity: usize) -> std::io::Result<Self>
+    where
+        B::State: 'static,
+    {
+        let (jobs, queue) = sync_channel(capacity.max(1));
+        let alive = Arc::new(AtomicBool::new(true));
+        let flag = alive.clone();
+        std::thread::Builder::new()
+            .name("lily-engine".into())
+            .spawn(move || {
+                serve_queue(engine, queue);
+                flag.store(false, Ordering::SeqCst);
+            })?;
+        Ok(EngineHandle {
+            jobs,
+            capacity: capacity.max(1),
+            alive,
+        })
+    }
+
+    /// Queues `job`; its events arrive on the returned receiver. A full queue is a 429.
+    pub fn submit(&self, job: GenerationJob) -> Result<UnboundedReceiver<WorkerEvent>, ApiError> {
+        let (events, receiver) = unbounded_channel();
+        match self.jobs.try_send(QueuedJob { job, events }) {
+            Ok(()) => Ok(receiver),
+            Err(TrySendError::Full(_)) => Err(ApiError::queue_full(self.capacity)),
+            Err(TrySendError::Disconnected(_)) => Err(ApiError::unavailable(
+                "the generation engine has stopped; restart the server",
+            )),
+        }
+    }
+
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
+    }
+}
+
+fn serve_queue<B: Backend>(mut engine: Engine<B>, queue: Receiver<QueuedJob>) {
+    while let Ok(QueuedJob { job, events }) = queue.recv() {
+        if events.is_closed() {
+            continue;
+        }
+        let emit = |event| match events.send(WorkerEvent::Engine(event)) {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(_) => ControlFlow::Break(()),
+        };
+        let started = Instant::now();
+        // A bug in one generation must not take the server down with it.
+        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            engine.run(&job, emit, || events.is_closed())
+        }));
+        let last = match result {
+            Ok(Ok(outcome)) => WorkerEvent::Done(outcome),
+            Ok(Err(e)) => WorkerEvent::Failed(format!("{e:#}")),
+            Err(_) => WorkerEvent::Failed("the generation engine panicked".into()),
+        };
+        match &last {
+            WorkerEvent::Done(outcome) => log_outcome(outcome, started.elapsed(), &engine),
+            WorkerEvent::Failed(message) => eprintln!("lily: generation failed: {message}"),
+            WorkerEvent::Engine(_) => {}
+        }
+        let _ = events.send(last);
+    }
+}
+
+fn log_outcome<B: Backend>(outcome: &Outcome, elapsed: Duration, engine: &Engine<B>) {
+    let (snapshots, bytes) = engine.snapshot_usage();
+    let seconds = elapsed.as_secs_f64();
+    eprintln!(
+        "lily: {} prompt tokens ({} cached), {} generated in {seconds:.2} s ({:.1} tok/s), {:?}; \
+         {snapshots} snapshots ({:.1} MiB)",
+        outcome.prompt_tokens,
+        outcome.cached_tokens,
+        outcome.tokens.len(),
+        outcome.tokens.len() as f64 / seconds.max(1e-9),
+        outcome.finish,
+        bytes as f64 / (1 << 20) as f64,
+    );
+}

@@ -1,0 +1,338 @@
+"""End to end: the official `openai` client against `lily serve --model synthetic:tiny`.
+
+synthetic:tiny has the real Qwen3.6 vocabulary, tokenizer and template with random weights, so
+the text is gibberish but every token count, shape and error is real. Each check asserts real
+values; any failure exits non-zero. Every wait is bounded.
+
+Usage: python3 tests/e2e/openai_client.py path/to/lily
+"""
+
+import json
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+
+MODEL = "synthetic:tiny"
+STARTUP_TIMEOUT_S = 180
+REQUEST_TIMEOUT_S = 120
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+# "Hello, how are you?" as a user turn with thinking off is 18 tokens (the tokenizer oracle).
+HELLO = [{"role": "user", "content": "Hello, how are you?"}]
+HELLO_PROMPT_TOKENS = 18
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Return the current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+class Server:
+    """A `lily serve` on a free loopback port; its log is collected for the checks."""
+
+    def __init__(self, binary, *flags):
+        self.log = []
+        self.lines = queue.Queue()
+        self.process = subprocess.Popen(
+            [binary, "serve", "--model", MODEL, "--port", "0", "--max-seq", "512", *flags],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        threading.Thread(target=self._read_log, daemon=True).start()
+        self.base_url = self.wait_for_log(r"serving .* on (http://\S+/v1)", STARTUP_TIMEOUT_S).group(1)
+        self.client = openai.OpenAI(
+            base_url=self.base_url, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S
+        )
+
+    def _read_log(self):
+        for line in self.process.stderr:
+            self.log.append(line.rstrip("\n"))
+            self.lines.put(line)
+
+    def wait_for_log(self, pattern, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None and self.lines.empty():
+                raise AssertionError(f"lily serve exited with {self.process.returncode}: {self.log}")
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            match = re.search(pattern, line)
+            if match:
+                return match
+        raise AssertionError(f"no log line matching {pattern!r} within {timeout_s} s: {self.log}")
+
+    def stop(self):
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=20)
+
+
+def chat_text(client, messages, **kwargs):
+    response = client.chat.completions.create(model=MODEL, messages=messages, **kwargs)
+    return response, response.choices[0].message.content
+
+
+def check_models(server):
+    models = server.client.models.list()
+    assert [m.id for m in models.data] == [MODEL], models
+
+
+def check_chat(server):
+    response, text = chat_text(
+        server.client, HELLO, max_tokens=12, temperature=0.7, seed=11, extra_body=NO_THINKING
+    )
+    assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
+    assert response.model == MODEL
+    choice = response.choices[0]
+    assert choice.message.role == "assistant" and isinstance(text, str) and text, choice
+    assert choice.finish_reason in ("stop", "length"), choice
+    usage = response.usage
+    assert usage.prompt_tokens == HELLO_PROMPT_TOKENS, usage
+    assert 0 < usage.completion_tokens <= 12 and usage.total_tokens == 18 + usage.completion_tokens
+    # The same seed gives the same text.
+    _, again = chat_text(
+        server.client, HELLO, max_tokens=12, temperature=0.7, seed=11, extra_body=NO_THINKING
+    )
+    assert again == text, (again, text)
+    # Thinking is on by default: the text goes to reasoning_content (the prompt opened <think>).
+    response, _ = chat_text(server.client, HELLO, max_tokens=6, temperature=0)
+    # "<think>\n" instead of "<think>\n\n</think>\n\n": two tokens fewer.
+    assert response.usage.prompt_tokens == HELLO_PROMPT_TOKENS - 2, response.usage
+    assert response.choices[0].message.model_extra.get("reasoning_content"), response
+    return text
+
+
+def check_streaming(server, expected_text):
+    stream = server.client.chat.completions.create(
+        model=MODEL,
+        messages=HELLO,
+        max_tokens=12,
+        temperature=0.7,
+        seed=11,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=NO_THINKING,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant", chunks[0]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["length"], ["stop"]), finishes
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == HELLO_PROMPT_TOKENS
+    assert all(c.usage is None for c in chunks[:-1])
+    # Streamed and whole responses with the same seed agree.
+    assert text == expected_text, (text, expected_text)
+
+
+def check_multi_turn(server, cold_server):
+    first, reply = chat_text(server.client, HELLO, max_tokens=8, temperature=0, extra_body=NO_THINKING)
+    conversation = HELLO + [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": "Tell me more."},
+    ]
+    second, warm_text = chat_text(
+        server.client, conversation, max_tokens=8, temperature=0, extra_body=NO_THINKING
+    )
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens, second.usage
+    cold, cold_text = chat_text(
+        cold_server.client, conversation, max_tokens=8, temperature=0, extra_body=NO_THINKING
+    )
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0, cold.usage
+    assert warm_text == cold_text, (warm_text, cold_text)
+
+
+def check_completions(server):
+    response = server.client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0
+    )
+    assert response.object == "text_completion" and response.id.startswith("cmpl-")
+    assert response.choices[0].finish_reason in ("stop", "length")
+    assert isinstance(response.choices[0].text, str)
+    assert response.usage.prompt_tokens == 4 and 0 < response.usage.completion_tokens <= 5
+    stream = server.client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0, stream=True
+    )
+    streamed = "".join(c.choices[0].text for c in stream)
+    assert streamed == response.choices[0].text, (streamed, response.choices[0].text)
+
+
+def check_tools(server):
+    response, _ = chat_text(
+        server.client,
+        [{"role": "user", "content": "Che tempo fa a Roma?"}],
+        tools=[WEATHER_TOOL],
+        max_tokens=8,
+        temperature=0,
+    )
+    assert response.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # The tool's description is in the prompt: it is far longer than the question alone.
+    assert response.usage.prompt_tokens > 250, response.usage
+    # A history with a tool call and its result.
+    history = [
+        {"role": "user", "content": "Che tempo fa a Roma?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Roma"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sole, 24 gradi"},
+    ]
+    response, _ = chat_text(server.client, history, tools=[WEATHER_TOOL], max_tokens=4, temperature=0)
+    assert response.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def check_errors(server):
+    request = urllib.request.Request(
+        server.base_url + "/chat/completions",
+        data=b'{"model": "synthetic:tiny", "messages": [',
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S)
+        raise AssertionError("a malformed body was accepted")
+    except urllib.error.HTTPError as e:
+        assert e.code == 400, e.code
+        error = json.loads(e.read())["error"]
+        assert error["type"] == "invalid_request_error" and "not valid JSON" in error["message"], error
+        assert set(error) == {"message", "type", "param", "code"}, error
+
+    try:
+        chat_text(server.client, HELLO, max_tokens=2)
+    except openai.APIError as e:
+        raise AssertionError(f"a valid request failed: {e}") from e
+    try:
+        server.client.chat.completions.create(model="gpt-4o", messages=HELLO, max_tokens=2)
+        raise AssertionError("an unknown model was accepted")
+    except openai.NotFoundError as e:
+        assert e.status_code == 404 and e.code == "model_not_found" and e.param == "model", e.body
+
+    long_text = "word " * 600
+    try:
+        server.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": long_text}], max_tokens=2
+        )
+        raise AssertionError("a prompt longer than the context was accepted")
+    except openai.BadRequestError as e:
+        assert e.code == "context_length_exceeded", e.body
+        assert "512" in e.message and re.search(r"has \d{3} tokens", e.message), e.message
+
+    try:
+        server.client.chat.completions.create(model=MODEL, messages=HELLO, n=2)
+        raise AssertionError("n=2 was accepted")
+    except openai.BadRequestError as e:
+        assert e.param == "n", e.body
+
+
+def check_disconnect_and_queue(server):
+    """A client that goes away cancels its generation; a full queue answers 429."""
+    stream = server.client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=400, stream=True, extra_body=NO_THINKING
+    )
+    next(iter(stream))
+    waiting = threading.Thread(
+        target=lambda: server.client.chat.completions.create(
+            model=MODEL, messages=HELLO, max_tokens=4, extra_body=NO_THINKING
+        ),
+        daemon=True,
+    )
+    waiting.start()
+    time.sleep(1.0)
+    try:
+        server.client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+        raise AssertionError("a third request was accepted with --queue-size 1")
+    except openai.RateLimitError as e:
+        assert e.status_code == 429 and e.code == "queue_full", e.body
+    stream.close()
+    server.wait_for_log(r"generated in .* Cancelled", 60)
+    waiting.join(timeout=REQUEST_TIMEOUT_S)
+    assert not waiting.is_alive(), "the queued request never finished"
+
+
+def check_cli_matches_server(binary, server):
+    """`lily generate --prompt` and `lily chat` run the server's template, sampling and engine."""
+    _, served = chat_text(server.client, HELLO, max_tokens=10, temperature=0, extra_body=NO_THINKING)
+    generated = subprocess.run(
+        [binary, "generate", "--model", MODEL, "--prompt", HELLO[0]["content"], "--no-thinking",
+         "--max-tokens", "10", "--temperature", "0", "--json"],
+        capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S, check=True,
+    )
+    result = json.loads(generated.stdout)
+    assert result["text"] == served, (result, served)
+    assert 0 < len(result["tokens"]) <= 10 and all(isinstance(t, int) for t in result["tokens"])
+
+    chat = subprocess.run(
+        [binary, "chat", "--model", MODEL, "--no-thinking", "--max-tokens", "6", "--temperature", "0"],
+        input="Hello, how are you?\nTell me more.\n", capture_output=True, text=True,
+        timeout=REQUEST_TIMEOUT_S, check=True,
+    )
+    _, first_reply = chat_text(server.client, HELLO, max_tokens=6, temperature=0, extra_body=NO_THINKING)
+    assert chat.stdout.startswith(first_reply + "\n"), (chat.stdout, first_reply)
+    reused = [int(n) for n in re.findall(r"(\d+) of \d+ prompt tokens reused", chat.stderr)]
+    assert len(reused) == 2 and reused[0] == 0 and reused[1] > 0, chat.stderr
+    assert re.search(r"\d+\.\d tok/s", chat.stderr), chat.stderr
+
+
+def main():
+    binary = sys.argv[1]
+    server = Server(binary)
+    cold_server = Server(binary, "--snapshot-cache-mb", "0", "--queue-size", "1")
+    replies = {}
+    checks = [
+        ("models", lambda: check_models(server)),
+        ("chat", lambda: replies.update(chat=check_chat(server))),
+        ("streaming chat", lambda: check_streaming(server, replies["chat"])),
+        ("multi-turn reuse", lambda: check_multi_turn(server, cold_server)),
+        ("completions", lambda: check_completions(server)),
+        ("tools", lambda: check_tools(server)),
+        ("errors", lambda: check_errors(server)),
+        ("disconnect and queue", lambda: check_disconnect_and_queue(cold_server)),
+        ("generate and chat commands", lambda: check_cli_matches_server(binary, server)),
+    ]
+    passed = 0
+    try:
+        for name, check in checks:
+            print(f"check: {name}", flush=True)
+            check()
+            passed += 1
+    except BaseException:
+        for label, s in (("server", server), ("cold server", cold_server)):
+            print(f"--- {label} log ---\n" + "\n".join(s.log), file=sys.stderr)
+        print(f"{passed} passed, 1 failed", flush=True)
+        raise
+    finally:
+        server.stop()
+        cold_server.stop()
+    print(f"{passed} passed, 0 failed")
+
+
+if __name__ == "__main__":
+    main()
