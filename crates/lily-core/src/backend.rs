@@ -39,6 +39,15 @@ pub trait Backend: Send + Sync {
     /// An independent copy of a state (a snapshot to branch from later).
     fn fork(&self, state: &Self::State) -> Result<Self::State>;
 
+    /// The memory a state holds, so that a cache of snapshots can keep to a budget. The default
+    /// counts what the CPU backend keeps: an f32 KV cache of the tokens consumed, the conv window
+    /// and the recurrent state. A backend that preallocates its context or stores bf16 overrides it.
+    fn state_bytes(&self, state: &Self::State) -> usize {
+        let c = self.config();
+        let kv = c.kv_bytes_per_token(4) * self.state_len(state) as u64;
+        (kv + c.conv_state_bytes(4) + c.recurrent_state_bytes()) as usize
+    }
+
     /// Appends `tokens` to the sequence and returns logits, row-major `[rows, vocab]`.
     /// On error the state is unchanged.
     fn prefill(&self, state: &mut Self::State, tokens: &[u32], rows: LogitRows)

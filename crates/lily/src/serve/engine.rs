@@ -10,7 +10,7 @@ use lily_chat::TextModel;
 use lily_core::backend::{Backend, LogitRows};
 use lily_core::sampling::{Sampler, SamplingParams};
 
-use super::snapshots::{SnapshotCache, state_bytes};
+use super::snapshots::SnapshotCache;
 
 #[derive(Clone, Debug)]
 pub struct GenerationJob {
@@ -239,12 +239,12 @@ impl<B: Backend> Engine<B> {
         mut state: B::State,
     ) -> Result<()> {
         let len = prompt.len() + reply.len() + self.turn_end.len();
-        let bytes = state_bytes(self.backend.config(), len);
-        if len > self.max_seq || !self.snapshots.fits(bytes, 0) {
+        if len > self.max_seq || !self.snapshots.fits(self.backend.state_bytes(&state), 0) {
             return Ok(());
         }
         self.backend
             .prefill(&mut state, &self.turn_end, LogitRows::Last)?;
+        let bytes = self.backend.state_bytes(&state);
         let tokens = [prompt, reply, &self.turn_end].concat();
         self.snapshots.insert(tokens, state, None, bytes);
         Ok(())
@@ -256,7 +256,7 @@ impl<B: Backend> Engine<B> {
         state: &B::State,
         logits: Option<&Vec<f32>>,
     ) -> Result<()> {
-        let bytes = state_bytes(self.backend.config(), tokens.len());
+        let bytes = self.backend.state_bytes(state);
         let logit_count = logits.map_or(0, Vec::len);
         if !self.snapshots.fits(bytes, logit_count)
             || self.snapshots.contains(tokens, logits.is_some())

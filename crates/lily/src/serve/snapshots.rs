@@ -6,8 +6,6 @@
 //! engine therefore snapshots where later requests branch: at the end of the conversation before
 //! the generation prompt, after the whole prompt, and after a finished reply.
 
-use lily_core::config::{LayerKind, ModelConfig};
-
 pub struct Snapshot<S> {
     /// The tokens the state has consumed.
     pub tokens: Vec<u32>,
@@ -105,21 +103,6 @@ impl<S> SnapshotCache<S> {
     pub fn used_bytes(&self) -> usize {
         self.used_bytes
     }
-}
-
-/// The memory a state of `len` tokens holds with f32 storage (what the CPU backend keeps): the
-/// KV cache of the attention layers plus the fixed conv and recurrent state of the others.
-pub fn state_bytes(config: &ModelConfig, len: usize) -> usize {
-    let per_layer = |kind: &LayerKind| match kind {
-        LayerKind::Attention => 2 * len * config.num_kv_heads * config.head_dim,
-        LayerKind::GatedDeltaNet => {
-            (config.conv_kernel - 1) * config.gdn_conv_dim()
-                + config.linear_num_value_heads
-                    * config.linear_key_head_dim
-                    * config.linear_value_head_dim
-        }
-    };
-    config.layer_kinds.iter().map(per_layer).sum::<usize>() * 4
 }
 
 #[cfg(test)]

@@ -87,8 +87,18 @@ fn the_same_seed_gives_the_same_output_and_another_seed_differs() {
 fn a_second_turn_reuses_the_first_and_matches_a_cold_run() {
     let mut warm = engine(256 << 20);
     let first = [json!({"role": "user", "content": "Name a colour."})];
-    let (turn1, reply) = run(&mut warm, &job(&first, 6, SamplingParams::greedy()));
+    let first_job = job(&first, 6, SamplingParams::greedy());
+    let (turn1, reply) = run(&mut warm, &first_job);
     assert_eq!(turn1.cached_tokens, 0);
+    // Two snapshots, each an f32 KV cache of its tokens plus the fixed recurrent state; the one
+    // after the whole prompt also keeps its logits. (A reply cut by max_tokens adds none.)
+    let c = warm.backend.config();
+    let fixed = c.conv_state_bytes(4) + c.recurrent_state_bytes();
+    let boundary = first_job.turn_boundary.unwrap();
+    let kv = c.kv_bytes_per_token(4) * (boundary + first_job.prompt.len()) as u64;
+    let expected = kv + 2 * fixed + c.vocab_size as u64 * 4;
+    assert_eq!(turn1.finish, Finish::Length);
+    assert_eq!(warm.snapshot_usage(), (2, expected as usize));
     let second = [
         first[0].clone(),
         json!({"role": "assistant", "content": reply}),
