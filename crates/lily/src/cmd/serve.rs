@@ -55,6 +55,10 @@ pub fn run(args: Args) -> Result<()> {
         ModelRef::Synthetic(_) => None,
     };
     let defaults = SamplingDefaults::for_model(dir)?;
+    // Claim the address before the (possibly long) load, so a busy port fails at once.
+    let listener = std::net::TcpListener::bind((args.host.as_str(), args.port))
+        .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+    listener.set_nonblocking(true)?;
     // Every endpoint returns text, so a checkpoint without a tokenizer cannot be served at all.
     let text = Arc::new(text_model_for(&model)?);
     let backend = load(&args.model, args.device)?;
@@ -87,13 +91,11 @@ pub fn run(args: Args) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(serve(app, &args.host, args.port))
+    runtime.block_on(serve(app, listener))
 }
 
-async fn serve(app: Arc<AppState>, host: &str, port: u16) -> Result<()> {
-    let listener = tokio::net::TcpListener::bind((host, port))
-        .await
-        .with_context(|| format!("cannot listen on {host}:{port}"))?;
+async fn serve(app: Arc<AppState>, listener: std::net::TcpListener) -> Result<()> {
+    let listener = tokio::net::TcpListener::from_std(listener)?;
     let address: SocketAddr = listener.local_addr()?;
     eprintln!("lily: serving {} on http://{address}/v1", app.model_name);
     axum::serve(listener, router(app))
