@@ -19,8 +19,23 @@ fi
 if [ "$step" = all ] || [ "$step" = agree ]; then
   # The first 32 greedy tokens of the full-size synthetic model, CPU against GPU.
   prompt=9419,11,1814,13,576,374,264,1296
+  # With the f32 KV cache the GPU computes what the CPU does; bf16 KV rounding can flip an
+  # expert choice (a discontinuity) and with it the text, so both are recorded.
+  LILY_KV_CACHE=f32 .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cuda --tokens $prompt \
+    --max-tokens 32 --temperature 0 --ignore-eos --json 2>&1 | tee "$out/greedy-cuda-f32kv.json"
   .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cuda --tokens $prompt --max-tokens 32 \
     --temperature 0 --ignore-eos --json 2>&1 | tee "$out/greedy-cuda.json"
   .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cpu --tokens $prompt --max-tokens 32 \
     --temperature 0 --ignore-eos --json 2>&1 | tee "$out/greedy-cpu.json"
+fi
+if [ "$step" = all ] || [ "$step" = profile ]; then
+  # Every kernel of the first decode steps, timed by Nsight Compute (clocks left alone).
+  ncu --clock-control none --graph-profiling node --launch-count 890 --csv \
+    --metrics gpu__time_duration.sum .gpu/lily generate --model synthetic:qwen3.6-35b-a3b \
+    --device cuda --tokens 1 --max-tokens 3 --temperature 0 --ignore-eos > "$out/ncu.csv" 2>"$out/ncu.err"
+  python3 tools/ncu_summary.py "$out/ncu.csv" | tee "$out/ncu-summary.md"
+fi
+if [ "$step" = all ] || [ "$step" = cpu ]; then
+  .gpu/lily bench --model synthetic:qwen3.6-35b-a3b --device cpu --prompt-lens 256 --contexts 256,1024 \
+    --json "$out/bench-cpu.json" 2>&1 | tee "$out/bench-cpu.md"
 fi

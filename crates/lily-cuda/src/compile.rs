@@ -71,8 +71,26 @@ const COMMON: &str = include_str!("kernels/common.cuh");
 /// most splits hold a handful of positions.
 pub const ATTN_SPLITS: usize = 64;
 
+/// How the KV cache stores keys and values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvPrecision {
+    /// 2 bytes an element: the production format (perf.md counts 20 KiB per token).
+    Bf16,
+    /// 4 bytes: exact against the f32 CPU reference, for tests.
+    F32,
+}
+
+impl KvPrecision {
+    pub fn bytes(self) -> usize {
+        match self {
+            KvPrecision::Bf16 => 2,
+            KvPrecision::F32 => 4,
+        }
+    }
+}
+
 /// The `-D` constants for a model.
-pub fn model_defines(c: &ModelConfig) -> Vec<(String, String)> {
+pub fn model_defines(c: &ModelConfig, kv: KvPrecision) -> Vec<(String, String)> {
     let d = |k: &str, v: String| (k.to_string(), v);
     vec![
         d("NH", c.num_attention_heads.to_string()),
@@ -89,6 +107,7 @@ pub fn model_defines(c: &ModelConfig) -> Vec<(String, String)> {
         d("NE", c.num_experts.to_string()),
         d("TOPK", c.experts_per_token.to_string()),
         d("NORM_TOPK", (c.norm_topk_prob as u8).to_string()),
+        d("KV_F32", ((kv == KvPrecision::F32) as u8).to_string()),
     ]
 }
 
@@ -145,8 +164,8 @@ fn cache_path(name: &str, source: &str, options: &[String]) -> Option<PathBuf> {
 }
 
 /// Compiles every kernel file for `arch`; used by the CI check that needs no GPU.
-pub fn compile_all(c: &ModelConfig, arch: &str) -> Result<Vec<(String, Ptx)>> {
-    let defines = model_defines(c);
+pub fn compile_all(c: &ModelConfig, kv: KvPrecision, arch: &str) -> Result<Vec<(String, Ptx)>> {
+    let defines = model_defines(c, kv);
     KERNEL_FILES
         .iter()
         .map(|file| {

@@ -10,7 +10,7 @@ use cudarc::driver::{
 };
 use lily_core::config::ModelConfig;
 
-use crate::compile::{KERNEL_FILES, compile, model_defines};
+use crate::compile::{KERNEL_FILES, KvPrecision, compile, model_defines};
 use crate::mat::MatArg;
 
 pub struct Gpu {
@@ -19,6 +19,7 @@ pub struct Gpu {
     functions: HashMap<String, CudaFunction>,
     pub name: String,
     pub arch: String,
+    pub kv: KvPrecision,
 }
 
 /// Whether a CUDA driver and at least one GPU are present (without panicking when not).
@@ -32,7 +33,7 @@ pub fn gpu_available() -> bool {
 
 impl Gpu {
     /// Opens GPU 0 and compiles every kernel for the model.
-    pub fn new(config: &ModelConfig) -> Result<Self> {
+    pub fn new(config: &ModelConfig, kv: KvPrecision) -> Result<Self> {
         if !gpu_available() {
             bail!("no CUDA GPU found (the CUDA driver library is missing or sees no device)");
         }
@@ -49,7 +50,7 @@ impl Gpu {
         }
         let arch = format!("sm_{major}{minor}");
         let name = ctx.name()?;
-        let defines = model_defines(config);
+        let defines = model_defines(config, kv);
         let mut functions = HashMap::new();
         for file in &KERNEL_FILES {
             let ptx = compile(file.name, file.source, &defines, &arch)?;
@@ -69,6 +70,7 @@ impl Gpu {
             functions,
             name,
             arch,
+            kv,
         })
     }
 

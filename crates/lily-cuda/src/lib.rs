@@ -20,6 +20,7 @@ use lily_core::config::ModelConfig;
 use lily_core::sampling::Sampler;
 use lily_core::weights::ModelWeights;
 
+pub use compile::KvPrecision;
 pub use gpu::gpu_available;
 pub use state::CudaState;
 
@@ -42,7 +43,12 @@ unsafe impl Send for CudaBackend {}
 
 impl CudaBackend {
     pub fn new(config: ModelConfig, host: &ModelWeights) -> Result<Self> {
-        let gpu = Gpu::new(&config)?;
+        Self::with_kv(config, host, KvPrecision::Bf16)
+    }
+
+    /// As [`CudaBackend::new`] with a chosen KV-cache precision.
+    pub fn with_kv(config: ModelConfig, host: &ModelWeights, kv: KvPrecision) -> Result<Self> {
+        let gpu = Gpu::new(&config, kv)?;
         let weights = DeviceWeights::upload(&gpu, &config, host).context("uploading weights")?;
         let scratch = Mutex::new(Scratch::new(&gpu, &config)?);
         gpu.sync()?;
@@ -174,7 +180,7 @@ impl Backend for CudaBackend {
 
     fn new_state(&self, max_seq: usize) -> Result<CudaState> {
         ensure!(max_seq > 0, "the context must hold at least one token");
-        let kv = self.config.kv_bytes_per_token(2) as usize * max_seq;
+        let kv = self.config.kv_bytes_per_token(self.gpu.kv.bytes()) as usize * max_seq;
         let (free, _) = self.gpu.memory()?;
         ensure!(
             kv + self.config.recurrent_state_bytes() as usize <= free,
@@ -187,6 +193,13 @@ impl Backend for CudaBackend {
 
     fn state_len(&self, state: &CudaState) -> usize {
         state.len
+    }
+
+    /// The whole preallocated context counts, not just the tokens consumed.
+    fn state_bytes(&self, state: &CudaState) -> usize {
+        let c = &self.config;
+        let kv = c.kv_bytes_per_token(self.gpu.kv.bytes()) * state.max_seq as u64;
+        (kv + c.conv_state_bytes(4) + c.recurrent_state_bytes()) as usize
     }
 
     fn fork(&self, state: &CudaState) -> Result<CudaState> {

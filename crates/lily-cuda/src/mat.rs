@@ -6,7 +6,7 @@ use anyhow::{Result, bail, ensure};
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use lily_core::weights::Linear;
 
-use crate::gpu::{Gpu, ptr};
+use crate::gpu::{Gpu, Shape, ptr};
 
 /// The kernels' `struct Mat` (kernels/common.cuh), passed by value.
 #[repr(C)]
@@ -118,5 +118,19 @@ impl DeviceMat {
             cols: self.cols as i32,
             group: self.group as i32,
         }
+    }
+}
+
+/// Rows one warp of `gemv_b*` computes (kernels/gemv.cu, GEMV_ROWS).
+const GEMV_ROWS: usize = 4;
+/// Threads per block of the row kernels: eight warps.
+pub const ROW_BLOCK: u32 = 256;
+
+/// The launch shape of `gemv_b*` over matrices with these row counts: whole warps per matrix.
+pub fn gemv_shape(rows: &[usize]) -> Shape {
+    let warps: usize = rows.iter().map(|r| r.div_ceil(GEMV_ROWS)).sum();
+    Shape {
+        grid: (warps.div_ceil((ROW_BLOCK / 32) as usize) as u32, 1, 1),
+        block: ROW_BLOCK,
     }
 }

@@ -52,7 +52,7 @@ impl CudaState {
             .map(|kind| {
                 Ok(match kind {
                     LayerKind::Attention => {
-                        let n = max_seq * c.num_kv_heads * c.head_dim;
+                        let n = max_seq * c.num_kv_heads * c.head_dim * gpu.kv.bytes();
                         LayerState::Attention {
                             k: gpu.zeros(n)?,
                             v: gpu.zeros(n)?,

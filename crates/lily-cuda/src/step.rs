@@ -9,9 +9,9 @@ use cudarc::driver::{CudaEvent, CudaSlice};
 use lily_core::config::ModelConfig;
 
 use crate::compile::ATTN_SPLITS;
-use crate::gpu::{Gpu, ptr};
+use crate::gpu::{Gpu, KArg, ptr};
 use crate::launch;
-use crate::mat::{DeviceMat, MatArg};
+use crate::mat::{DeviceMat, MatArg, ROW_BLOCK, gemv_shape};
 use crate::state::{CudaState, LayerState};
 use crate::weights::{DeviceAttention, DeviceGdn, DeviceMixer, DeviceWeights};
 
@@ -40,8 +40,6 @@ pub struct Scratch {
 
 /// Blocks of the first argmax stage (kernels/sample.cu, ARGMAX_BLOCKS).
 const ARGMAX_BLOCKS: u32 = 128;
-/// Threads per block of the warp-per-row kernels: eight rows per block.
-const ROW_BLOCK: u32 = 256;
 
 impl Scratch {
     pub fn new(gpu: &Gpu, c: &ModelConfig) -> Result<Self> {
@@ -94,10 +92,21 @@ fn gemv(gpu: &Gpu, mats: &[&DeviceMat], x: u64, y: u64) -> Result<()> {
     for (a, m) in args.iter_mut().zip(mats) {
         *a = m.arg(gpu);
     }
-    let rows: usize = mats.iter().map(|m| m.rows).sum();
-    let grid = rows.div_ceil((ROW_BLOCK / 32) as usize) as u32;
+    let rows: Vec<usize> = mats.iter().map(|m| m.rows).collect();
     let name = format!("gemv_b{bits}");
-    launch!(gpu, &name, (grid, 1, 1), ROW_BLOCK; args[0], args[1], args[2], args[3], x, y);
+    let args = [args[0], args[1], args[2], args[3]].map(KArg::Mat);
+    gpu.launch(
+        &name,
+        gemv_shape(&rows),
+        &[
+            args[0],
+            args[1],
+            args[2],
+            args[3],
+            KArg::Ptr(x),
+            KArg::Ptr(y),
+        ],
+    )?;
     Ok(())
 }
 
@@ -224,7 +233,7 @@ pub fn encode_step(
             p(&s.x),
             p(&s.router_logits),
         )?;
-        launch!(gpu, "moe_topk", (1, 1, 1), round_up_warp(c.num_experts);
+        launch!(gpu, "moe_topk", (1, 1, 1), 32;
             p(&s.router_logits), ptr(&s.ids, &gpu.stream), p(&s.weights));
         mark("router + top-k")?;
         let (inter, shared) = (c.moe_intermediate_size, c.shared_intermediate_size);

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use lily_core::config::ModelConfig;
 use lily_core::synthetic::synthetic_config;
-use lily_cuda::compile::compile_all;
+use lily_cuda::compile::{KvPrecision, compile_all};
 
 const ARCHS: [&str; 4] = ["sm_80", "sm_86", "sm_89", "sm_90"];
 
@@ -36,15 +36,23 @@ fn every_kernel_compiles_for_every_architecture() {
     ];
     for (name, config, archs) in models {
         for arch in archs {
-            let compiled =
-                compile_all(&config, arch).unwrap_or_else(|e| panic!("{name} for {arch}: {e:#}"));
-            for (file, ptx) in compiled {
-                let text = ptx.to_src();
-                assert!(
-                    text.contains(&format!(".target {arch}")),
-                    "{name}/{file}: no {arch} target"
-                );
-                assert!(text.contains(".entry"), "{name}/{file}: no kernel entry");
+            // The production bf16 cache everywhere; the f32 test variant on sm_90 too.
+            let kvs: &[KvPrecision] = if *arch == "sm_90" {
+                &[KvPrecision::Bf16, KvPrecision::F32]
+            } else {
+                &[KvPrecision::Bf16]
+            };
+            for &kv in kvs {
+                let compiled = compile_all(&config, kv, arch)
+                    .unwrap_or_else(|e| panic!("{name} for {arch}: {e:#}"));
+                for (file, ptx) in compiled {
+                    let text = ptx.to_src();
+                    assert!(
+                        text.contains(&format!(".target {arch}")),
+                        "{name}/{file}: no {arch} target"
+                    );
+                    assert!(text.contains(".entry"), "{name}/{file}: no kernel entry");
+                }
             }
         }
     }

@@ -71,6 +71,15 @@ impl Backend for AnyBackend {
         }
     }
 
+    fn state_bytes(&self, state: &AnyState) -> usize {
+        match (self, state) {
+            (AnyBackend::Cpu(b), AnyState::Cpu(s)) => b.state_bytes(s),
+            (AnyBackend::Cuda(b), AnyState::Cuda(s)) => b.state_bytes(s),
+            // A mismatched state is refused by every other call; it holds no memory of ours.
+            _ => 0,
+        }
+    }
+
     fn fork(&self, state: &AnyState) -> Result<AnyState> {
         Ok(match (self, state) {
             (AnyBackend::Cpu(b), AnyState::Cpu(s)) => AnyState::Cpu(b.fork(s)?),

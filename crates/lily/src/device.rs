@@ -4,7 +4,7 @@ use anyhow::Result;
 use clap::ValueEnum;
 use lily_core::load::load_weights;
 use lily_cpu::CpuBackend;
-use lily_cuda::CudaBackend;
+use lily_cuda::{CudaBackend, KvPrecision};
 
 use crate::backends::AnyBackend;
 use crate::progress::LoadBar;
@@ -33,11 +33,20 @@ pub fn load_with(model: &str, device: Device, quantize: bool) -> Result<AnyBacke
     // Weights are made in host memory first on every device; this checks they fit there.
     let (config, weights) = load_weights(&model, quantize, LoadBar::wrap)?;
     if use_cuda {
-        return Ok(AnyBackend::Cuda(Box::new(CudaBackend::new(
-            config, &weights,
-        )?)));
+        let backend = CudaBackend::with_kv(config, &weights, kv_precision()?)?;
+        return Ok(AnyBackend::Cuda(Box::new(backend)));
     }
     Ok(AnyBackend::Cpu(Box::new(CpuBackend::new(config, weights))))
+}
+
+/// The GPU's KV-cache precision: bf16 (20 KiB per token), or f32 with `LILY_KV_CACHE=f32` to
+/// compare with the f32 CPU reference token for token.
+fn kv_precision() -> Result<KvPrecision> {
+    match std::env::var("LILY_KV_CACHE").as_deref() {
+        Err(_) | Ok("bf16") => Ok(KvPrecision::Bf16),
+        Ok("f32") => Ok(KvPrecision::F32),
+        Ok(other) => anyhow::bail!("LILY_KV_CACHE={other:?}: expected bf16 or f32"),
+    }
 }
 
 /// `MemAvailable` from /proc/meminfo, where there is one.

@@ -3,13 +3,25 @@
 // captured graph replays unchanged from step to step.
 
 #define GROUP (NH / NKV)
+
+// The KV cache element: bf16 in production (20 KiB per token), f32 when KV_F32 is set, which
+// tests use to compare with the f32 CPU reference without the bf16 rounding.
+#if KV_F32
+typedef float kv_t;
+__device__ __forceinline__ float kv_load(kv_t v) { return v; }
+__device__ __forceinline__ kv_t kv_store(float f) { return f; }
+#else
+typedef u16 kv_t;
+__device__ __forceinline__ float kv_load(kv_t v) { return bf16_to_f32(v); }
+__device__ __forceinline__ kv_t kv_store(float f) { return f32_to_bf16(f); }
+#endif
 #define EPL ((HD + WARP - 1) / WARP)   // head elements per lane
 
 // Per head: RMSNorm (q_norm / k_norm), rotate-half RoPE on the first ROT dims; queries go to
 // `q_out`, keys and values into the bf16 cache at the current position. Blocks 0..NH-1 are
 // query heads, NH..NH+NKV-1 KV heads. qkv = [q|gate per head (NH·2·HD) | k (NKV·HD) | v].
 extern "C" __global__ void attn_prep(const float* qkv, const float* q_norm, const float* k_norm,
-                                     const int* pos_ptr, float* q_out, u16* k_cache, u16* v_cache,
+                                     const int* pos_ptr, float* q_out, kv_t* k_cache, kv_t* v_cache,
                                      float eps) {
     __shared__ float scratch[32];
     __shared__ float normed[HD];
@@ -38,8 +50,8 @@ extern "C" __global__ void attn_prep(const float* qkv, const float* q_norm, cons
         q_out[head * HD + d] = y;
     } else {
         long at = ((long)pos * NKV + kv) * HD + d;
-        k_cache[at] = f32_to_bf16(y);
-        v_cache[at] = f32_to_bf16(qkv[NH * 2 * HD + NKV * HD + kv * HD + d]);
+        k_cache[at] = kv_store(y);
+        v_cache[at] = kv_store(qkv[NH * 2 * HD + NKV * HD + kv * HD + d]);
     }
 }
 
@@ -48,7 +60,7 @@ extern "C" __global__ void attn_prep(const float* qkv, const float* q_norm, cons
 // walks its share of positions with an online softmax; the warps then merge. Writes per
 // (kv, split, head-in-group) the running max, the sum of exponentials and the unnormalised
 // output.
-extern "C" __global__ void attn_split(const float* q, const u16* k_cache, const u16* v_cache,
+extern "C" __global__ void attn_split(const float* q, const kv_t* k_cache, const kv_t* v_cache,
                                       const int* pos_ptr, float* part_ml, float* part_acc) {
     __shared__ float qs[GROUP][HD];
     __shared__ float wm[4][GROUP], wl[4][GROUP];
@@ -68,14 +80,14 @@ extern "C" __global__ void attn_split(const float* q, const u16* k_cache, const 
         for (int e = 0; e < EPL; e++) acc[g][e] = 0.f;
     }
     for (int p = start + warp; p < end; p += 4) {
-        const u16* kr = k_cache + ((long)p * NKV + kv) * HD;
-        const u16* vr = v_cache + ((long)p * NKV + kv) * HD;
+        const kv_t* kr = k_cache + ((long)p * NKV + kv) * HD;
+        const kv_t* vr = v_cache + ((long)p * NKV + kv) * HD;
         float kf[EPL], vf[EPL];
 #pragma unroll
         for (int e = 0; e < EPL; e++) {
             int d = lane + e * WARP;
-            kf[e] = d < HD ? bf16_to_f32(kr[d]) : 0.f;
-            vf[e] = d < HD ? bf16_to_f32(vr[d]) : 0.f;
+            kf[e] = d < HD ? kv_load(kr[d]) : 0.f;
+            vf[e] = d < HD ? kv_load(vr[d]) : 0.f;
         }
 #pragma unroll
         for (int g = 0; g < GROUP; g++) {

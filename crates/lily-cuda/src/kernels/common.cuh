@@ -65,43 +65,66 @@ struct Mat {
     int group;
 };
 
-// This lane's share of row `r` · x; the caller sums across the warp. Lanes stride over 16-byte
-// chunks so a warp reads 512 contiguous bytes per step.
-template <int BITS>
-__device__ __forceinline__ float row_dot_lane(const Mat& m, long r, const float* __restrict__ x, int lane) {
-    float acc = 0.f;
+// An integer code below 2^23 as a float without the quarter-rate int-to-float conversion: the
+// code becomes the mantissa of 2^23 + code, and 2^23 is subtracted (exact). Dequantisation is the
+// hot loop of every decode GEMV.
+__device__ __forceinline__ float code_to_f32(u32 code) {
+    return __uint_as_float(0x4B000000u | code) - 8388608.f;
+}
+
+// One row of a matrix as a kernel reads it.
+struct RowRef {
+    const void* w;       // the row's codes (or f32 values)
+    const u16* scales;   // its groups' scales and biases (affine only)
+    const u16* biases;
+};
+
+__device__ __forceinline__ RowRef row_ref(const Mat& m, long r, int bits) {
+    long groups = m.cols / m.group;
+    return RowRef{(const char*)m.w + r * (long)m.cols * bits / 8, m.scales + r * groups, m.biases + r * groups};
+}
+
+// This lane's shares of R rows · x (rows with the same columns and group), summed into acc; the
+// caller reduces across the warp. Lanes stride over 16-byte chunks so a warp reads 512
+// contiguous bytes of a row per step, and each x chunk, loaded once into registers, serves all
+// R rows: x costs one read per R rows instead of one per row.
+template <int BITS, int R>
+__device__ __forceinline__ void rows_dot_lane(const RowRef (&rows)[R], int n, int cols, int group,
+                                              const float* __restrict__ x, int lane, float (&acc)[R]) {
     if constexpr (BITS == 32) {
-        const float* row = (const float*)m.w + r * m.cols;
-        for (int c = lane; c < m.cols; c += WARP) acc += row[c] * x[c];
-        return acc;
+        for (int c = lane; c < cols; c += WARP) {
+            float xv = x[c];
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                if (r < n) acc[r] += ((const float*)rows[r].w)[c] * xv;
+        }
     } else {
-    const int per_chunk = 128 / BITS;               // codes in 16 bytes
-    const int words_per_row = m.cols * BITS / 32;
-    const uint4* row = (const uint4*)((const u32*)m.w + r * words_per_row);
-    const u16* sc = m.scales + r * (m.cols / m.group);
-    const u16* bi = m.biases + r * (m.cols / m.group);
-    const u32 mask = (1u << BITS) - 1u;
-    for (int ch = lane; ch < m.cols / per_chunk; ch += WARP) {
-        uint4 q = row[ch];
-        int c0 = ch * per_chunk;
-        const float4* xv = (const float4*)(x + c0);
-        float dq = 0.f, sx = 0.f;
-        u32 words[4] = {q.x, q.y, q.z, q.w};
+        constexpr int PER = 128 / BITS;   // codes in 16 bytes
+        constexpr u32 MASK = (1u << BITS) - 1u;
+        for (int ch = lane; ch < cols / PER; ch += WARP) {
+            float xs[PER];
+            const float4* xv = (const float4*)(x + ch * PER);
 #pragma unroll
-        for (int wi = 0; wi < 4; wi++) {
+            for (int i = 0; i < PER / 4; i++) {
+                float4 v = xv[i];
+                xs[4 * i] = v.x; xs[4 * i + 1] = v.y; xs[4 * i + 2] = v.z; xs[4 * i + 3] = v.w;
+            }
+            float sx = 0.f;
 #pragma unroll
-            for (int j = 0; j < 32 / BITS; j += 4) {
-                float4 xx = xv[(wi * (32 / BITS) + j) / 4];
-                u32 w = words[wi] >> (j * BITS);
-                dq += (float)(w & mask) * xx.x + (float)((w >> BITS) & mask) * xx.y
-                    + (float)((w >> (2 * BITS)) & mask) * xx.z + (float)((w >> (3 * BITS)) & mask) * xx.w;
-                sx += xx.x + xx.y + xx.z + xx.w;
+            for (int i = 0; i < PER; i++) sx += xs[i];
+            int g = ch * PER / group;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (r >= n) break;
+                uint4 q = ((const uint4*)rows[r].w)[ch];
+                u32 words[4] = {q.x, q.y, q.z, q.w};
+                float dq = 0.f;
+#pragma unroll
+                for (int i = 0; i < PER; i++)
+                    dq += code_to_f32((words[i / (32 / BITS)] >> ((i % (32 / BITS)) * BITS)) & MASK) * xs[i];
+                acc[r] += bf16_to_f32(rows[r].scales[g]) * dq + bf16_to_f32(rows[r].biases[g]) * sx;
             }
         }
-        int g = c0 / m.group;
-        acc += bf16_to_f32(sc[g]) * dq + bf16_to_f32(bi[g]) * sx;
-    }
-    return acc;
     }
 }
 

@@ -3,18 +3,38 @@
 // laid end to end in y, so the step has fewer launches and the tail blocks of one matrix overlap
 // the next.
 
+// Rows handled by one warp: their x chunks are shared, and R independent 16-byte loads per lane
+// are in flight at once.
+#define GEMV_ROWS 4
+
 template <int BITS>
 __device__ void gemv_rows(Mat m0, Mat m1, Mat m2, Mat m3, const float* __restrict__ x, float* __restrict__ y) {
     int lane = threadIdx.x % WARP;
-    long r = (long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    long warp = (long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    // Each matrix gets whole warps, so a warp's rows never straddle two matrices.
+    Mat ms[4] = {m0, m1, m2, m3};
     long base = 0;
-    Mat m = m0;
-    if (r >= m0.rows) { r -= m0.rows; base += m0.rows; m = m1;
-        if (r >= m1.rows) { r -= m1.rows; base += m1.rows; m = m2;
-            if (r >= m2.rows) { r -= m2.rows; base += m2.rows; m = m3;
-                if (r >= m3.rows) return; } } }
-    float acc = warp_sum(row_dot_lane<BITS>(m, r, x, lane));
-    if (lane == 0) y[base + r] = acc;
+    int which = -1;
+    for (int i = 0; i < 4; i++) {
+        long warps = (ms[i].rows + GEMV_ROWS - 1) / GEMV_ROWS;
+        if (warp < warps) { which = i; break; }
+        warp -= warps;
+        base += ms[i].rows;
+    }
+    if (which < 0) return;
+    Mat m = ms[which];
+    long r0 = warp * GEMV_ROWS;
+    int n = (int)min((long)GEMV_ROWS, m.rows - r0);
+    RowRef rows[GEMV_ROWS];
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) rows[r] = row_ref(m, r0 + min(r, n - 1), BITS);
+    float acc[GEMV_ROWS] = {};
+    rows_dot_lane<BITS, GEMV_ROWS>(rows, n, m.cols, m.group, x, lane, acc);
+#pragma unroll
+    for (int r = 0; r < GEMV_ROWS; r++) {
+        float v = warp_sum(acc[r]);
+        if (lane == 0 && r < n) y[base + r0 + r] = v;
+    }
 }
 
 #define GEMV(BITS)                                                                              \

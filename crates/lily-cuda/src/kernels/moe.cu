@@ -2,46 +2,54 @@
 // (renormalise the chosen weights). Routing stays on the device: the router logits, the chosen
 // ids and their weights never visit the host.
 
-// logits = [router (NE) | shared-expert gate (1)]. Softmax, then TOPK rounds of block argmax
-// (lowest id wins ties, as the CPU reference does), then renormalise.
+// logits = [router (NE) | shared-expert gate (1)]. One warp: softmax, then TOPK rounds of warp
+// argmax over the probabilities held in registers (lowest id wins ties, as the CPU reference
+// does), then renormalise. No block barriers: this sits on every layer's critical path.
+#define PER_LANE ((NE + WARP - 1) / WARP)
 extern "C" __global__ void moe_topk(const float* logits, int* ids, float* weights) {
-    __shared__ float p[NE];
-    __shared__ float scratch[32];
-    __shared__ float best_v[32];
-    __shared__ int best_i[32];
-    __shared__ float chosen[TOPK];
+    int lane = threadIdx.x;
+    float p[PER_LANE];
     float mx = -INFINITY;
-    for (int e = threadIdx.x; e < NE; e += blockDim.x) mx = fmaxf(mx, logits[e]);
-    mx = block_max(mx, scratch);
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+        int e = lane + i * WARP;
+        p[i] = e < NE ? logits[e] : -INFINITY;
+        mx = fmaxf(mx, p[i]);
+    }
+    mx = warp_max(mx);
     float sum = 0.f;
-    for (int e = threadIdx.x; e < NE; e += blockDim.x) { float v = __expf(logits[e] - mx); p[e] = v; sum += v; }
-    sum = block_sum(sum, scratch);
-    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = (blockDim.x + WARP - 1) / WARP;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+        int e = lane + i * WARP;
+        p[i] = e < NE ? __expf(p[i] - mx) : -1.f;
+        sum += e < NE ? p[i] : 0.f;
+    }
+    sum = warp_sum(sum);
+    float chosen[TOPK];
+    int chosen_id[TOPK];
     for (int k = 0; k < TOPK; k++) {
-        float v = -1.f; int i = NE;
-        for (int e = threadIdx.x; e < NE; e += blockDim.x)
-            if (p[e] > v || (p[e] == v && e < i)) { v = p[e]; i = e; }
+        float v = -1.f; int id = NE;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++)
+            if (p[i] > v) { v = p[i]; id = lane + i * WARP; }
         for (int o = WARP / 2; o > 0; o >>= 1) {
             float ov = __shfl_xor_sync(0xffffffffu, v, o);
-            int oi = __shfl_xor_sync(0xffffffffu, i, o);
-            if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+            int oi = __shfl_xor_sync(0xffffffffu, id, o);
+            if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
         }
-        if (lane == 0) { best_v[warp] = v; best_i[warp] = i; }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            float bv = best_v[0]; int bi = best_i[0];
-            for (int w = 1; w < warps; w++)
-                if (best_v[w] > bv || (best_v[w] == bv && best_i[w] < bi)) { bv = best_v[w]; bi = best_i[w]; }
-            ids[k] = bi;
-            chosen[k] = bv / sum;
-            p[bi] = -2.f;
-        }
-        __syncthreads();
+        chosen[k] = v / sum;
+        chosen_id[k] = id;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++)
+            if (lane + i * WARP == id) p[i] = -2.f;
     }
-    if (threadIdx.x == 0) {
+    if (lane == 0) {
         float total = 0.f;
         for (int k = 0; k < TOPK; k++) total += chosen[k];
-        for (int k = 0; k < TOPK; k++) weights[k] = NORM_TOPK ? chosen[k] / total : chosen[k];
+        for (int k = 0; k < TOPK; k++) {
+            ids[k] = chosen_id[k];
+            weights[k] = NORM_TOPK ? chosen[k] / total : chosen[k];
+        }
     }
 }
 
@@ -52,18 +60,21 @@ __device__ void gate_up(Mat gate, Mat up, Mat sh_gate, Mat sh_up, int inter, con
                         const float* __restrict__ x, float* act) {
     int lane = threadIdx.x % WARP;
     long r = (long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
-    float g, u;
+    RowRef rows[2];
     if (r < (long)TOPK * inter) {
         long row = (long)ids[r / inter] * inter + r % inter;
-        g = warp_sum(row_dot_lane<BITS>(gate, row, x, lane));
-        u = warp_sum(row_dot_lane<BITS>(up, row, x, lane));
+        rows[0] = row_ref(gate, row, BITS);
+        rows[1] = row_ref(up, row, BITS);
     } else if (r < (long)TOPK * inter + sh_gate.rows) {
         long row = r - (long)TOPK * inter;
-        g = warp_sum(row_dot_lane<BITS>(sh_gate, row, x, lane));
-        u = warp_sum(row_dot_lane<BITS>(sh_up, row, x, lane));
+        rows[0] = row_ref(sh_gate, row, BITS);
+        rows[1] = row_ref(sh_up, row, BITS);
     } else {
         return;
     }
+    float acc[2] = {};
+    rows_dot_lane<BITS, 2>(rows, 2, gate.cols, gate.group, x, lane, acc);
+    float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
     if (lane == 0) act[r] = siluf(g) * u;
 }
 
@@ -75,13 +86,19 @@ __device__ void down_combine(Mat down, Mat sh_down, int inter, int hidden, const
     int lane = threadIdx.x % WARP;
     long h = (long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (h >= hidden) return;
+    // Lanes sum the weighted slots first and reduce once: fewer shuffles per row.
     float acc = 0.f;
     for (int k = 0; k < TOPK; k++) {
-        float d = warp_sum(row_dot_lane<BITS>(down, (long)ids[k] * hidden + h, act + (long)k * inter, lane));
-        acc += weights[k] * d;
+        RowRef row[1] = {row_ref(down, (long)ids[k] * hidden + h, BITS)};
+        float part[1] = {0.f};
+        rows_dot_lane<BITS, 1>(row, 1, down.cols, down.group, act + (long)k * inter, lane, part);
+        acc += weights[k] * part[0];
     }
-    float shared = warp_sum(row_dot_lane<BITS>(sh_down, h, act + (long)TOPK * inter, lane));
-    if (lane == 0) out[h] = acc + sigmoidf(logits[NE]) * shared;
+    RowRef row[1] = {row_ref(sh_down, h, BITS)};
+    float part[1] = {0.f};
+    rows_dot_lane<BITS, 1>(row, 1, sh_down.cols, sh_down.group, act + (long)TOPK * inter, lane, part);
+    acc = warp_sum(acc + sigmoidf(logits[NE]) * part[0]);
+    if (lane == 0) out[h] = acc;
 }
 
 #define MOE(BITS)                                                                                 \

@@ -1,0 +1,24 @@
+"""Sums an `ncu --csv --metrics gpu__time_duration.sum` log by kernel name: where one decode
+step's GPU time goes, kernel by kernel (tools/gpu-check.sh profile)."""
+import csv
+import sys
+from collections import defaultdict
+
+totals, counts = defaultdict(float), defaultdict(int)
+with open(sys.argv[1]) as f:
+    rows = [line for line in f if line.startswith('"')]
+for row in csv.DictReader(rows):
+    if row.get("Metric Name") != "gpu__time_duration.sum":
+        continue
+    name = row["Kernel Name"].split("(")[0]
+    value = float(row["Metric Value"].replace(",", ""))
+    scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(row.get("Metric Unit", "nsecond"), 1e-3)
+    totals[name] += value * scale
+    counts[name] += 1
+# One embedding lookup per step: the number of steps seen.
+steps = float(sum(n for k, n in counts.items() if k.startswith("embed_b")) or 1)
+total = sum(totals.values())
+print(f"| kernel | launches per step | µs per step | share |\n|---|---:|---:|---:|")
+for name, us in sorted(totals.items(), key=lambda kv: -kv[1]):
+    print(f"| {name} | {counts[name] / steps:.0f} | {us / steps:.1f} | {100 * us / total:.0f} % |")
+print(f"| total | {sum(counts.values()) / steps:.0f} | {total / steps:.1f} | 100 % |")
