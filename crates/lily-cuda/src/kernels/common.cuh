@@ -134,10 +134,10 @@ __device__ __forceinline__ float mat_at(const Mat& m, long r, int c) {
     if constexpr (BITS == 32) {
         return ((const float*)m.w)[r * m.cols + c];
     } else {
-    const int words_per_row = m.cols * BITS / 32;
-    u32 word = ((const u32*)m.w)[r * words_per_row + c * BITS / 32];
-    u32 code = (word >> ((c % (32 / BITS)) * BITS)) & ((1u << BITS) - 1u);
-    long g = r * (m.cols / m.group) + c / m.group;
-    return bf16_to_f32(m.scales[g]) * (float)code + bf16_to_f32(m.biases[g]);
+        const int words_per_row = m.cols * BITS / 32;
+        u32 word = ((const u32*)m.w)[r * words_per_row + c * BITS / 32];
+        u32 code = (word >> ((c % (32 / BITS)) * BITS)) & ((1u << BITS) - 1u);
+        long g = r * (m.cols / m.group) + c / m.group;
+        return bf16_to_f32(m.scales[g]) * (float)code + bf16_to_f32(m.biases[g]);
     }
 }
