@@ -9,7 +9,7 @@ pub mod gpu;
 pub mod mat;
 mod state;
 mod step;
-mod weights;
+pub mod weights;
 
 use std::sync::Mutex;
 
@@ -26,7 +26,7 @@ pub use state::CudaState;
 
 use crate::gpu::Gpu;
 use crate::step::{Scratch, Timeline, encode_step};
-use crate::weights::DeviceWeights;
+use crate::weights::{DeviceWeights, device_bytes};
 
 pub struct CudaBackend {
     config: ModelConfig,
@@ -49,6 +49,19 @@ impl CudaBackend {
     /// As [`CudaBackend::new`] with a chosen KV-cache precision.
     pub fn with_kv(config: ModelConfig, host: &ModelWeights, kv: KvPrecision) -> Result<Self> {
         let gpu = Gpu::new(&config, kv)?;
+        // The memory plan, before anything is uploaded: weights as stored plus room for the
+        // activations and the first sequence's state (new_state checks its own KV cache).
+        let need = device_bytes(host) + (1 << 30);
+        let (free, total) = gpu.memory()?;
+        ensure!(
+            need <= free,
+            "the weights need {:.2} GB of GPU memory (with 1 GiB for activations), but {} has {:.2} \
+             GB free of {:.2} GB",
+            need as f64 / 1e9,
+            gpu.name,
+            free as f64 / 1e9,
+            total as f64 / 1e9
+        );
         let weights = DeviceWeights::upload(&gpu, &config, host).context("uploading weights")?;
         let scratch = Mutex::new(Scratch::new(&gpu, &config)?);
         gpu.sync()?;

@@ -57,6 +57,48 @@ pub struct DeviceMoe {
     pub shared: [DeviceMat; 3],
 }
 
+/// Bytes the device copy of `w` takes: every linear as stored, small tensors in f32.
+pub fn device_bytes(w: &ModelWeights) -> usize {
+    let floats = |v: &[f32]| v.len() * 4;
+    let mut total = w.embed_tokens.byte_size() + w.lm_head.byte_size() + floats(&w.final_norm);
+    for layer in &w.layers {
+        total += floats(&layer.input_norm) + floats(&layer.post_attention_norm);
+        total += match &layer.mixer {
+            Mixer::GatedDeltaNet(g) => {
+                [
+                    &g.in_proj_qkv,
+                    &g.in_proj_z,
+                    &g.in_proj_b,
+                    &g.in_proj_a,
+                    &g.out_proj,
+                ]
+                .iter()
+                .map(|l| l.byte_size())
+                .sum::<usize>()
+                    + floats(&g.conv1d.data)
+                    + floats(&g.a_log)
+                    + floats(&g.dt_bias)
+                    + floats(&g.norm)
+            }
+            Mixer::Attention(a) => {
+                [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj]
+                    .iter()
+                    .map(|l| l.byte_size())
+                    .sum::<usize>()
+                    + floats(&a.q_norm)
+                    + floats(&a.k_norm)
+            }
+        };
+        let m = &layer.moe;
+        let experts = m.experts.iter().chain(std::iter::once(&m.shared_expert));
+        total += m.router.byte_size() + m.shared_expert_gate.byte_size();
+        total += experts
+            .map(|e| e.gate_proj.byte_size() + e.up_proj.byte_size() + e.down_proj.byte_size())
+            .sum::<usize>();
+    }
+    total
+}
+
 impl DeviceWeights {
     pub fn upload(gpu: &Gpu, c: &ModelConfig, w: &ModelWeights) -> Result<Self> {
         ensure!(c.num_experts > 0 && !w.layers.is_empty(), "empty model");
