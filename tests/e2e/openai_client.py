@@ -43,7 +43,7 @@ WEATHER_TOOL = {
 class Server:
     """A `lily serve` on a free loopback port; its log is collected for the checks."""
 
-    def __init__(self, binary, *flags):
+    def __init__(self, binary, *flags, env=None):
         self.log = []
         self.lines = queue.Queue()
         self.process = subprocess.Popen(
@@ -52,6 +52,7 @@ class Server:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
+            env=env,
         )
         threading.Thread(target=self._read_log, daemon=True).start()
         self.base_url = self.wait_for_log(r"serving .* on (http://\S+/v1)", STARTUP_TIMEOUT_S).group(1)

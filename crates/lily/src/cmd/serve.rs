@@ -1,7 +1,9 @@
 //! `lily serve`: the OpenAI-compatible HTTP server.
 
+use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use lily_core::backend::Backend;
@@ -10,6 +12,7 @@ use lily_core::model_ref::ModelRef;
 
 use crate::cmd::pull::resolve_model;
 use crate::device::{Device, load};
+use crate::serve::access::Access;
 use crate::serve::engine::Engine;
 use crate::serve::ids::unix_time;
 use crate::serve::routes::{AppState, router};
@@ -45,9 +48,25 @@ pub struct Args {
     served_model_name: Option<String>,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health [env: LILY_API_KEY].
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Let web pages from this origin call the server (repeatable; `*` for any). CORS is off
+    /// without it.
+    #[arg(long)]
+    cors_origin: Vec<String>,
+    /// The largest request body, in MiB; a larger one is a 413. Long conversations are
+    /// megabytes of JSON.
+    #[arg(long, default_value_t = 64)]
+    max_body_mb: usize,
 }
 
+/// How long a shutdown waits for in-flight responses (which end at their next decode step)
+/// before it exits anyway: a client that stopped reading must not keep the process alive.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
 pub fn run(args: Args) -> Result<()> {
+    let access = Arc::new(access(&args)?);
     let model = resolve_model(&args.model)?;
     let max_seq = context_length(args.max_seq, &model.config()?)?;
     let dir = match &model {
@@ -85,23 +104,71 @@ pub fn run(args: Args) -> Result<()> {
         vocab_size,
         defaults,
         default_thinking: !args.no_thinking,
+        max_body_bytes: args.max_body_mb.saturating_mul(1 << 20),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(serve(app, listener))
+    let router = router(app.clone(), access);
+    runtime.block_on(serve(app, router, listener))
 }
 
-async fn serve(app: Arc<AppState>, listener: std::net::TcpListener) -> Result<()> {
+/// The API key from `--api-key` or `LILY_API_KEY`, and the CORS origins.
+fn access(args: &Args) -> Result<Access> {
+    let api_key = match &args.api_key {
+        Some(key) => Some(key.clone()),
+        None => std::env::var("LILY_API_KEY").ok(),
+    };
+    if api_key.as_ref().is_some_and(|k| k.trim().is_empty()) {
+        bail!("the API key (--api-key or LILY_API_KEY) must not be empty");
+    }
+    let loopback = matches!(args.host.as_str(), "127.0.0.1" | "::1" | "localhost");
+    if api_key.is_none() && !loopback {
+        eprintln!(
+            "lily: warning: listening on {} without --api-key: anyone who can reach it may use it",
+            args.host
+        );
+    }
+    Ok(Access {
+        api_key,
+        cors_origins: args.cors_origin.clone(),
+    })
+}
+
+/// Serves until SIGTERM or Ctrl-C; then stops accepting, ends every generation at its next
+/// step (streams get their final chunk and `[DONE]`), and returns once responses are out.
+async fn serve(
+    app: Arc<AppState>,
+    router: axum::Router,
+    listener: std::net::TcpListener,
+) -> Result<()> {
     let listener = tokio::net::TcpListener::from_std(listener)?;
     let address: SocketAddr = listener.local_addr()?;
     eprintln!("lily: serving {} on http://{address}/v1", app.model_name);
-    axum::serve(listener, router(app))
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .context("serving")?;
+    let (stopping, mut stopped) = tokio::sync::watch::channel(false);
+    let signal = async move {
+        shutdown_signal().await;
+        eprintln!("lily: shutting down: finishing in-flight responses");
+        app.engine.stop_generating();
+        let _ = stopping.send(true);
+    };
+    let server = axum::serve(listener, router)
+        .with_graceful_shutdown(signal)
+        .into_future();
+    let grace = async move {
+        let _ = stopped.wait_for(|stopped| *stopped).await;
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+    };
+    tokio::select! {
+        served = server => served.context("serving")?,
+        () = grace => eprintln!(
+            "lily: responses still open after {} s; exiting anyway",
+            SHUTDOWN_GRACE.as_secs()
+        ),
+    }
+    eprintln!("lily: stopped");
     Ok(())
 }
 

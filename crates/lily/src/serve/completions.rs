@@ -3,9 +3,8 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::State;
-use axum::extract::rejection::BytesRejection;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
@@ -14,21 +13,18 @@ use super::engine::{EngineEvent, Finish, Outcome};
 use super::error::{ApiError, ApiResult};
 use super::ids::{new_id, unix_time};
 use super::request::{CompletionPrompt, parse_body, parse_completion};
-use super::routes::{AppState, body_bytes, outcome_usage};
+use super::routes::{AppState, outcome_usage, read_body};
 use super::stream::{Step, StreamFormat, sse_response};
 use super::worker::WorkerEvent;
 
-pub async fn completions(
-    State(app): State<Arc<AppState>>,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+pub async fn completions(State(app): State<Arc<AppState>>, body: Body) -> Response {
     handle(app, body)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-async fn handle(app: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> ApiResult<Response> {
-    let body = parse_body(&body_bytes(body)?)?;
+async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
+    let body = parse_body(&read_body(body, app.max_body_bytes).await?)?;
     let request = parse_completion(&body, &app.defaults)?;
     app.check_model(&request.common.model)?;
     // Output is always text, so even a prompt of token ids needs the tokenizer.

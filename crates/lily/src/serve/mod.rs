@@ -1,6 +1,7 @@
 //! The OpenAI-compatible server and the generation engine it shares with `lily chat` and
 //! `lily generate --prompt`.
 
+pub mod access;
 pub mod chat;
 pub mod completions;
 pub mod engine;

@@ -8,8 +8,13 @@ use super::error::{ApiError, ApiResult};
 use super::ids::random_u64;
 use super::sampling_defaults::SamplingDefaults;
 
-/// The most stop strings a request may give.
+/// The most stop strings a request may give: each is checked after every token.
 const MAX_STOP_STRINGS: usize = 16;
+/// The most messages in one request. Far more than any context holds, but it bounds the work of
+/// rendering the template before the prompt's length is known.
+pub const MAX_MESSAGES: usize = 10_000;
+/// OpenAI's own limit; every tool's schema is rendered into the prompt.
+pub const MAX_TOOLS: usize = 128;
 
 /// What chat and text completions share.
 #[derive(Clone, Debug)]
@@ -78,6 +83,15 @@ pub fn parse_chat(
         }
     }
     let messages = match body.get("messages") {
+        Some(Value::Array(list)) if list.len() > MAX_MESSAGES => {
+            return Err(ApiError::param(
+                "messages",
+                format!(
+                    "at most {MAX_MESSAGES} messages are allowed, got {}",
+                    list.len()
+                ),
+            ));
+        }
         Some(Value::Array(list)) if !list.is_empty() => list
             .iter()
             .enumerate()
@@ -308,6 +322,12 @@ fn parse_tools(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
         Some(Value::Array(tools)) => tools,
         Some(_) => return Err(ApiError::param("tools", "must be a list of tools")),
     };
+    if tools.len() > MAX_TOOLS {
+        return Err(ApiError::param(
+            "tools",
+            format!("at most {MAX_TOOLS} tools are allowed, got {}", tools.len()),
+        ));
+    }
     for (i, tool) in tools.iter().enumerate() {
         let param = format!("tools[{i}]");
         if tool.get("type").and_then(Value::as_str) != Some("function") {

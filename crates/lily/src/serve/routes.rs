@@ -4,15 +4,18 @@ use std::sync::Arc;
 
 use axum::Json;
 use axum::Router;
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
+use axum::middleware::from_fn_with_state;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use futures_util::StreamExt;
 use lily_chat::TextModel;
 use serde_json::{Value, json};
 
+use super::access::{Access, guard};
 use super::chat::chat_completions;
 use super::completions::completions;
 use super::engine::{GenerationJob, Outcome};
@@ -20,9 +23,6 @@ use super::error::{ApiError, ApiResult};
 use super::request::CommonRequest;
 use super::sampling_defaults::SamplingDefaults;
 use super::worker::EngineHandle;
-
-/// Long conversations are megabytes of JSON; axum's default limit is 2 MB.
-const MAX_BODY_BYTES: usize = 64 << 20;
 
 pub struct AppState {
     pub engine: EngineHandle,
@@ -36,6 +36,8 @@ pub struct AppState {
     pub vocab_size: usize,
     pub defaults: SamplingDefaults,
     pub default_thinking: bool,
+    /// The largest request body; a larger one is a 413.
+    pub max_body_bytes: usize,
 }
 
 impl AppState {
@@ -74,7 +76,7 @@ impl AppState {
     }
 }
 
-pub fn router(app: Arc<AppState>) -> Router {
+pub fn router(app: Arc<AppState>, access: Arc<Access>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
@@ -83,16 +85,38 @@ pub fn router(app: Arc<AppState>) -> Router {
         .route("/health", get(health))
         .fallback(|| async { ApiError::not_found("this path").into_response() })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed().into_response() })
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        // Outermost, so that unknown paths too are hidden from whoever lacks the key.
+        .layer(from_fn_with_state(access, guard))
         .with_state(app)
 }
 
-/// The body, or the OpenAI error for why it could not be read (too large, cut off).
-pub fn body_bytes(body: Result<Bytes, BytesRejection>) -> ApiResult<Bytes> {
-    body.map_err(|rejection| ApiError {
-        status: rejection.status(),
-        ..ApiError::invalid(rejection.body_text())
-    })
+/// The body, at most `limit` bytes. A larger one is a 413, answered only after reading (and
+/// dropping) up to `limit` more bytes: closing on a client that is still sending resets the
+/// connection, and it would never see why.
+pub async fn read_body(body: Body, limit: usize) -> ApiResult<Bytes> {
+    let mut stream = body.into_data_stream();
+    let mut data = Vec::new();
+    let mut seen = 0usize;
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk
+            .map_err(|e| ApiError::invalid(format!("the request body could not be read: {e}")))?;
+        seen = seen.saturating_add(chunk.len());
+        if seen <= limit {
+            data.extend_from_slice(&chunk);
+        } else if seen > limit.saturating_mul(2) {
+            break;
+        }
+    }
+    if seen > limit {
+        return Err(ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            ..ApiError::invalid(format!(
+                "the request body is larger than this server's limit of {limit} bytes \
+                 (--max-body-mb)"
+            ))
+        });
+    }
+    Ok(data.into())
 }
 
 pub fn outcome_usage(outcome: &Outcome) -> Value {
@@ -114,7 +138,15 @@ async fn models(State(app): State<Arc<AppState>>) -> Response {
     Json(json!({"object": "list", "data": [model_object(&app)]})).into_response()
 }
 
-async fn model(State(app): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+/// An id that is not valid UTF-8 once percent-decoded names no model: a 404 like any other.
+async fn model(
+    State(app): State<Arc<AppState>>,
+    id: Result<Path<String>, PathRejection>,
+) -> Response {
+    let id = match id {
+        Ok(Path(id)) => id,
+        Err(_) => return ApiError::model_not_found("(not UTF-8)", &app.model_name).into_response(),
+    };
     match app.check_model(&id) {
         Ok(()) => Json(model_object(&app)).into_response(),
         Err(e) => e.into_response(),

@@ -1,6 +1,7 @@
 //! The engine's own thread: it owns the backend and takes jobs from a bounded FIFO queue, one
 //! generation at a time. Events go back on a channel per request; a request whose receiver is
-//! gone (the client disconnected) is cancelled at the next step.
+//! gone (the client disconnected) is cancelled at the next step, and so is every request once
+//! the server is shutting down.
 
 use std::ops::ControlFlow;
 use std::panic::AssertUnwindSafe;
@@ -31,6 +32,7 @@ pub struct EngineHandle {
     jobs: SyncSender<QueuedJob>,
     capacity: usize,
     alive: Arc<AtomicBool>,
+    stopping: Arc<AtomicBool>,
 }
 
 impl EngineHandle {
@@ -41,22 +43,27 @@ impl EngineHandle {
     {
         let (jobs, queue) = sync_channel(capacity.max(1));
         let alive = Arc::new(AtomicBool::new(true));
-        let flag = alive.clone();
+        let stopping = Arc::new(AtomicBool::new(false));
+        let (flag, stop) = (alive.clone(), stopping.clone());
         std::thread::Builder::new()
             .name("lily-engine".into())
             .spawn(move || {
-                serve_queue(engine, queue);
+                serve_queue(engine, queue, &stop);
                 flag.store(false, Ordering::SeqCst);
             })?;
         Ok(EngineHandle {
             jobs,
             capacity: capacity.max(1),
             alive,
+            stopping,
         })
     }
 
     /// Queues `job`; its events arrive on the returned receiver. A full queue is a 429.
     pub fn submit(&self, job: GenerationJob) -> Result<UnboundedReceiver<WorkerEvent>, ApiError> {
+        if self.stopping.load(Ordering::SeqCst) {
+            return Err(ApiError::unavailable("the server is shutting down"));
+        }
         let (events, receiver) = unbounded_channel();
         match self.jobs.try_send(QueuedJob { job, events }) {
             Ok(()) => Ok(receiver),
@@ -70,9 +77,15 @@ impl EngineHandle {
     pub fn is_alive(&self) -> bool {
         self.alive.load(Ordering::SeqCst)
     }
+
+    /// Ends the running generation and every queued one at their next step, each with a
+    /// normal final event, and refuses new ones: what a shutdown needs to finish streams soon.
+    pub fn stop_generating(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+    }
 }
 
-fn serve_queue<B: Backend>(mut engine: Engine<B>, queue: Receiver<QueuedJob>) {
+fn serve_queue<B: Backend>(mut engine: Engine<B>, queue: Receiver<QueuedJob>, stop: &AtomicBool) {
     while let Ok(QueuedJob { job, events }) = queue.recv() {
         if events.is_closed() {
             continue;
@@ -84,7 +97,9 @@ fn serve_queue<B: Backend>(mut engine: Engine<B>, queue: Receiver<QueuedJob>) {
         let started = Instant::now();
         // A bug in one generation must not take the server down with it.
         let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            engine.run(&job, emit, || events.is_closed())
+            engine.run(&job, emit, || {
+                events.is_closed() || stop.load(Ordering::SeqCst)
+            })
         }));
         let last = match result {
             Ok(Ok(outcome)) => WorkerEvent::Done(outcome),

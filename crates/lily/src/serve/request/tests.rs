@@ -181,6 +181,33 @@ fn what_we_cannot_honour_is_a_400_naming_the_field() {
 }
 
 #[test]
+fn lists_a_request_may_send_are_bounded() {
+    let user = json!({"role": "user", "content": "Hi"});
+    let tool = json!({"type": "function", "function": {"name": "f"}});
+    let messages = vec![user.clone(); MAX_MESSAGES];
+    assert!(chat(json!({"model": "m", "messages": messages})).is_ok());
+    let messages = vec![user.clone(); MAX_MESSAGES + 1];
+    rejects(
+        json!({"model": "m", "messages": messages}),
+        "messages",
+        "at most 10000 messages",
+    );
+    let tools = vec![tool.clone(); MAX_TOOLS];
+    assert!(chat(json!({"model": "m", "messages": [user], "tools": tools})).is_ok());
+    let tools = vec![tool; MAX_TOOLS + 1];
+    rejects(
+        json!({"model": "m", "messages": [user], "tools": tools}),
+        "tools",
+        "at most 128 tools",
+    );
+    rejects(
+        json!({"model": "m", "messages": [user], "stop": vec!["x"; 17]}),
+        "stop",
+        "at most 16 stop strings",
+    );
+}
+
+#[test]
 fn bodies_that_are_not_json_objects_are_rejected() {
     assert!(
         parse_body(b"{\"model\": ")

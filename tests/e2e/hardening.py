@@ -1,0 +1,241 @@
+"""Hardening, end to end against `lily serve --model synthetic:tiny` on loopback: API keys and CORS,
+request limits, SIGTERM, and (robustness.py) thousands of bad requests. Every wait is bounded;
+any failure exits non-zero.
+
+Usage: python3 tests/e2e/hardening.py path/to/lily
+"""
+
+import http.client
+import json
+import os
+import signal
+import sys
+import time
+import urllib.parse
+
+import openai
+
+from openai_client import HELLO, MODEL, NO_THINKING, REQUEST_TIMEOUT_S, Server
+from robustness import check_robustness
+
+KEY = "sk-lily-test-0123456789"
+
+
+def call(server, method, path, body=None, headers=None, timeout=REQUEST_TIMEOUT_S):
+    """One request on a fresh connection: (status, lower-cased headers, body bytes)."""
+    url = urllib.parse.urlsplit(server.base_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
+    try:
+        if isinstance(body, (dict, list)):
+            body = json.dumps(body).encode()
+            headers = {"Content-Type": "application/json", **(headers or {})}
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        connection.close()
+
+
+def error_of(status, body, expected_status):
+    """The OpenAI error object of a response that must have `expected_status`."""
+    assert status == expected_status, (status, body[:300])
+    error = json.loads(body)["error"]
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str)
+    return error
+
+
+def chat_body(**fields):
+    return {"model": MODEL, "messages": HELLO, "max_tokens": 2, **NO_THINKING, **fields}
+
+
+def check_api_key(binary):
+    server = Server(binary, "--api-key", KEY)
+    try:
+        bearer = {"Authorization": f"Bearer {KEY}"}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {KEY[:-1]}"},
+                        {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"Basic {KEY}"},
+                        {"Authorization": KEY}):
+            for method, path, body in (("GET", "/v1/models", None),
+                                       ("POST", "/v1/chat/completions", chat_body()),
+                                       ("POST", "/v1/completions", {"model": MODEL, "prompt": "x"}),
+                                       ("GET", "/no/such/path", None)):
+                status, response_headers, answer = call(server, method, path, body, headers)
+                error = error_of(status, answer, 401)
+                assert error["code"] == "invalid_api_key", error
+                assert response_headers.get("www-authenticate") == "Bearer", response_headers
+        # A load balancer's probe has no key.
+        status, _, answer = call(server, "GET", "/health")
+        assert status == 200 and json.loads(answer) == {"status": "ok"}, answer
+        status, _, answer = call(server, "GET", "/v1/models", headers=bearer)
+        assert status == 200 and json.loads(answer)["data"][0]["id"] == MODEL, answer
+        status, _, _ = call(server, "GET", "/v1/models", headers={"Authorization": f"bearer {KEY}"})
+        assert status == 200, "the Bearer scheme is case-insensitive"
+        client = openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0,
+                               timeout=REQUEST_TIMEOUT_S)
+        reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=3,
+                                               extra_body=NO_THINKING)
+        assert reply.usage.completion_tokens > 0, reply
+        wrong = openai.OpenAI(base_url=server.base_url, api_key="sk-wrong", max_retries=0,
+                              timeout=REQUEST_TIMEOUT_S)
+        try:
+            wrong.models.list()
+            raise AssertionError("a wrong key was accepted")
+        except openai.AuthenticationError as e:
+            assert e.status_code == 401 and e.code == "invalid_api_key", e.body
+    finally:
+        server.stop()
+    # The environment variable works as the flag does.
+    server = Server(binary, env={**os.environ, "LILY_API_KEY": "sk-from-env"})
+    try:
+        assert call(server, "GET", "/v1/models")[0] == 401
+        assert call(server, "GET", "/v1/models", headers={"Authorization": "Bearer sk-from-env"})[0] == 200
+    finally:
+        server.stop()
+
+
+def check_cors(open_server, binary):
+    """No CORS headers unless --cors-origin names the page's origin."""
+    page = {"Origin": "https://app.example"}
+    preflight = {**page, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    status, headers, _ = call(open_server, "GET", "/v1/models", headers=page)
+    assert status == 200 and "access-control-allow-origin" not in headers, headers
+    status, headers, answer = call(open_server, "OPTIONS", "/v1/chat/completions", headers=preflight)
+    error_of(status, answer, 405)
+    assert "access-control-allow-origin" not in headers, headers
+
+    server = Server(binary, "--cors-origin", "https://app.example", "--api-key", KEY)
+    try:
+        status, headers, _ = call(server, "OPTIONS", "/v1/chat/completions", headers=preflight)
+        assert status == 204, status
+        assert headers["access-control-allow-origin"] == "https://app.example", headers
+        assert "POST" in headers["access-control-allow-methods"], headers
+        assert "authorization" in headers["access-control-allow-headers"], headers
+        status, headers, _ = call(server, "GET", "/v1/models",
+                                  headers={**page, "Authorization": f"Bearer {KEY}"})
+        assert status == 200 and headers["access-control-allow-origin"] == "https://app.example"
+        # A refusal is readable by the page too.
+        status, headers, _ = call(server, "GET", "/v1/models", headers=page)
+        assert status == 401 and headers["access-control-allow-origin"] == "https://app.example"
+        other = {"Origin": "https://evil.example"}
+        status, headers, _ = call(server, "GET", "/v1/models",
+                                  headers={**other, "Authorization": f"Bearer {KEY}"})
+        assert status == 200 and "access-control-allow-origin" not in headers, headers
+        status, headers, _ = call(server, "OPTIONS", "/v1/chat/completions",
+                                  headers={**preflight, **other})
+        assert status == 401 and "access-control-allow-origin" not in headers, (status, headers)
+    finally:
+        server.stop()
+
+
+def check_limits(server):
+    """`server` runs with --max-body-mb 1."""
+    big = json.dumps(chat_body(messages=[{"role": "user", "content": "x" * (2 << 20)}])).encode()
+    status, _, answer = call(server, "POST", "/v1/chat/completions", big,
+                             {"Content-Type": "application/json"})
+    error = error_of(status, answer, 413)
+    assert error["type"] == "invalid_request_error", error
+    cases = [
+        (chat_body(messages=[{"role": "user", "content": "a"}] * 10_001), "messages", "10000"),
+        (chat_body(tools=[{"type": "function", "function": {"name": "f"}}] * 129), "tools", "128"),
+        (chat_body(stop=[str(i) for i in range(17)]), "stop", "16"),
+        (chat_body(max_tokens=10**30), "max_tokens", "integer"),
+        (chat_body(max_tokens=-1), "max_tokens", "integer"),
+        (chat_body(max_tokens=0), "max_tokens", "at least 1"),
+        (chat_body(messages=[{"role": "user", "content": "word " * 600}]), "messages", "512"),
+    ]
+    for body, param, says in cases:
+        status, _, answer = call(server, "POST", "/v1/chat/completions", body)
+        error = error_of(status, answer, 400)
+        assert error["param"] == param and says in error["message"], error
+    # max_tokens beyond the context is cut to what the context has left, not refused.
+    status, _, answer = call(server, "POST", "/v1/completions",
+                             {"model": MODEL, "prompt": "word " * 500, "max_tokens": 10**9})
+    assert status == 200, answer
+    usage = json.loads(answer)["usage"]
+    assert 480 < usage["prompt_tokens"] < 512 and usage["total_tokens"] <= 512, usage
+
+
+def read_events(response, deadline):
+    """The `data:` payloads of a server-sent event stream, until it ends."""
+    events = []
+    while time.monotonic() < deadline:
+        line = response.readline()
+        if not line:
+            return events
+        line = line.decode().strip()
+        if line.startswith("data: "):
+            events.append(line[len("data: "):])
+    raise AssertionError(f"the stream did not end: {events[-3:]}")
+
+
+def open_stream(server, max_tokens):
+    url = urllib.parse.urlsplit(server.base_url)
+    connection = http.client.HTTPConnection(url.hostname, url.port, timeout=REQUEST_TIMEOUT_S)
+    body = chat_body(max_tokens=max_tokens, stream=True)
+    connection.request("POST", "/v1/chat/completions", json.dumps(body).encode(),
+                       {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200, response.read()
+    return connection, response
+
+
+def check_sigterm(binary):
+    """SIGTERM ends the running stream and the queued one with a final chunk and [DONE]; exit 0."""
+    server = Server(binary, "--queue-size", "2")
+    first, running = open_stream(server, 450)
+    first_line = running.readline()
+    assert first_line.startswith(b"data: "), first_line
+    second, queued = open_stream(server, 450)
+    time.sleep(0.5)
+    server.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    for connection, response in ((first, running), (second, queued)):
+        events = read_events(response, deadline)
+        connection.close()
+        assert events[-1] == "[DONE]", events[-3:]
+        chunks = [json.loads(e) for e in events[:-1]]
+        finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
+        assert finishes[-1] in ("stop", "length") and not any(finishes[:-1]), finishes
+        assert all("error" not in c for c in chunks), chunks[-2:]
+    code = server.process.wait(timeout=30)
+    assert code == 0, (code, server.log)
+    assert any("shutting down" in line for line in server.log), server.log
+    # It no longer accepts connections.
+    url = urllib.parse.urlsplit(server.base_url)
+    try:
+        http.client.HTTPConnection(url.hostname, url.port, timeout=5).request("GET", "/health")
+        raise AssertionError("the server still accepts connections after exiting")
+    except ConnectionRefusedError:
+        pass
+
+
+def main():
+    binary = sys.argv[1]
+    small = Server(binary, "--max-body-mb", "1", "--queue-size", "4")
+    checks = [
+        ("api key", lambda: check_api_key(binary)),
+        ("cors", lambda: check_cors(small, binary)),
+        ("limits", lambda: check_limits(small)),
+        ("robustness", lambda: check_robustness(small, call)),
+        ("sigterm", lambda: check_sigterm(binary)),
+    ]
+    passed = 0
+    try:
+        for name, check in checks:
+            print(f"check: {name}", flush=True)
+            started = time.monotonic()
+            check()
+            print(f"  {time.monotonic() - started:.1f} s", flush=True)
+            passed += 1
+    except BaseException:
+        print("--- server log ---\n" + "\n".join(small.log[-50:]), file=sys.stderr)
+        print(f"{passed} passed, 1 failed", flush=True)
+        raise
+    finally:
+        small.stop()
+    print(f"{passed} passed, 0 failed")
+
+
+if __name__ == "__main__":
+    main()
