@@ -16,5 +16,5 @@ rm -rf "$nvrtc_dir"
 python3 -c "import openai" 2>/dev/null || python3 -m pip install -q "openai>=1.40"
 cargo build -p lily
 timeout 600 python3 tests/e2e/openai_client.py "${CARGO_TARGET_DIR:-target}/debug/lily"
-# Hardening: API keys and CORS, request limits, 5,000 generated bad requests, SIGTERM.
+# Hardening: API keys and CORS, request limits, 5,000 generated bad requests, /metrics, SIGTERM.
 timeout 300 python3 tests/e2e/hardening.py "${CARGO_TARGET_DIR:-target}/debug/lily"

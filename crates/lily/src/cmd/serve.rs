@@ -15,6 +15,7 @@ use crate::device::{Device, load};
 use crate::serve::access::Access;
 use crate::serve::engine::Engine;
 use crate::serve::ids::unix_time;
+use crate::serve::metrics::Metrics;
 use crate::serve::routes::{AppState, router};
 use crate::serve::sampling_defaults::SamplingDefaults;
 use crate::serve::text_model_for;
@@ -90,7 +91,9 @@ pub fn run(args: Args) -> Result<()> {
     let vocab_size = backend.config().vocab_size;
     let budget = args.snapshot_cache_mb << 20;
     let engine = Engine::new(backend, text.clone(), max_seq, budget)?;
-    let engine = EngineHandle::spawn(engine, args.queue_size).context("starting the engine")?;
+    let metrics = Metrics::new();
+    let engine = EngineHandle::spawn(engine, args.queue_size, metrics.clone())
+        .context("starting the engine")?;
     let app = Arc::new(AppState {
         engine,
         text,
@@ -105,6 +108,7 @@ pub fn run(args: Args) -> Result<()> {
         defaults,
         default_thinking: !args.no_thinking,
         max_body_bytes: args.max_body_mb.saturating_mul(1 << 20),
+        metrics,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -20,6 +20,7 @@ use super::chat::chat_completions;
 use super::completions::completions;
 use super::engine::{GenerationJob, Outcome};
 use super::error::{ApiError, ApiResult};
+use super::metrics::{Metrics, metrics_response, track};
 use super::request::CommonRequest;
 use super::sampling_defaults::SamplingDefaults;
 use super::worker::EngineHandle;
@@ -38,6 +39,8 @@ pub struct AppState {
     pub default_thinking: bool,
     /// The largest request body; a larger one is a 413.
     pub max_body_bytes: usize,
+    /// Shared with the engine thread.
+    pub metrics: Arc<Metrics>,
 }
 
 impl AppState {
@@ -83,10 +86,13 @@ pub fn router(app: Arc<AppState>, access: Arc<Access>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::not_found("this path").into_response() })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed().into_response() })
         // Outermost, so that unknown paths too are hidden from whoever lacks the key.
         .layer(from_fn_with_state(access, guard))
+        // Outside the key check, so that refusals are counted too.
+        .layer(from_fn_with_state(app.metrics.clone(), track))
         .with_state(app)
 }
 
@@ -151,6 +157,10 @@ async fn model(
         Ok(()) => Json(model_object(&app)).into_response(),
         Err(e) => e.into_response(),
     }
+}
+
+async fn metrics(State(app): State<Arc<AppState>>) -> Response {
+    metrics_response(&app.metrics)
 }
 
 async fn health(State(app): State<Arc<AppState>>) -> Response {

@@ -14,6 +14,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
 use super::engine::{Engine, EngineEvent, GenerationJob, Outcome};
 use super::error::ApiError;
+use super::metrics::Metrics;
 
 #[derive(Debug)]
 pub enum WorkerEvent {
@@ -25,6 +26,7 @@ pub enum WorkerEvent {
 struct QueuedJob {
     job: GenerationJob,
     events: UnboundedSender<WorkerEvent>,
+    queued_at: Instant,
 }
 
 #[derive(Clone)]
@@ -33,22 +35,27 @@ pub struct EngineHandle {
     capacity: usize,
     alive: Arc<AtomicBool>,
     stopping: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
 }
 
 impl EngineHandle {
     /// Starts the engine thread with room for `capacity` waiting requests.
-    pub fn spawn<B: Backend + 'static>(engine: Engine<B>, capacity: usize) -> std::io::Result<Self>
+    pub fn spawn<B: Backend + 'static>(
+        engine: Engine<B>,
+        capacity: usize,
+        metrics: Arc<Metrics>,
+    ) -> std::io::Result<Self>
     where
         B::State: 'static,
     {
         let (jobs, queue) = sync_channel(capacity.max(1));
         let alive = Arc::new(AtomicBool::new(true));
         let stopping = Arc::new(AtomicBool::new(false));
-        let (flag, stop) = (alive.clone(), stopping.clone());
+        let (flag, stop, counts) = (alive.clone(), stopping.clone(), metrics.clone());
         std::thread::Builder::new()
             .name("lily-engine".into())
             .spawn(move || {
-                serve_queue(engine, queue, &stop);
+                serve_queue(engine, queue, &stop, &counts);
                 flag.store(false, Ordering::SeqCst);
             })?;
         Ok(EngineHandle {
@@ -56,6 +63,7 @@ impl EngineHandle {
             capacity: capacity.max(1),
             alive,
             stopping,
+            metrics,
         })
     }
 
@@ -65,13 +73,22 @@ impl EngineHandle {
             return Err(ApiError::unavailable("the server is shutting down"));
         }
         let (events, receiver) = unbounded_channel();
-        match self.jobs.try_send(QueuedJob { job, events }) {
-            Ok(()) => Ok(receiver),
-            Err(TrySendError::Full(_)) => Err(ApiError::queue_full(self.capacity)),
-            Err(TrySendError::Disconnected(_)) => Err(ApiError::unavailable(
-                "the generation engine has stopped; restart the server",
-            )),
-        }
+        let queued = QueuedJob {
+            job,
+            events,
+            queued_at: Instant::now(),
+        };
+        // Counted before sending, so that the engine's decrement can never come first.
+        self.metrics.queued.fetch_add(1, Ordering::Relaxed);
+        let refused = match self.jobs.try_send(queued) {
+            Ok(()) => return Ok(receiver),
+            Err(TrySendError::Full(_)) => ApiError::queue_full(self.capacity),
+            Err(TrySendError::Disconnected(_)) => {
+                ApiError::unavailable("the generation engine has stopped; restart the server")
+            }
+        };
+        self.metrics.queued.fetch_sub(1, Ordering::Relaxed);
+        Err(refused)
     }
 
     pub fn is_alive(&self) -> bool {
@@ -85,14 +102,36 @@ impl EngineHandle {
     }
 }
 
-fn serve_queue<B: Backend>(mut engine: Engine<B>, queue: Receiver<QueuedJob>, stop: &AtomicBool) {
-    while let Ok(QueuedJob { job, events }) = queue.recv() {
+fn serve_queue<B: Backend>(
+    mut engine: Engine<B>,
+    queue: Receiver<QueuedJob>,
+    stop: &AtomicBool,
+    metrics: &Metrics,
+) {
+    while let Ok(QueuedJob {
+        job,
+        events,
+        queued_at,
+    }) = queue.recv()
+    {
+        metrics.queued.fetch_sub(1, Ordering::Relaxed);
         if events.is_closed() {
             continue;
         }
-        let emit = |event| match events.send(WorkerEvent::Engine(event)) {
-            Ok(()) => ControlFlow::Continue(()),
-            Err(_) => ControlFlow::Break(()),
+        let mut last_text: Option<Instant> = None;
+        let emit = |event| {
+            if let EngineEvent::Text(_) = &event {
+                let now = Instant::now();
+                match last_text {
+                    None => metrics.time_to_first_token.observe(now - queued_at),
+                    Some(previous) => metrics.inter_token.observe(now - previous),
+                }
+                last_text = Some(now);
+            }
+            match events.send(WorkerEvent::Engine(event)) {
+                Ok(()) => ControlFlow::Continue(()),
+                Err(_) => ControlFlow::Break(()),
+            }
         };
         let started = Instant::now();
         // A bug in one generation must not take the server down with it.
@@ -107,7 +146,10 @@ fn serve_queue<B: Backend>(mut engine: Engine<B>, queue: Receiver<QueuedJob>, st
             Err(_) => WorkerEvent::Failed("the generation engine panicked".into()),
         };
         match &last {
-            WorkerEvent::Done(outcome) => log_outcome(outcome, started.elapsed(), &engine),
+            WorkerEvent::Done(outcome) => {
+                metrics.count_outcome(outcome);
+                log_outcome(outcome, started.elapsed(), &engine);
+            }
             WorkerEvent::Failed(message) => eprintln!("lily: generation failed: {message}"),
             WorkerEvent::Engine(_) => {}
         }
