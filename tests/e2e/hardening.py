@@ -1,13 +1,16 @@
 """Hardening, end to end against `lily serve --model synthetic:tiny` on loopback: API keys and CORS,
-request limits, SIGTERM, and (robustness.py) thousands of bad requests. Every wait is bounded;
+request limits, thousands of bad requests (robustness.py), /metrics, client disconnects, 16
+concurrent streams against sequential ones, and SIGTERM. Every wait is bounded;
 any failure exits non-zero.
 
 Usage: python3 tests/e2e/hardening.py path/to/lily
 """
 
+import concurrent.futures
 import http.client
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -156,6 +159,30 @@ def check_limits(server):
     assert 480 < usage["prompt_tokens"] < 512 and usage["total_tokens"] <= 512, usage
 
 
+def check_metrics(server):
+    """After the limits and robustness checks: Prometheus text that counts what happened."""
+    status, headers, answer = call(server, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4")
+    samples = {}
+    for line in answer.decode().splitlines():
+        if line.startswith("#"):
+            continue
+        match = re.fullmatch(r'([a-z_]+(?:\{.*\})?) (\S+)', line)
+        assert match, f"not a Prometheus sample: {line!r}"
+        samples[match.group(1)] = float(match.group(2))
+    requests = {k: v for k, v in samples.items() if k.startswith("lily_requests_total")}
+    assert sum(requests.values()) >= 5000, requests
+    for path, status in (("/v1/chat/completions", 400), ("/v1/chat/completions", 413),
+                         ("/v1/chat/completions", 200), ("/v1/completions", 200), ("other", 404)):
+        key = f'lily_requests_total{{path="{path}",status="{status}"}}'
+        assert samples.get(key, 0) >= 1, (key, requests)
+    assert samples["lily_generated_tokens_total"] > 0 and samples["lily_prompt_tokens_total"] > 500
+    assert "lily_cached_prompt_tokens_total" in samples and samples["lily_queue_depth"] == 0
+    ttft = samples["lily_time_to_first_token_seconds_count"]
+    assert ttft >= 2 and samples['lily_time_to_first_token_seconds_bucket{le="+Inf"}'] == ttft
+    assert samples["lily_inter_token_latency_seconds_count"] >= 1, samples
+
+
 def read_events(response, deadline):
     """The `data:` payloads of a server-sent event stream, until it ends."""
     events = []
@@ -169,15 +196,57 @@ def read_events(response, deadline):
     raise AssertionError(f"the stream did not end: {events[-3:]}")
 
 
-def open_stream(server, max_tokens):
+def open_stream(server, max_tokens, messages=HELLO):
     url = urllib.parse.urlsplit(server.base_url)
     connection = http.client.HTTPConnection(url.hostname, url.port, timeout=REQUEST_TIMEOUT_S)
-    body = chat_body(max_tokens=max_tokens, stream=True)
+    body = chat_body(max_tokens=max_tokens, stream=True, messages=messages, temperature=0)
     connection.request("POST", "/v1/chat/completions", json.dumps(body).encode(),
                        {"Content-Type": "application/json"})
     response = connection.getresponse()
     assert response.status == 200, response.read()
     return connection, response
+
+
+def stream_text(server, content, max_tokens):
+    """A greedy streamed chat: its text, after checking it ended with a final chunk and [DONE]."""
+    connection, response = open_stream(server, max_tokens, [{"role": "user", "content": content}])
+    try:
+        events = read_events(response, time.monotonic() + REQUEST_TIMEOUT_S)
+    finally:
+        connection.close()
+    assert events[-1] == "[DONE]", events[-3:]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length"), chunks[-1]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+
+
+def check_concurrent_streams(binary):
+    """16 streaming clients at once are all answered, each as it would be alone (greedy)."""
+    server = Server(binary, "--queue-size", "16")
+    try:
+        prompts = [f"Count to {i} in {lang}." for i, lang in
+                   zip(range(16), ["English", "Italian", "French", "German"] * 4)]
+        alone = [stream_text(server, p, 6) for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(lambda p: stream_text(server, p, 6), prompts))
+        assert together == alone, list(zip(together, alone))
+        assert len(set(alone)) > 1, "the prompts should not all give the same text"
+    finally:
+        server.stop()
+
+
+def check_disconnect(server):
+    """A client that goes away stops its generation within a few decode steps."""
+    connection, response = open_stream(server, 400)
+    for _ in range(4):
+        assert response.readline()
+    connection.close()
+    line = server.wait_for_log(r"(\d+) generated in .* Cancelled", 60)
+    generated = int(line.group(1))
+    # At most about two tokens were read (an opening chunk, then text); the server needs one
+    # failed write, plus the step already under way, to notice.
+    assert generated <= 8, f"{generated} tokens were generated after the client left"
+    print(f"  stopped after {generated} generated tokens", flush=True)
 
 
 def check_sigterm(binary):
@@ -218,6 +287,9 @@ def main():
         ("cors", lambda: check_cors(small, binary)),
         ("limits", lambda: check_limits(small)),
         ("robustness", lambda: check_robustness(small, call)),
+        ("metrics", lambda: check_metrics(small)),
+        ("disconnect", lambda: check_disconnect(small)),
+        ("16 concurrent streams", lambda: check_concurrent_streams(binary)),
         ("sigterm", lambda: check_sigterm(binary)),
     ]
     passed = 0
