@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import time
 import urllib.parse
@@ -159,6 +160,46 @@ def check_limits(server):
     assert 480 < usage["prompt_tokens"] < 512 and usage["total_tokens"] <= 512, usage
 
 
+def check_slow_body(server):
+    """`server` runs with --body-timeout-s 2: a body that stalls, or trickles in a byte at a time,
+    is a 408 JSON error soon after, and the server goes on answering."""
+    url = urllib.parse.urlsplit(server.base_url)
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n")
+    for trickle in (False, True):
+        started = time.monotonic()
+        with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+            sock.sendall(head + b'{"model"')
+            answer = b""
+            sock.settimeout(0.3)
+            while time.monotonic() - started < 10 and b"\r\n\r\n" not in answer:
+                if trickle:
+                    try:
+                        sock.sendall(b" ")
+                    except OSError:
+                        pass
+                try:
+                    answer += sock.recv(65536)
+                except socket.timeout:
+                    continue
+            sock.settimeout(5)
+            try:
+                while True:
+                    more = sock.recv(65536)
+                    if not more:
+                        break
+                    answer += more
+            except (socket.timeout, ConnectionResetError):
+                pass
+        elapsed = time.monotonic() - started
+        status_line, _, rest = answer.partition(b"\r\n")
+        assert status_line.startswith(b"HTTP/1.1 408"), (trickle, answer[:300])
+        body = rest.partition(b"\r\n\r\n")[2]
+        assert "did not arrive" in json.loads(body)["error"]["message"], body
+        assert 1.5 < elapsed < 8, (trickle, elapsed)
+    assert call(server, "GET", "/health")[0] == 200
+
+
 def check_metrics(server):
     """After the limits and robustness checks: Prometheus text that counts what happened."""
     status, headers, answer = call(server, "GET", "/metrics")
@@ -281,11 +322,12 @@ def check_sigterm(binary):
 
 def main():
     binary = sys.argv[1]
-    small = Server(binary, "--max-body-mb", "1", "--queue-size", "4")
+    small = Server(binary, "--max-body-mb", "1", "--queue-size", "4", "--body-timeout-s", "2")
     checks = [
         ("api key", lambda: check_api_key(binary)),
         ("cors", lambda: check_cors(small, binary)),
         ("limits", lambda: check_limits(small)),
+        ("slow request body", lambda: check_slow_body(small)),
         ("robustness", lambda: check_robustness(small, call)),
         ("metrics", lambda: check_metrics(small)),
         ("disconnect", lambda: check_disconnect(small)),

@@ -60,6 +60,9 @@ pub struct Args {
     /// megabytes of JSON.
     #[arg(long, default_value_t = 64)]
     max_body_mb: usize,
+    /// A request body that has not fully arrived after this many seconds is a 408.
+    #[arg(long, default_value_t = 60.0)]
+    body_timeout_s: f64,
 }
 
 /// How long a shutdown waits for in-flight responses (which end at their next decode step)
@@ -68,6 +71,10 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 pub fn run(args: Args) -> Result<()> {
     let access = Arc::new(access(&args)?);
+    let body_timeout = Duration::try_from_secs_f64(args.body_timeout_s)
+        .ok()
+        .filter(|t| !t.is_zero())
+        .context("--body-timeout-s must be a positive number of seconds")?;
     let model = resolve_model(&args.model)?;
     let max_seq = context_length(args.max_seq, &model.config()?)?;
     let dir = match &model {
@@ -108,6 +115,7 @@ pub fn run(args: Args) -> Result<()> {
         defaults,
         default_thinking: !args.no_thinking,
         max_body_bytes: args.max_body_mb.saturating_mul(1 << 20),
+        body_timeout,
         metrics,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()

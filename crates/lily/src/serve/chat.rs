@@ -27,7 +27,7 @@ pub async fn chat_completions(State(app): State<Arc<AppState>>, body: Body) -> R
 }
 
 async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
-    let body = parse_body(&read_body(body, app.max_body_bytes).await?)?;
+    let body = parse_body(&read_body(body, &app).await?)?;
     let request = parse_chat(&body, &app.defaults, app.default_thinking)?;
     app.check_model(&request.common.model)?;
     let text = app.text.clone();

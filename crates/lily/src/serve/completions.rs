@@ -24,7 +24,7 @@ pub async fn completions(State(app): State<Arc<AppState>>, body: Body) -> Respon
 }
 
 async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
-    let body = parse_body(&read_body(body, app.max_body_bytes).await?)?;
+    let body = parse_body(&read_body(body, &app).await?)?;
     let request = parse_completion(&body, &app.defaults)?;
     app.check_model(&request.common.model)?;
     // Output is always text, so even a prompt of token ids needs the tokenizer.

@@ -1,6 +1,7 @@
 //! The router, what every handler shares, and the small endpoints (`/v1/models`, `/health`).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::Json;
 use axum::Router;
@@ -39,6 +40,8 @@ pub struct AppState {
     pub default_thinking: bool,
     /// The largest request body; a larger one is a 413.
     pub max_body_bytes: usize,
+    /// How long a request body may take to arrive.
+    pub body_timeout: Duration,
     /// Shared with the engine thread.
     pub metrics: Arc<Metrics>,
 }
@@ -96,10 +99,25 @@ pub fn router(app: Arc<AppState>, access: Arc<Access>) -> Router {
         .with_state(app)
 }
 
-/// The body, at most `limit` bytes. A larger one is a 413, answered only after reading (and
-/// dropping) up to `limit` more bytes: closing on a client that is still sending resets the
-/// connection, and it would never see why.
-pub async fn read_body(body: Body, limit: usize) -> ApiResult<Bytes> {
+/// The body, at most `app.max_body_bytes`; all of it within `app.body_timeout`, or a 408, so
+/// that a client trickling bytes cannot hold a connection and its buffer for long.
+pub async fn read_body(body: Body, app: &AppState) -> ApiResult<Bytes> {
+    match tokio::time::timeout(app.body_timeout, read_limited(body, app.max_body_bytes)).await {
+        Ok(read) => read,
+        Err(_) => Err(ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            ..ApiError::invalid(format!(
+                "the request body did not arrive within {} s (--body-timeout-s)",
+                app.body_timeout.as_secs_f64()
+            ))
+        }),
+    }
+}
+
+/// At most `limit` bytes. A larger body is a 413, answered only after reading (and dropping)
+/// up to as much again: closing on a client that is still sending resets the connection, and it
+/// would never see why.
+async fn read_limited(body: Body, limit: usize) -> ApiResult<Bytes> {
     let mut stream = body.into_data_stream();
     let mut data = Vec::new();
     let mut seen = 0usize;
