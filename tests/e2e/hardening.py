@@ -222,6 +222,13 @@ def check_metrics(server):
     ttft = samples["lily_time_to_first_token_seconds_count"]
     assert ttft >= 2 and samples['lily_time_to_first_token_seconds_bucket{le="+Inf"}'] == ttft
     assert samples["lily_inter_token_latency_seconds_count"] >= 1, samples
+    # One JSON log line per request, and no prompt text anywhere in the log.
+    time.sleep(0.5)
+    lines = [json.loads(line[len("lily: "):]) for line in server.log if line.startswith("lily: {")]
+    answered = [line for line in lines if line.get("event") == "request"]
+    assert len(answered) >= 5000, len(answered)
+    assert all(set(line) == {"event", "method", "path", "status", "headers_ms"} for line in answered)
+    assert not [line for line in server.log if HELLO[0]["content"] in line or "word word" in line]
 
 
 def read_events(response, deadline):

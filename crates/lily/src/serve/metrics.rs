@@ -6,12 +6,14 @@ use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::extract::{Request, State};
-use axum::http::header;
+use axum::http::{Method, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+
+use serde_json::json;
 
 use super::engine::Outcome;
 
@@ -54,7 +56,8 @@ impl Metrics {
         })
     }
 
-    pub fn count_request(&self, path: &str, status: u16) {
+    /// Counts a request; its path as labelled.
+    pub fn count_request(&self, path: &str, status: u16) -> &'static str {
         let label = PATHS.iter().find(|p| **p == path).copied().unwrap_or(
             if path.starts_with("/v1/models/") {
                 "/v1/models/{id}"
@@ -65,6 +68,7 @@ impl Metrics {
         // A poisoned lock only means another thread panicked mid-increment; the map is intact.
         let mut requests = self.requests.lock().unwrap_or_else(|e| e.into_inner());
         *requests.entry((label, status)).or_default() += 1;
+        label
     }
 
     pub fn count_outcome(&self, outcome: &Outcome) {
@@ -183,11 +187,28 @@ impl<const N: usize> Histogram<N> {
     }
 }
 
-/// The middleware that counts every answered request.
+/// The middleware that counts every answered request and logs one JSON line for it: method,
+/// path (as the metrics label it), status, and the time until the response's headers (a stream
+/// goes on after that). Never the prompt or any other part of the body.
 pub async fn track(State(metrics): State<Arc<Metrics>>, request: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let method = match *request.method() {
+        Method::GET
+        | Method::POST
+        | Method::PUT
+        | Method::DELETE
+        | Method::PATCH
+        | Method::OPTIONS
+        | Method::HEAD => request.method().to_string(),
+        _ => "other".into(),
+    };
     let path = request.uri().path().to_string();
     let response = next.run(request).await;
-    metrics.count_request(&path, response.status().as_u16());
+    let status = response.status().as_u16();
+    let label = metrics.count_request(&path, status);
+    let line = json!({"event": "request", "method": method, "path": label, "status": status,
+                      "headers_ms": (started.elapsed().as_secs_f64() * 1e4).round() / 10.0});
+    eprintln!("lily: {line}");
     response
 }
 
