@@ -162,8 +162,13 @@ def check_limits(server):
 
 def check_slow_body(server):
     """`server` runs with --body-timeout-s 2: a body that stalls, or trickles in a byte at a time,
-    is a 408 JSON error soon after, and the server goes on answering."""
+    is a 408 JSON error soon after, and the server goes on answering. Headers that never end
+    get the connection closed."""
     url = urllib.parse.urlsplit(server.base_url)
+    # Headers that never end: the connection is closed after the server's 10 s header timeout.
+    slow_headers = socket.create_connection((url.hostname, url.port), timeout=20)
+    slow_headers.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    headers_sent = time.monotonic()
     head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 1000\r\n\r\n")
     for trickle in (False, True):
@@ -198,6 +203,15 @@ def check_slow_body(server):
         assert "did not arrive" in json.loads(body)["error"]["message"], body
         assert 1.5 < elapsed < 8, (trickle, elapsed)
     assert call(server, "GET", "/health")[0] == 200
+    try:
+        while slow_headers.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    finally:
+        slow_headers.close()
+    elapsed = time.monotonic() - headers_sent
+    assert 8 < elapsed < 15, f"a connection with unfinished headers was closed after {elapsed:.1f} s"
 
 
 def check_metrics(server):

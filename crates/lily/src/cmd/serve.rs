@@ -1,6 +1,5 @@
 //! `lily serve`: the OpenAI-compatible HTTP server.
 
-use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,6 +14,7 @@ use crate::device::{Device, load};
 use crate::serve::access::Access;
 use crate::serve::engine::Engine;
 use crate::serve::ids::unix_time;
+use crate::serve::listen;
 use crate::serve::metrics::Metrics;
 use crate::serve::routes::{AppState, router};
 use crate::serve::sampling_defaults::SamplingDefaults;
@@ -68,6 +68,8 @@ pub struct Args {
 /// How long a shutdown waits for in-flight responses (which end at their next decode step)
 /// before it exits anyway: a client that stopped reading must not keep the process alive.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// How long a client may take to send a request's headers before its connection is closed.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub fn run(args: Args) -> Result<()> {
     let access = Arc::new(access(&args)?);
@@ -159,26 +161,16 @@ async fn serve(
     let listener = tokio::net::TcpListener::from_std(listener)?;
     let address: SocketAddr = listener.local_addr()?;
     eprintln!("lily: serving {} on http://{address}/v1", app.model_name);
-    let (stopping, mut stopped) = tokio::sync::watch::channel(false);
     let signal = async move {
         shutdown_signal().await;
         eprintln!("lily: shutting down: finishing in-flight responses");
         app.engine.stop_generating();
-        let _ = stopping.send(true);
     };
-    let server = axum::serve(listener, router)
-        .with_graceful_shutdown(signal)
-        .into_future();
-    let grace = async move {
-        let _ = stopped.wait_for(|stopped| *stopped).await;
-        tokio::time::sleep(SHUTDOWN_GRACE).await;
-    };
-    tokio::select! {
-        served = server => served.context("serving")?,
-        () = grace => eprintln!(
+    if !listen::serve(listener, router, HEADER_TIMEOUT, signal, SHUTDOWN_GRACE).await {
+        eprintln!(
             "lily: responses still open after {} s; exiting anyway",
             SHUTDOWN_GRACE.as_secs()
-        ),
+        );
     }
     eprintln!("lily: stopped");
     Ok(())

@@ -7,6 +7,7 @@ pub mod completions;
 pub mod engine;
 pub mod error;
 pub mod ids;
+pub mod listen;
 pub mod metrics;
 pub mod prompt;
 pub mod request;
