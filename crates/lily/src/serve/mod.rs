@@ -11,6 +11,8 @@ pub mod listen;
 pub mod metrics;
 pub mod prompt;
 pub mod request;
+#[cfg(test)]
+mod robustness_tests;
 pub mod routes;
 pub mod sampling_defaults;
 pub mod snapshots;
