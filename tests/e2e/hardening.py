@@ -214,6 +214,32 @@ def check_slow_body(server):
     assert 8 < elapsed < 15, f"a connection with unfinished headers was closed after {elapsed:.1f} s"
 
 
+def check_connection_cap(binary):
+    """Beyond --max-connections, a 503 JSON error at once; below it again, served as usual."""
+    server = Server(binary, "--max-connections", "4")
+    url = urllib.parse.urlsplit(server.base_url)
+    idle = []
+    try:
+        for _ in range(4):
+            sock = socket.create_connection((url.hostname, url.port), timeout=10)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # never finished
+            idle.append(sock)
+        time.sleep(0.3)
+        status, headers, answer = call(server, "GET", "/v1/models", timeout=10)
+        error = error_of(status, answer, 503)
+        assert "--max-connections" in error["message"] and headers["retry-after"] == "1", error
+        for sock in idle:
+            sock.close()
+        deadline = time.monotonic() + 5
+        while call(server, "GET", "/health", timeout=10)[0] != 200:
+            assert time.monotonic() < deadline, "connections were not released"
+            time.sleep(0.1)
+    finally:
+        for sock in idle:
+            sock.close()
+        server.stop()
+
+
 def check_metrics(server):
     """After the limits and robustness checks: Prometheus text that counts what happened."""
     status, headers, answer = call(server, "GET", "/metrics")
@@ -353,6 +379,7 @@ def main():
         ("metrics", lambda: check_metrics(small)),
         ("disconnect", lambda: check_disconnect(small)),
         ("16 concurrent streams", lambda: check_concurrent_streams(binary)),
+        ("connection cap", lambda: check_connection_cap(binary)),
         ("sigterm", lambda: check_sigterm(binary)),
     ]
     passed = 0

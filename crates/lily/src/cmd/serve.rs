@@ -63,6 +63,9 @@ pub struct Args {
     /// A request body that has not fully arrived after this many seconds is a 408.
     #[arg(long, default_value_t = 60.0)]
     body_timeout_s: f64,
+    /// Open connections beyond this many get a 503 at once.
+    #[arg(long, default_value_t = 512)]
+    max_connections: usize,
 }
 
 /// How long a shutdown waits for in-flight responses (which end at their next decode step)
@@ -73,6 +76,9 @@ const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 
 pub fn run(args: Args) -> Result<()> {
     let access = Arc::new(access(&args)?);
+    if args.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
     let body_timeout = Duration::try_from_secs_f64(args.body_timeout_s)
         .ok()
         .filter(|t| !t.is_zero())
@@ -126,7 +132,12 @@ pub fn run(args: Args) -> Result<()> {
         .build()
         .context("starting the async runtime")?;
     let router = router(app.clone(), access);
-    runtime.block_on(serve(app, router, listener))
+    let limits = listen::Limits {
+        header_timeout: HEADER_TIMEOUT,
+        max_connections: args.max_connections,
+        grace: SHUTDOWN_GRACE,
+    };
+    runtime.block_on(serve(app, router, listener, limits))
 }
 
 /// The API key from `--api-key` or `LILY_API_KEY`, and the CORS origins.
@@ -157,6 +168,7 @@ async fn serve(
     app: Arc<AppState>,
     router: axum::Router,
     listener: std::net::TcpListener,
+    limits: listen::Limits,
 ) -> Result<()> {
     let listener = tokio::net::TcpListener::from_std(listener)?;
     let address: SocketAddr = listener.local_addr()?;
@@ -166,7 +178,7 @@ async fn serve(
         eprintln!("lily: shutting down: finishing in-flight responses");
         app.engine.stop_generating();
     };
-    if !listen::serve(listener, router, HEADER_TIMEOUT, signal, SHUTDOWN_GRACE).await {
+    if !listen::serve(listener, router, limits, signal).await {
         eprintln!(
             "lily: responses still open after {} s; exiting anyway",
             SHUTDOWN_GRACE.as_secs()
