@@ -12,6 +12,8 @@ python3 -m pip install -q --target "$nvrtc_dir" "nvidia-cuda-nvrtc==13.0.*"
 LD_LIBRARY_PATH="$nvrtc_dir/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}" \
   cargo test -p lily-cuda --test nvrtc -- --ignored
 rm -rf "$nvrtc_dir"
+# The fuzz targets (their own workspace; running them needs cargo-fuzz) still compile.
+cargo check --manifest-path fuzz/Cargo.toml --bins
 # The server against the official OpenAI client (streaming, tools, errors, multi-turn reuse).
 python3 -c "import openai" 2>/dev/null || python3 -m pip install -q "openai>=1.40"
 cargo build -p lily
