@@ -2,48 +2,17 @@
 //! tools/make_mlx_fixtures.py) against mlx-lm's own f32 logits and greedy tokens on it.
 
 use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
 
 use lily_core::backend::{Backend, LogitRows};
 use lily_core::generate::{generate, prefill};
 use lily_core::model_ref::ModelRef;
 use lily_core::npy;
 use lily_core::sampling::{Sampler, SamplingParams};
-use lily_core::weights::{Linear, ModelWeights};
+use lily_core::weights::Linear;
 use lily_cpu::CpuBackend;
-use serde_json::Value;
 
-fn fixture_dir(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-fn load(name: &str) -> CpuBackend {
-    let (config, source) = ModelRef::Dir(fixture_dir(name)).open().unwrap();
-    let weights = ModelWeights::load(&config, source).unwrap();
-    CpuBackend::new(config, weights)
-}
-
-fn cases() -> Value {
-    let text = std::fs::read_to_string(fixture_dir("tiny-mlx-q4").join("cases.json")).unwrap();
-    serde_json::from_str(&text).unwrap()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-    assert!(scale > 0.0, "reference is all zeros");
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
-}
+mod support;
+use support::*;
 
 #[test]
 fn the_mlx_checkpoint_loads_quantised_as_mlx_lm_stores_it() {
@@ -67,7 +36,7 @@ fn the_mlx_checkpoint_loads_quantised_as_mlx_lm_stores_it() {
 
 #[test]
 fn logits_match_mlx_lm() {
-    let c = cases();
+    let c = cases("tiny-mlx-q4");
     for chunk in [512, 37] {
         let backend = load("tiny-mlx-q4").with_max_prefill_chunk(chunk);
         for seq in c["sequences"].as_array().unwrap() {
@@ -91,7 +60,7 @@ fn logits_match_mlx_lm() {
 #[test]
 fn greedy_tokens_match_mlx_lm() {
     let backend = load("tiny-mlx-q4");
-    for case in cases()["greedy"].as_array().unwrap() {
+    for case in cases("tiny-mlx-q4")["greedy"].as_array().unwrap() {
         let (prompt, expected) = (ids(&case["prompt"]), ids(&case["generated"]));
         let mut state = backend.new_state(prompt.len() + expected.len()).unwrap();
         let mut sampler = Sampler::new(SamplingParams::greedy());
@@ -117,7 +86,7 @@ fn quantising_at_load_equals_loading_mlx_lms_conversion() {
     let (config, weights) = lily_core::load::load_weights(&dir, true, |s, _| s).unwrap();
     let at_load = CpuBackend::new(config, weights);
     let converted = load("tiny-mlx-q4");
-    let tokens = ids(&cases()["sequences"][1]["tokens"]);
+    let tokens = ids(&cases("tiny-mlx-q4")["sequences"][1]["tokens"]);
     let run = |b: &CpuBackend| {
         let mut state = b.new_state(tokens.len()).unwrap();
         prefill(b, &mut state, &tokens, LogitRows::All).unwrap()
