@@ -60,6 +60,11 @@ impl Sampler {
         &self.params
     }
 
+    /// The id below which tokens may be chosen, when limited.
+    pub fn vocab_limit(&self) -> Option<usize> {
+        self.vocab_limit
+    }
+
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let n = self
             .vocab_limit

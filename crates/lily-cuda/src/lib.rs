@@ -249,7 +249,12 @@ impl Backend for CudaBackend {
         token: u32,
         sampler: &mut Sampler,
     ) -> Result<u32> {
-        if !sampler.params().is_greedy() {
+        // The device argmax ranges over every lm_head row; a masked vocabulary or real sampling
+        // is done on the host from the logits.
+        let masked = sampler
+            .vocab_limit()
+            .is_some_and(|l| l < self.config.vocab_size);
+        if !sampler.params().is_greedy() || masked {
             let logits = self.decode(state, token)?;
             return Ok(sampler.sample(&logits));
         }
