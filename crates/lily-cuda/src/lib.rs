@@ -48,6 +48,7 @@ impl CudaBackend {
 
     /// As [`CudaBackend::new`] with a chosen KV-cache precision.
     pub fn with_kv(config: ModelConfig, host: &ModelWeights, kv: KvPrecision) -> Result<Self> {
+        check_shapes(&config)?;
         let gpu = Gpu::new(&config, kv)?;
         // The memory plan, before anything is uploaded: weights as stored plus room for the
         // activations and the first sequence's state (new_state checks its own KV cache).
@@ -176,6 +177,31 @@ impl CudaBackend {
     }
 }
 
+/// Shapes the decode kernels are written for: one thread per head element in the per-head kernels
+/// (at most 1,024 a block), the attention split's shared memory (48 KiB a block: queries and four
+/// warps' partial outputs of one GQA group), one warp's registers for the router's probabilities.
+fn check_shapes(c: &ModelConfig) -> Result<()> {
+    let group = c.num_attention_heads / c.num_kv_heads;
+    ensure!(
+        c.head_dim <= 1024 && c.linear_value_head_dim <= 1024,
+        "the CUDA kernels need head dims of at most 1,024 (head_dim {}, linear_value_head_dim {})",
+        c.head_dim,
+        c.linear_value_head_dim
+    );
+    ensure!(
+        5 * group * c.head_dim * 4 + 1024 <= 48 * 1024,
+        "the CUDA attention kernel holds a GQA group in shared memory: {group} query heads of {} \
+         dims per KV head is too many",
+        c.head_dim
+    );
+    ensure!(
+        c.num_experts <= 1024,
+        "the CUDA router handles at most 1,024 experts, not {}",
+        c.num_experts
+    );
+    Ok(())
+}
+
 impl Backend for CudaBackend {
     type State = CudaState;
 
@@ -268,5 +294,28 @@ impl Backend for CudaBackend {
         let next = self.gpu.download(&state.token)?[0];
         state.device_token = Some(next);
         Ok(next)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lily_core::config::QWEN36_35B_A3B_CONFIG;
+
+    use super::*;
+
+    #[test]
+    fn the_real_shapes_fit_the_kernels_and_oversized_ones_are_refused() {
+        let real = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
+        check_shapes(&real).unwrap();
+        let mut wide = real.clone();
+        wide.head_dim = 2048;
+        wide.rotary_dim = 512;
+        assert!(format!("{:#}", check_shapes(&wide).unwrap_err()).contains("head dims"));
+        let mut grouped = real.clone();
+        grouped.num_attention_heads = 64;
+        assert!(format!("{:#}", check_shapes(&grouped).unwrap_err()).contains("GQA group"));
+        let mut experts = real;
+        experts.num_experts = 2048;
+        assert!(format!("{:#}", check_shapes(&experts).unwrap_err()).contains("experts"));
     }
 }
