@@ -1,13 +1,10 @@
 //! The CPU backend on a checkpoint converted by mlx-lm (tests/fixtures/tiny-mlx-q4, made by
 //! tools/make_mlx_fixtures.py) against mlx-lm's own f32 logits and greedy tokens on it.
 
-use std::ops::ControlFlow;
-
 use lily_core::backend::{Backend, LogitRows};
-use lily_core::generate::{generate, prefill};
+use lily_core::generate::prefill;
 use lily_core::model_ref::ModelRef;
 use lily_core::npy;
-use lily_core::sampling::{Sampler, SamplingParams};
 use lily_core::weights::Linear;
 use lily_cpu::CpuBackend;
 
@@ -62,19 +59,7 @@ fn greedy_tokens_match_mlx_lm() {
     let backend = load("tiny-mlx-q4");
     for case in cases("tiny-mlx-q4")["greedy"].as_array().unwrap() {
         let (prompt, expected) = (ids(&case["prompt"]), ids(&case["generated"]));
-        let mut state = backend.new_state(prompt.len() + expected.len()).unwrap();
-        let mut sampler = Sampler::new(SamplingParams::greedy());
-        let out = generate(
-            &backend,
-            &mut state,
-            &prompt,
-            expected.len(),
-            &[],
-            &mut sampler,
-            |_| ControlFlow::Continue(()),
-        )
-        .unwrap();
-        assert_eq!(out.tokens, expected);
+        assert_eq!(greedy(&backend, &prompt, expected.len()), expected);
     }
 }
 

@@ -2,12 +2,8 @@
 //! fixtures (tools/make_fixtures.py), plus the internal agreements that must hold between
 //! prefill and decode, and between the two forms of the delta rule.
 
-use std::ops::ControlFlow;
-
 use lily_core::backend::{Backend, LogitRows};
-use lily_core::generate::generate;
 use lily_core::npy;
-use lily_core::sampling::{Sampler, SamplingParams};
 use lily_cpu::{CpuBackend, GdnForm};
 
 mod support;
@@ -92,19 +88,11 @@ fn greedy_continuations_match_transformers() {
         for case in c["greedy"].as_array().unwrap() {
             let prompt = ids(&case["prompt"]);
             let expected = ids(&case["generated"]);
-            let mut state = backend.new_state(prompt.len() + expected.len()).unwrap();
-            let mut sampler = Sampler::new(SamplingParams::greedy());
-            let out = generate(
-                &backend,
-                &mut state,
-                &prompt,
-                expected.len(),
-                &[],
-                &mut sampler,
-                |_| ControlFlow::Continue(()),
-            )
-            .unwrap();
-            assert_eq!(out.tokens, expected, "{name}");
+            assert_eq!(
+                greedy(&backend, &prompt, expected.len()),
+                expected,
+                "{name}"
+            );
         }
     }
 }

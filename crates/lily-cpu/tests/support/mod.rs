@@ -1,9 +1,13 @@
 //! What the fixture-driven tests share: finding and loading a fixture, its cases, and the
 //! relative difference every comparison reports.
 
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
+use lily_core::backend::Backend;
+use lily_core::generate::generate;
 use lily_core::model_ref::ModelRef;
+use lily_core::sampling::{Sampler, SamplingParams};
 use lily_core::weights::ModelWeights;
 use lily_cpu::CpuBackend;
 use serde_json::Value;
@@ -42,4 +46,15 @@ pub fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
     let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
     assert!(scale > 0.0, "reference is all zeros");
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// `n` greedy tokens after `prompt`, from a fresh state.
+pub fn greedy(backend: &CpuBackend, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut state = backend.new_state(prompt.len() + n).unwrap();
+    let mut sampler = Sampler::new(SamplingParams::greedy());
+    generate(backend, &mut state, prompt, n, &[], &mut sampler, |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap()
+    .tokens
 }
