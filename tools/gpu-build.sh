@@ -6,12 +6,14 @@ cd "$(dirname "$0")/.."
 mkdir -p .gpu
 cargo build --release -p lily
 cp target/release/lily .gpu/lily
-bin=$(cargo test --release -p lily-cuda --test gpu --no-run --message-format=json 2>/dev/null \
+# Every lily-cuda test binary named gpu* (they need a GPU), as .gpu/test-<name>.
+rm -f .gpu/test-*
+cargo test --release -p lily-cuda --no-run --message-format=json 2>/dev/null \
   | python3 -c 'import json,sys
 for line in sys.stdin:
     m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "gpu" and m.get("executable"):
-        print(m["executable"])')
-cp "$bin" .gpu/gpu-tests
-strip .gpu/lily .gpu/gpu-tests 2>/dev/null || true
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"].startswith("gpu") and m.get("executable"):
+        print(m["target"]["name"], m["executable"])' \
+  | while read -r name bin; do cp "$bin" ".gpu/test-$name"; done
+strip .gpu/lily .gpu/test-* 2>/dev/null || true
 ls -la .gpu

@@ -10,7 +10,11 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --f
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
 step=${1:-all}
 if [ "$step" = all ] || [ "$step" = test ]; then
-  .gpu/gpu-tests --include-ignored --nocapture --test-threads 1 2>&1 | tee "$out/gpu-tests.log"
+  # One binary per test file (tools/gpu-build.sh); FILTER picks tests by name.
+  for bin in .gpu/test-*; do
+    echo "== $bin" | tee -a "$out/gpu-tests.log"
+    "$bin" --include-ignored --nocapture --test-threads 1 ${FILTER:-} 2>&1 | tee -a "$out/gpu-tests.log"
+  done
 fi
 if [ "$step" = all ] || [ "$step" = bench ]; then
   .gpu/lily bench --model synthetic:qwen3.6-35b-a3b --device cuda --prompt-lens 256 \

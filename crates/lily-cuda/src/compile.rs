@@ -17,7 +17,7 @@ pub struct KernelFile {
     pub entries: &'static [&'static str],
 }
 
-pub const KERNEL_FILES: [KernelFile; 6] = [
+pub const KERNEL_FILES: [KernelFile; 10] = [
     KernelFile {
         name: "gemv",
         source: include_str!("kernels/gemv.cu"),
@@ -62,6 +62,26 @@ pub const KERNEL_FILES: [KernelFile; 6] = [
         name: "sample",
         source: include_str!("kernels/sample.cu"),
         entries: &["argmax_partial", "argmax_final", "advance"],
+    },
+    KernelFile {
+        name: "gemm",
+        source: include_str!("kernels/gemm.cu"),
+        entries: &[],
+    },
+    KernelFile {
+        name: "moe_prefill",
+        source: include_str!("kernels/moe_prefill.cu"),
+        entries: &[],
+    },
+    KernelFile {
+        name: "gdn_prefill",
+        source: include_str!("kernels/gdn_prefill.cu"),
+        entries: &[],
+    },
+    KernelFile {
+        name: "attention_prefill",
+        source: include_str!("kernels/attention_prefill.cu"),
+        entries: &[],
     },
 ];
 

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use lily_core::config::ModelConfig;
 use lily_core::synthetic::synthetic_config;
-use lily_cuda::compile::{KvPrecision, compile_all};
+use lily_cuda::compile::{KERNEL_FILES, KvPrecision, compile_all};
 
 const ARCHS: [&str; 4] = ["sm_80", "sm_86", "sm_89", "sm_90"];
 
@@ -45,13 +45,19 @@ fn every_kernel_compiles_for_every_architecture() {
             for &kv in kvs {
                 let compiled = compile_all(&config, kv, arch)
                     .unwrap_or_else(|e| panic!("{name} for {arch}: {e:#}"));
-                for (file, ptx) in compiled {
+                for ((file, ptx), listed) in compiled.iter().zip(&KERNEL_FILES) {
                     let text = ptx.to_src();
                     assert!(
                         text.contains(&format!(".target {arch}")),
                         "{name}/{file}: no {arch} target"
                     );
-                    assert!(text.contains(".entry"), "{name}/{file}: no kernel entry");
+                    // Every entry the launchers name must exist, or the backend fails at start.
+                    for entry in listed.entries {
+                        assert!(
+                            text.contains(&format!(".entry {entry}(")),
+                            "{name}/{file}: no kernel {entry}"
+                        );
+                    }
                 }
             }
         }

@@ -45,10 +45,11 @@ GEMV(4)
 GEMV(8)
 GEMV(32)
 
-// Row `token` of the embedding table, dequantised.
+// The embedding rows of tokens[0..gridDim.x), dequantised: one block per token.
 #define EMBED(BITS)                                                                             \
-    extern "C" __global__ void embed_b##BITS(Mat table, const u32* token, float* out) {         \
-        long r = token[0];                                                                      \
+    extern "C" __global__ void embed_b##BITS(Mat table, const u32* tokens, float* out) {        \
+        long r = tokens[blockIdx.x];                                                            \
+        out += (long)blockIdx.x * table.cols;                                                   \
         for (int c = threadIdx.x; c < table.cols; c += blockDim.x) out[c] = mat_at<BITS>(table, r, c); \
     }
 EMBED(4)

@@ -1,8 +1,13 @@
 // hidden += delta (when given), then out = RMSNorm(hidden) · scale. The residual add rides
-// along with the norm that needs its result, saving a pass over the hidden state.
+// along with the norm that needs its result, saving a pass over the hidden state. One block per
+// row of n values: a decode step launches one, a prefill chunk one per token.
 extern "C" __global__ void add_rms_norm(float* hidden, const float* delta, const float* scale,
                                         float* out, int n, float eps) {
     __shared__ float scratch[32];
+    long row = (long)blockIdx.x * n;
+    hidden += row;
+    out += row;
+    if (delta) delta += row;
     float ss = 0.f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         float h = hidden[i];
