@@ -91,6 +91,10 @@ const COMMON: &str = include_str!("kernels/common.cuh");
 /// most splits hold a handful of positions.
 pub const ATTN_SPLITS: usize = 64;
 
+/// Rows of one grouped-GEMM tile: routing (moe_prefill.cu) cuts each expert's rows into tiles of
+/// this height and the expert GEMM (gemm.cu) computes one tile per block row.
+pub const MOE_TILE: usize = 64;
+
 /// How the KV cache stores keys and values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvPrecision {
@@ -128,6 +132,7 @@ pub fn model_defines(c: &ModelConfig, kv: KvPrecision) -> Vec<(String, String)> 
         d("TOPK", c.experts_per_token.to_string()),
         d("NORM_TOPK", (c.norm_topk_prob as u8).to_string()),
         d("KV_F32", ((kv == KvPrecision::F32) as u8).to_string()),
+        d("MOE_TILE", MOE_TILE.to_string()),
     ]
 }
 

@@ -4,9 +4,13 @@
 //! captured once per sequence as a CUDA graph; prefill (until the tensor-core path exists) is a
 //! replay of that graph per prompt token.
 
+pub mod attention_prefill;
 pub mod compile;
+pub mod gdn_prefill;
+pub mod gemm;
 pub mod gpu;
 pub mod mat;
+pub mod moe_prefill;
 mod state;
 mod step;
 pub mod weights;

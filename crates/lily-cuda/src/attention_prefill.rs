@@ -1,0 +1,1 @@
+//! Launchers for kernels/attention_prefill.cu (being written).

@@ -1,0 +1,1 @@
+//! Launchers for kernels/gdn_prefill.cu (being written).

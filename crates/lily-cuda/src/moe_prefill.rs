@@ -1,0 +1,1 @@
+//! Launchers for kernels/moe_prefill.cu (being written).
