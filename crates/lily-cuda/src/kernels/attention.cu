@@ -4,17 +4,6 @@
 
 #define GROUP (NH / NKV)
 
-// The KV cache element: bf16 in production (20 KiB per token), f32 when KV_F32 is set, which
-// tests use to compare with the f32 CPU reference without the bf16 rounding.
-#if KV_F32
-typedef float kv_t;
-__device__ __forceinline__ float kv_load(kv_t v) { return v; }
-__device__ __forceinline__ kv_t kv_store(float f) { return f; }
-#else
-typedef u16 kv_t;
-__device__ __forceinline__ float kv_load(kv_t v) { return bf16_to_f32(v); }
-__device__ __forceinline__ kv_t kv_store(float f) { return f32_to_bf16(f); }
-#endif
 #define EPL ((HD + WARP - 1) / WARP)   // head elements per lane
 
 // Per head: RMSNorm (q_norm / k_norm), rotate-half RoPE on the first ROT dims; queries go to

@@ -18,6 +18,18 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
     return (u16)(x >> 16);
 }
 
+// The KV cache element: bf16 in production (20 KiB per token), f32 when KV_F32 is set, which
+// tests use to compare with the f32 CPU reference without the bf16 rounding.
+#if KV_F32
+typedef float kv_t;
+__device__ __forceinline__ float kv_load(kv_t v) { return v; }
+__device__ __forceinline__ kv_t kv_store(float f) { return f; }
+#else
+typedef u16 kv_t;
+__device__ __forceinline__ float kv_load(kv_t v) { return bf16_to_f32(v); }
+__device__ __forceinline__ kv_t kv_store(float f) { return f32_to_bf16(f); }
+#endif
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
