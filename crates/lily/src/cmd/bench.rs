@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, ensure};
 use lily_core::backend::{Backend, LogitRows};
+use lily_core::config::{LayerKind, ModelConfig};
 use lily_core::generate::prefill;
 use lily_core::load::{WeightFormat, weight_format};
 use lily_core::rng::Rng;
@@ -85,6 +86,14 @@ pub fn run(args: Args) -> Result<()> {
             + (2 * c.recurrent_state_bytes() + c.kv_bytes_per_token(kv_elem) * ctx as u64) as f64
     };
 
+    // The prefill ceiling: the dense bf16 tensor-core rate over the FLOPs a prompt token costs
+    // (perf.md). Only the H200's rate is known (measured there), so other GPUs get no ceiling.
+    let matmul_rate = match &backend {
+        AnyBackend::Cuda(_) if backend.device_name().contains("H200") => Some(H200_BF16_FLOPS),
+        _ => None,
+    };
+    let prefill_ceiling = |len: usize| matmul_rate.map(|rate| rate / prefill_flops(&c, len));
+
     let mut rows = Vec::new();
     for &len in &args.prompt_lens {
         let samples = timed(args.runs, || {
@@ -100,7 +109,7 @@ pub fn run(args: Args) -> Result<()> {
             kind: "prefill",
             length: len,
             samples,
-            ceiling: None,
+            ceiling: prefill_ceiling(len),
         });
     }
     for &ctx in &args.contexts {
@@ -148,7 +157,10 @@ pub fn run(args: Args) -> Result<()> {
             Some(cl) => (
                 format!("{cl:.1}"),
                 format!("{:.0} %", 100.0 * m / cl),
-                format!("{:.1}", m * weight_bytes / 1e9),
+                match r.kind {
+                    "decode" => format!("{:.1}", m * weight_bytes / 1e9),
+                    _ => "—".into(),
+                },
             ),
             None => ("—".into(), "—".into(), "—".into()),
         };
@@ -201,6 +213,29 @@ pub fn run(args: Args) -> Result<()> {
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(())
+}
+
+/// The H200's dense bf16 matrix rate, measured with an 8192³ product (perf.md).
+const H200_BF16_FLOPS: f64 = 790e12;
+
+/// FLOPs one prompt token costs at prompt length `len` (perf.md): every active matrix weight once
+/// (the embedding is a lookup, the lm_head runs for the last token only, so one vocab × hidden
+/// table is left out), attention's QKᵀ and PV over half the prompt on average, and the Gated
+/// DeltaNet's state work (about 10 FLOPs per state element and token in the chunked form).
+fn prefill_flops(c: &ModelConfig, len: usize) -> f64 {
+    let matrices = c.param_count().active - (c.vocab_size * c.hidden_size) as u64;
+    let attention_layers = c
+        .layer_kinds
+        .iter()
+        .filter(|k| **k == LayerKind::Attention)
+        .count();
+    let gdn_layers = c.layer_kinds.len() - attention_layers;
+    let attention = 4.0
+        * (c.num_attention_heads * c.head_dim) as f64
+        * (len as f64 / 2.0)
+        * attention_layers as f64;
+    let state = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim;
+    2.0 * matrices as f64 + attention + 10.0 * (state * gdn_layers) as f64
 }
 
 /// llama.cpp on the same machine (perf.md): on the H200, decode tok/s by context and prefill tok/s
@@ -272,4 +307,20 @@ fn cpu_model() -> Option<String> {
     let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
     let line = info.lines().find(|l| l.starts_with("model name"))?;
     Some(line.split(':').nth(1)?.trim().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use lily_core::config::QWEN36_35B_A3B_CONFIG;
+
+    use super::*;
+
+    /// perf.md: about 147,000 tok/s at 4K and 100,000 at 32K on the H200.
+    #[test]
+    fn the_prefill_ceiling_is_perf_mds() {
+        let c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
+        let at = |len| H200_BF16_FLOPS / prefill_flops(&c, len);
+        assert!((140e3..152e3).contains(&at(4096)), "{}", at(4096));
+        assert!((95e3..105e3).contains(&at(32768)), "{}", at(32768));
+    }
 }
