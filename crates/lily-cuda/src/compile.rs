@@ -81,7 +81,7 @@ pub const KERNEL_FILES: [KernelFile; 10] = [
     KernelFile {
         name: "attention_prefill",
         source: include_str!("kernels/attention_prefill.cu"),
-        entries: &[],
+        entries: &["attn_prep_rows", "attn_prefill"],
     },
 ];
 

@@ -1,0 +1,373 @@
+//! The prefill attention kernels (kernels/attention_prefill.cu) against a CPU reference written
+//! here in f64: q/k RMSNorm and RoPE, the cache writes, and causal gated attention over a chunk
+//! that follows earlier positions already in the cache. Needs a CUDA GPU; every comparison
+//! prints its measured error.
+
+use std::time::Instant;
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use lily_core::config::{ModelConfig, QWEN36_35B_A3B_CONFIG};
+use lily_core::rng::uniform_at;
+use lily_cpu::ops::rms_norm_rows;
+use lily_cuda::KvPrecision;
+use lily_cuda::attention_prefill::{AttnChunk, attend, prep_rows};
+use lily_cuda::gpu::{Gpu, ptr};
+
+/// Chunk lengths: one token, ragged tile edges, one full query tile, and long chunks.
+const TOKENS: [usize; 6] = [1, 7, 16, 33, 200, 2048];
+/// Positions already in the cache ahead of the chunk.
+const STARTS: [usize; 2] = [0, 100];
+/// Cache positions past the chunk, which the kernels must leave alone.
+const SPARE: usize = 3;
+/// What the spare positions hold; no kernel value is ever exactly this.
+const SENTINEL: f32 = 1234.5;
+
+/// The production model with its attention heads replaced.
+fn config(nh: usize, nkv: usize, hd: usize) -> ModelConfig {
+    let mut c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
+    c.num_attention_heads = nh;
+    c.num_kv_heads = nkv;
+    c.head_dim = hd;
+    c.rotary_dim = hd / 4;
+    c
+}
+
+/// Errors of one case, each max |gpu − reference| / max |reference| per head vector (the worst
+/// vector counts, so late queries whose outputs average many values are not hidden by early
+/// ones), and the attention kernel's time.
+struct Measured {
+    q: f64,
+    k: f64,
+    /// Attention against the f64 reference fed the kernels' own queries and cache contents.
+    own: f64,
+    /// Attention against the f64 reference fed the CPU's queries, keys and values.
+    end_to_end: f64,
+    /// Wall time of a repeated `attend` (same inputs, same output), launch to sync.
+    attend_ms: f64,
+}
+
+/// Tolerances, as max |diff| / max |reference| per head vector.
+/// - q and k: RoPE angles reach pos · inv_freq ≈ 2,200 rad, where one f32 ulp of the angle is
+///   2.4e-4; the GPU's `powf` may differ from the CPU's by an ulp or two in inv_freq, which moves
+///   the angle by about that much: 1e-3. The bf16 cache adds half a bf16 ulp (2⁻⁹ ≈ 2e-3) to k.
+/// - Attention from the kernels' own inputs: the same f32 products as the reference up to
+///   summation order and `__expf` (a few ulp): 2e-5 of the largest output.
+/// - End to end: the RoPE error above through the softmax in f32 (scores of a few units move by
+///   ~1e-3 relative), 3e-3. With the bf16 cache K and V carry 8 significant bits: scores, which
+///   the norm weights here make several units large, move by up to ~1e-2, and the softmax
+///   weights by as much relatively; at head dim 16 few dims average the rounding out: 5e-2.
+const Q_TOL: f64 = 1e-3;
+const OWN_TOL: f64 = 2e-5;
+
+fn k_tol(kv: KvPrecision) -> f64 {
+    match kv {
+        KvPrecision::F32 => 1e-3,
+        KvPrecision::Bf16 => 5e-3,
+    }
+}
+
+fn end_to_end_tol(kv: KvPrecision) -> f64 {
+    match kv {
+        KvPrecision::F32 => 3e-3,
+        KvPrecision::Bf16 => 5e-2,
+    }
+}
+
+/// Worst per-vector relative difference over vectors of `n` elements.
+fn vector_diff(got: &[f32], want: &[f64], n: usize) -> f64 {
+    assert_eq!(got.len(), want.len());
+    got.chunks(n)
+        .zip(want.chunks(n))
+        .map(|(g, w)| {
+            let scale = w.iter().fold(0f64, |m, x| m.max(x.abs()));
+            assert!(scale > 0.0, "reference vector is all zeros");
+            g.iter().zip(w).fold(0f64, |m, (&x, &y)| {
+                if x.is_finite() {
+                    m.max((x as f64 - y).abs() / scale)
+                } else {
+                    f64::INFINITY
+                }
+            })
+        })
+        .fold(0f64, f64::max)
+}
+
+/// The KV cache on the device in the kernels' element type.
+enum Cache {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+}
+
+impl Cache {
+    fn upload(gpu: &Gpu, values: &[f32]) -> Cache {
+        match gpu.kv {
+            KvPrecision::F32 => Cache::F32(gpu.upload(values).unwrap()),
+            KvPrecision::Bf16 => {
+                let bits: Vec<u16> = values
+                    .iter()
+                    .map(|&v| bf16::from_f32(v).to_bits())
+                    .collect();
+                Cache::Bf16(gpu.upload(&bits).unwrap())
+            }
+        }
+    }
+
+    fn ptr(&self, gpu: &Gpu) -> u64 {
+        match self {
+            Cache::F32(b) => ptr(b, &gpu.stream),
+            Cache::Bf16(b) => ptr(b, &gpu.stream),
+        }
+    }
+
+    fn download(&self, gpu: &Gpu) -> Vec<f32> {
+        match self {
+            Cache::F32(b) => gpu.download(b).unwrap(),
+            Cache::Bf16(b) => gpu
+                .download(b)
+                .unwrap()
+                .into_iter()
+                .map(|v| bf16::from_bits(v).to_f32())
+                .collect(),
+        }
+    }
+}
+
+/// What the cache holds for a value `v` written by a kernel.
+fn stored(kv: KvPrecision, v: f32) -> f32 {
+    match kv {
+        KvPrecision::F32 => v,
+        KvPrecision::Bf16 => bf16::from_f32(v).to_f32(),
+    }
+}
+
+/// Rotate-half RoPE on the first `rot` dims, as lily-cpu computes it (f32 angles).
+fn rope(head: &mut [f32], rot: usize, theta: f32, pos: usize) {
+    let half = rot / 2;
+    for i in 0..half {
+        let inv_freq = 1.0 / theta.powf((2 * i) as f32 / rot as f32);
+        let (sin, cos) = (pos as f32 * inv_freq).sin_cos();
+        let (a, b) = (head[i], head[i + half]);
+        head[i] = a * cos - b * sin;
+        head[i + half] = b * cos + a * sin;
+    }
+}
+
+/// Causal gated attention in f64: `q` [t, nh·hd] at positions pos0.., caches [positions, nkv·hd]
+/// (at least pos0 + t), `gate` [t, nh·hd]. Parallel over tokens.
+fn attention_ref(
+    c: &ModelConfig,
+    q: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    gate: &[f32],
+    pos0: usize,
+) -> Vec<f64> {
+    let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
+    let group = nh / nkv;
+    let t = q.len() / (nh * hd);
+    let mut out = vec![0f64; t * nh * hd];
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let rows_per = t.div_ceil(threads);
+    std::thread::scope(|s| {
+        for (chunk, o) in out.chunks_mut(rows_per * nh * hd).enumerate() {
+            s.spawn(move || {
+                for (i, o) in o.chunks_mut(hd).enumerate() {
+                    let (row, h) = (chunk * rows_per + i / nh, i % nh);
+                    let kvh = h / group;
+                    let qh = &q[(row * nh + h) * hd..][..hd];
+                    let at = |p: usize| (p * nkv + kvh) * hd;
+                    let scores: Vec<f64> = (0..=pos0 + row)
+                        .map(|p| {
+                            let k = &kc[at(p)..][..hd];
+                            qh.iter()
+                                .zip(k)
+                                .map(|(&a, &b)| a as f64 * b as f64)
+                                .sum::<f64>()
+                                / (hd as f64).sqrt()
+                        })
+                        .collect();
+                    let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+                    let sum: f64 = weights.iter().sum();
+                    for (p, w) in weights.iter().enumerate() {
+                        let v = &vc[at(p)..][..hd];
+                        o.iter_mut()
+                            .zip(v)
+                            .for_each(|(o, &v)| *o += w / sum * v as f64);
+                    }
+                    let g = &gate[(row * nh + h) * hd..][..hd];
+                    o.iter_mut()
+                        .zip(g)
+                        .for_each(|(o, &g)| *o /= 1.0 + (-(g as f64)).exp());
+                }
+            });
+        }
+    });
+    out
+}
+
+/// One chunk of `t` tokens after `pos0` cached positions; `ld` pads the projection rows.
+fn run_case(gpu: &Gpu, c: &ModelConfig, t: usize, pos0: usize, pad: usize, seed: u64) -> Measured {
+    let (nh, nkv, hd, rot) = (
+        c.num_attention_heads,
+        c.num_kv_heads,
+        c.head_dim,
+        c.rotary_dim,
+    );
+    let (qw, kw) = (nh * hd, nkv * hd);
+    let ld = 2 * qw + 2 * kw + pad;
+    let random = |key: u64, n: usize, lo: f32, hi: f32| -> Vec<f32> {
+        (0..n)
+            .map(|i| lo + (hi - lo) * (uniform_at(seed ^ key, i as u64) + 1.0) / 2.0)
+            .collect()
+    };
+    let qkv = random(1, t * ld, -2.0, 2.0);
+    // Norm weights well above 1 make scores of several units: a peaked softmax, so the
+    // running max matters.
+    let q_norm = random(2, hd, 0.5, 2.5);
+    let k_norm = random(3, hd, 0.5, 2.5);
+    let positions = pos0 + t + SPARE;
+    // Earlier positions hold random keys and values of the size normed keys have; the spare
+    // ones past the chunk a sentinel.
+    let mut k_init = random(4, positions * kw, -2.0, 2.0);
+    let mut v_init = random(5, positions * kw, -2.0, 2.0);
+    k_init[(pos0 + t) * kw..].fill(SENTINEL);
+    v_init[(pos0 + t) * kw..].fill(SENTINEL);
+
+    // The CPU's queries, keys, values and gates of the chunk.
+    let (mut q, mut gate, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for row in qkv.chunks(ld) {
+        for h in 0..nh {
+            q.extend_from_slice(&row[h * 2 * hd..][..hd]);
+            gate.extend_from_slice(&row[h * 2 * hd + hd..][..hd]);
+        }
+        k.extend_from_slice(&row[2 * qw..][..kw]);
+        v.extend_from_slice(&row[2 * qw + kw..][..kw]);
+    }
+    rms_norm_rows(&mut q, &q_norm, c.rms_norm_eps);
+    rms_norm_rows(&mut k, &k_norm, c.rms_norm_eps);
+    let theta = c.rope_theta as f32;
+    for (i, head) in q.chunks_mut(hd).enumerate() {
+        rope(head, rot, theta, pos0 + i / nh);
+    }
+    for (i, head) in k.chunks_mut(hd).enumerate() {
+        rope(head, rot, theta, pos0 + i / nkv);
+    }
+
+    let d_qkv = gpu.upload(&qkv).unwrap();
+    let d_qn = gpu.upload(&q_norm).unwrap();
+    let d_kn = gpu.upload(&k_norm).unwrap();
+    let d_q = gpu.zeros::<f32>(t * qw).unwrap();
+    let d_out = gpu.zeros::<f32>(t * qw).unwrap();
+    let kc = Cache::upload(gpu, &k_init);
+    let vc = Cache::upload(gpu, &v_init);
+    let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
+    let chunk = AttnChunk {
+        tokens: t,
+        pos0,
+        qkv: p(&d_qkv),
+        ld,
+        q: p(&d_q),
+        k_cache: kc.ptr(gpu),
+        v_cache: vc.ptr(gpu),
+        out: p(&d_out),
+    };
+    prep_rows(gpu, c, &chunk, p(&d_qn), p(&d_kn)).unwrap();
+    attend(gpu, c, &chunk).unwrap();
+    gpu.sync().unwrap();
+    let q_gpu = gpu.download(&d_q).unwrap();
+    let out = gpu.download(&d_out).unwrap();
+    let k_gpu = kc.download(gpu);
+    let v_gpu = vc.download(gpu);
+    let start = Instant::now();
+    attend(gpu, c, &chunk).unwrap();
+    gpu.sync().unwrap();
+    let attend_ms = start.elapsed().as_secs_f64() * 1e3;
+
+    let kv = gpu.kv;
+    let chunk_at = pos0 * kw..(pos0 + t) * kw;
+    // Positions before and after the chunk are untouched; values are copied (and rounded)
+    // exactly.
+    for (name, got, init) in [("k", &k_gpu, &k_init), ("v", &v_gpu, &v_init)] {
+        for i in (0..chunk_at.start).chain(chunk_at.end..positions * kw) {
+            assert_eq!(
+                got[i],
+                stored(kv, init[i]),
+                "{name} cache element {i} changed"
+            );
+        }
+    }
+    for (i, (&got, &want)) in v_gpu[chunk_at.clone()].iter().zip(&v).enumerate() {
+        assert_eq!(got, stored(kv, want), "v cache element {i} of the chunk");
+    }
+    let widen = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
+    Measured {
+        attend_ms,
+        q: vector_diff(&q_gpu, &widen(&q), hd),
+        k: vector_diff(&k_gpu[chunk_at.clone()], &widen(&k), hd),
+        own: vector_diff(
+            &out,
+            &attention_ref(c, &q_gpu, &k_gpu, &v_gpu, &gate, pos0),
+            hd,
+        ),
+        end_to_end: {
+            let mut k_all = k_init.clone();
+            let mut v_all = v_init.clone();
+            k_all[chunk_at.clone()].copy_from_slice(&k);
+            v_all[chunk_at].copy_from_slice(&v);
+            // The earlier positions as the cache holds them, so only the chunk's own rounding
+            // and RoPE differences remain.
+            for x in k_all[..pos0 * kw]
+                .iter_mut()
+                .chain(v_all[..pos0 * kw].iter_mut())
+            {
+                *x = stored(kv, *x);
+            }
+            vector_diff(&out, &attention_ref(c, &q, &k_all, &v_all, &gate, pos0), hd)
+        },
+    }
+}
+
+fn check_shape(nh: usize, nkv: usize, hd: usize, pad: usize) {
+    let c = config(nh, nkv, hd);
+    for kv in [KvPrecision::F32, KvPrecision::Bf16] {
+        let gpu = Gpu::new(&c, kv).expect("needs a CUDA GPU");
+        for pos0 in STARTS {
+            for t in TOKENS {
+                let e = run_case(&gpu, &c, t, pos0, pad, (t * 31 + pos0) as u64);
+                eprintln!(
+                    "NH {nh} NKV {nkv} HD {hd}, {kv:?} KV, {t} tokens after {pos0}: q {:.1e}, k \
+                     {:.1e}, attention from its own inputs {:.1e}, end to end {:.1e}; attention {:.3} ms",
+                    e.q, e.k, e.own, e.end_to_end, e.attend_ms
+                );
+                let what = format!("NH {nh} NKV {nkv} HD {hd} {kv:?} t {t} pos0 {pos0}");
+                assert!(e.q <= Q_TOL, "{what}: q {:e}", e.q);
+                assert!(e.k <= k_tol(kv), "{what}: k {:e}", e.k);
+                assert!(e.own <= OWN_TOL, "{what}: attention {:e}", e.own);
+                assert!(
+                    e.end_to_end <= end_to_end_tol(kv),
+                    "{what}: end to end {:e}",
+                    e.end_to_end
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn prefill_attention_matches_the_cpu_at_production_shapes() {
+    // GQA group 8, head dim 256, 64 rotary dims; projection rows packed as prefill.rs does.
+    check_shape(16, 2, 256, 0);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn prefill_attention_matches_the_cpu_at_small_shapes() {
+    // Head dims of tiny models, groups of 3, 1 and 5 (not dividing the query tile), and padded
+    // projection rows of an odd stride.
+    check_shape(6, 2, 16, 3);
+    check_shape(2, 2, 64, 0);
+    check_shape(5, 1, 32, 5);
+}
