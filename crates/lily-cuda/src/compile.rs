@@ -71,7 +71,7 @@ pub const KERNEL_FILES: [KernelFile; 10] = [
     KernelFile {
         name: "moe_prefill",
         source: include_str!("kernels/moe_prefill.cu"),
-        entries: &[],
+        entries: &["moe_topk_rows", "moe_sort", "moe_swiglu", "moe_combine"],
     },
     KernelFile {
         name: "gdn_prefill",

@@ -1,2 +1,216 @@
-// moe_prefill: being written.
-__device__ int moe_prefill_placeholder;
+// Mixture of experts for a prefill chunk of T tokens: routing, sorting the (token, choice) pairs
+// by expert for the grouped expert GEMMs (gemm.cu), SwiGLU, and the weighted combine.
+// Constants: NE experts, TOPK chosen per token, NORM_TOPK (renormalise the chosen weights),
+// MOE_TILE (rows of one grouped-GEMM tile).
+//
+// Pair p = t·TOPK + k is token t's k-th choice. The expert GEMMs work on "slots": the pairs
+// sorted by expert, so each expert's rows are contiguous and cut into tiles of ≤ MOE_TILE rows.
+
+#define PER_LANE ((NE + WARP - 1) / WARP)
+// A logits row: [router (NE) | shared-expert gate (1)].
+#define LOGITS_STRIDE (NE + 1)
+#define FULL_MASK 0xffffffffu
+
+// Routes one token with one warp, exactly as moe_topk in moe.cu does for decode (so a token
+// picks the same experts in prefill and decode): softmax with probabilities in registers, TOPK
+// rounds of warp argmax (lowest id wins ties, as the CPU reference), then renormalise. Lane 0
+// writes the TOPK ids and weights.
+__device__ void route_row(const float* logits, int lane, int* ids, float* weights) {
+    float p[PER_LANE];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+        int e = lane + i * WARP;
+        p[i] = e < NE ? logits[e] : -INFINITY;
+        mx = fmaxf(mx, p[i]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+        int e = lane + i * WARP;
+        p[i] = e < NE ? __expf(p[i] - mx) : -1.f;
+        sum += e < NE ? p[i] : 0.f;
+    }
+    sum = warp_sum(sum);
+    // Unrolled so that chosen[] and chosen_id[] stay in registers.
+    float chosen[TOPK];
+    int chosen_id[TOPK];
+#pragma unroll
+    for (int k = 0; k < TOPK; k++) {
+        float v = -1.f; int id = NE;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++)
+            if (p[i] > v) { v = p[i]; id = lane + i * WARP; }
+        for (int o = WARP / 2; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(FULL_MASK, v, o);
+            int oi = __shfl_xor_sync(FULL_MASK, id, o);
+            if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
+        }
+        // Only NaN probabilities (a diverged model) leave no candidate; an id of NE would send
+        // moe_sort's shared-memory counters out of bounds, so take a valid one and let the NaN
+        // weights carry the failure to the output.
+        if (id >= NE) id = k;
+        chosen[k] = v / sum;
+        chosen_id[k] = id;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++)
+            if (lane + i * WARP == id) p[i] = -2.f;
+    }
+    if (lane == 0) {
+        float total = 0.f;
+#pragma unroll
+        for (int k = 0; k < TOPK; k++) total += chosen[k];
+#pragma unroll
+        for (int k = 0; k < TOPK; k++) {
+            ids[k] = chosen_id[k];
+            weights[k] = NORM_TOPK ? chosen[k] / total : chosen[k];
+        }
+    }
+}
+
+// logits [t, NE + 1] → ids, weights [t, TOPK]. One warp per token row (any multiple of 32
+// threads a block); a warp past the last row leaves as a whole, so the shuffles stay full-warp.
+extern "C" __global__ void moe_topk_rows(const float* logits, int t, int* ids, float* weights) {
+    long row = (long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    if (row >= t) return;
+    route_row(logits + row * LOGITS_STRIDE, threadIdx.x % WARP, ids + row * TOPK, weights + row * TOPK);
+}
+
+// moe_sort runs as one block of this many threads: one thread per expert in the scans (NE ≤
+// 1,024 is checked on the host) and 32 warps for the block scan's second level.
+#define SORT_THREADS 1024
+static_assert(NE <= SORT_THREADS, "moe_sort scans one expert per thread");
+
+// Exclusive prefix sum of one int per thread over the whole block; *total gets the block's sum.
+// Every thread must call it; `warp_sums` holds WARP + 1 ints and is free again on return.
+__device__ int block_exclusive_scan(int v, int* warp_sums, int* total) {
+    int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    int incl = v;
+    for (int o = 1; o < WARP; o <<= 1) {
+        int n = __shfl_up_sync(FULL_MASK, incl, o);
+        if (lane >= o) incl += n;
+    }
+    if (lane == WARP - 1) warp_sums[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        int s = warp_sums[lane];
+        int si = s;
+        for (int o = 1; o < WARP; o <<= 1) {
+            int n = __shfl_up_sync(FULL_MASK, si, o);
+            if (lane >= o) si += n;
+        }
+        warp_sums[lane] = si - s;
+        if (lane == WARP - 1) warp_sums[WARP] = si;
+    }
+    __syncthreads();
+    int exclusive = warp_sums[warp] + incl - v;
+    *total = warp_sums[WARP];
+    __syncthreads();
+    return exclusive;
+}
+
+// Sorts the pairs by expert (a counting sort) and cuts each expert's slots into tiles:
+//   gather[s] = the token of slot s, slot_of[p] = the slot of pair p,
+//   tiles[3i .. 3i+3] = {expert, first slot, rows ≤ MOE_TILE}, an expert's tiles consecutive and
+//   in expert order, *num_tiles = Σ_e ceil(count_e / MOE_TILE) ≤ pairs / MOE_TILE + NE.
+// One block of SORT_THREADS. Within an expert the slot order depends on atomic timing; that is
+// harmless, since every slot's GEMM row depends only on its own input and the combine reads the
+// slots back through slot_of in choice order. Pairs with the same expert in a warp take one
+// atomic between them: when every pair goes to one expert (32,768 pairs), per-pair shared
+// atomics on one address would serialise.
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+moe_sort(const int* ids, int pairs, int* gather, int* slot_of, int* tiles, int* num_tiles) {
+    __shared__ int cursor[NE];          // pairs per expert, then the next free slot of each
+    __shared__ int slot_start[NE + 1];  // an expert's first slot; [NE] = pairs
+    __shared__ int tile_start[NE + 1];  // an expert's first tile; [NE] = the tile count
+    __shared__ int warp_sums[WARP + 1];
+    int tid = threadIdx.x, lane = tid % WARP;
+    unsigned lanes_below = (1u << lane) - 1u;
+
+    for (int e = tid; e < NE; e += SORT_THREADS) cursor[e] = 0;
+    __syncthreads();
+    // The loop bound is uniform over the block, so every lane reaches the match; lanes past the
+    // end carry expert -1 and do nothing.
+    for (int base = 0; base < pairs; base += SORT_THREADS) {
+        int p = base + tid;
+        int e = p < pairs ? ids[p] : -1;
+        unsigned same = __match_any_sync(FULL_MASK, e);
+        if (e >= 0 && (same & lanes_below) == 0) atomicAdd(&cursor[e], __popc(same));
+    }
+    __syncthreads();
+
+    int count = tid < NE ? cursor[tid] : 0;
+    int n_tiles = (count + MOE_TILE - 1) / MOE_TILE;
+    int total_pairs, total_tiles;
+    int first_slot = block_exclusive_scan(count, warp_sums, &total_pairs);
+    int first_tile = block_exclusive_scan(n_tiles, warp_sums, &total_tiles);
+    if (tid < NE) {
+        cursor[tid] = first_slot;
+        slot_start[tid] = first_slot;
+        tile_start[tid] = first_tile;
+    }
+    if (tid == 0) {
+        slot_start[NE] = total_pairs;
+        tile_start[NE] = total_tiles;
+        *num_tiles = total_tiles;
+    }
+    __syncthreads();
+
+    for (int i = tid; i < total_tiles; i += SORT_THREADS) {
+        // The tile's expert: the first e whose tiles end past i (empty experts end where they
+        // start, so they are skipped).
+        int lo = 0, hi = NE - 1;
+        while (lo < hi) {
+            int mid = (lo + hi) / 2;
+            if (tile_start[mid + 1] > i) hi = mid; else lo = mid + 1;
+        }
+        int first = slot_start[lo] + (i - tile_start[lo]) * MOE_TILE;
+        tiles[3 * i] = lo;
+        tiles[3 * i + 1] = first;
+        tiles[3 * i + 2] = min(MOE_TILE, slot_start[lo + 1] - first);
+    }
+
+    for (int base = 0; base < pairs; base += SORT_THREADS) {
+        int p = base + tid;
+        int e = p < pairs ? ids[p] : -1;
+        unsigned same = __match_any_sync(FULL_MASK, e);
+        int leader = __ffs(same) - 1;
+        int first = 0;
+        if (e >= 0 && lane == leader) first = atomicAdd(&cursor[e], __popc(same));
+        first = __shfl_sync(FULL_MASK, first, leader);
+        if (e >= 0) {
+            int s = first + __popc(same & lanes_below);
+            gather[s] = p / TOPK;
+            slot_of[p] = s;
+        }
+    }
+}
+
+// act[i] = silu(gate[i]) · up[i] for i < n, grid-stride.
+extern "C" __global__ void moe_swiglu(const float* gate, const float* up, int n, float* act) {
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        act[i] = siluf(gate[i]) * up[i];
+}
+
+// out[t, :] = Σ_k weights[t·TOPK + k] · down[slot_of[t·TOPK + k], :] + σ(shared gate logit) ·
+// shared[t, :]. One block per token t; threads stride over the h columns. The residual add is
+// the caller's (the next norm adds it).
+extern "C" __global__ void moe_combine(const float* down, const int* slot_of, const float* weights,
+                                       const float* logits, const float* shared, int h, float* out) {
+    long t = blockIdx.x;
+    long row[TOPK];
+    float w[TOPK];
+#pragma unroll
+    for (int k = 0; k < TOPK; k++) {
+        row[k] = (long)slot_of[t * TOPK + k] * h;
+        w[k] = weights[t * TOPK + k];
+    }
+    float gate = sigmoidf(logits[t * LOGITS_STRIDE + NE]);
+    for (int i = threadIdx.x; i < h; i += blockDim.x) {
+        float acc = 0.f;
+#pragma unroll
+        for (int k = 0; k < TOPK; k++) acc += w[k] * down[row[k] + i];
+        out[t * h + i] = acc + gate * shared[t * h + i];
+    }
+}
