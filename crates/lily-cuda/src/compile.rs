@@ -66,7 +66,14 @@ pub const KERNEL_FILES: [KernelFile; 10] = [
     KernelFile {
         name: "gemm",
         source: include_str!("kernels/gemm.cu"),
-        entries: &[],
+        entries: &[
+            "gemm_b4",
+            "gemm_b8",
+            "gemm_b32",
+            "gemm_grouped_b4",
+            "gemm_grouped_b8",
+            "gemm_grouped_b32",
+        ],
     },
     KernelFile {
         name: "moe_prefill",

@@ -1,1 +1,145 @@
-//! Launchers for kernels/gemm.cu (being written).
+//! Launchers for kernels/gemm.cu: the tensor-core GEMM of prefill, `Y = X · Wᵀ` with the weight
+//! dequantised (and X rounded to bf16) on its way into shared memory, dense or grouped by expert.
+
+use anyhow::{Result, ensure};
+
+use crate::compile::MOE_TILE;
+use crate::gpu::Gpu;
+use crate::launch;
+use crate::mat::DeviceMat;
+
+/// Rows of X (tokens, or sorted expert slots) one block computes (kernels/gemm.cu, GEMM_BM).
+pub const GEMM_BM: usize = 64;
+/// Weight rows (output columns) one block computes (GEMM_BN).
+pub const GEMM_BN: usize = 128;
+/// Threads of a block: 8 warps (GEMM_THREADS).
+const GEMM_THREADS: u32 = 256;
+/// CUDA's limit on a grid's y dimension, which counts row tiles.
+const MAX_GRID_Y: usize = 65_535;
+
+const _: () = assert!(
+    GEMM_BM == MOE_TILE,
+    "a grouped tile must be one block's rows"
+);
+
+/// Checks the weight suits the kernels: their 16-byte code chunks (32 codes at 4 bits, 16 at 8)
+/// must not straddle a quantisation group, and rows must hold whole groups.
+fn check_weight(w: &DeviceMat) -> Result<()> {
+    ensure!(
+        w.rows > 0 && w.cols > 0,
+        "empty {}x{} weight",
+        w.rows,
+        w.cols
+    );
+    ensure!(
+        w.rows <= i32::MAX as usize && w.cols <= i32::MAX as usize,
+        "a {}x{} weight is too large for the GEMM's 32-bit shapes",
+        w.rows,
+        w.cols
+    );
+    if w.bits != 32 {
+        ensure!(
+            (w.bits == 4 || w.bits == 8)
+                && w.group.is_multiple_of(128 / w.bits as usize)
+                && w.cols.is_multiple_of(w.group),
+            "the GEMM cannot read {}-bit weights with group {} and {} columns",
+            w.bits,
+            w.group,
+            w.cols
+        );
+    }
+    Ok(())
+}
+
+/// `y[r, col0 + n] = Σ_k x[r, k] · w[n, k]` for `r < m`, `n < w.rows`: `x` is row-major
+/// `[m, w.cols]` f32 (4-byte alignment suffices), `y` has a row stride of `ldy` floats. Cells of
+/// `y` outside those rows and columns are left as they are. `m == 0` launches nothing.
+pub fn gemm(
+    gpu: &Gpu,
+    w: &DeviceMat,
+    x: u64,
+    m: usize,
+    y: u64,
+    ldy: usize,
+    col0: usize,
+) -> Result<()> {
+    check_weight(w)?;
+    if m == 0 {
+        return Ok(());
+    }
+    ensure!(
+        col0 + w.rows <= ldy && ldy <= i32::MAX as usize,
+        "output columns {col0}..{} do not fit rows of {ldy}",
+        col0 + w.rows
+    );
+    let row_tiles = m.div_ceil(GEMM_BM);
+    ensure!(
+        row_tiles <= MAX_GRID_Y,
+        "{m} rows are too many for one GEMM launch"
+    );
+    let name = format!("gemm_b{}", w.bits);
+    let grid = (w.rows.div_ceil(GEMM_BN) as u32, row_tiles as u32, 1);
+    launch!(gpu, &name, grid, GEMM_THREADS;
+        w.arg(gpu), x, m as i32, y, ldy as i32, col0 as i32);
+    Ok(())
+}
+
+/// The grouped GEMM over experts stacked in `w` (`n` rows each). `tiles` holds
+/// `{expert, first sorted slot, rows (1..=MOE_TILE)}` triples of i32 and `num_tiles` (device i32)
+/// how many are live; the grid covers `max_tiles` of them, and blocks past the live count return.
+/// Sorted slot `s` reads x row `gather[s]` (or `s` when `gather` is 0) of `w.cols` values and
+/// writes `y[s, 0..n)`.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_grouped(
+    gpu: &Gpu,
+    w: &DeviceMat,
+    n: usize,
+    x: u64,
+    gather: u64,
+    tiles: u64,
+    num_tiles: u64,
+    max_tiles: usize,
+    y: u64,
+) -> Result<()> {
+    check_weight(w)?;
+    ensure!(
+        n > 0 && w.rows.is_multiple_of(n),
+        "{} stacked rows do not divide into experts of {n} rows",
+        w.rows
+    );
+    if max_tiles == 0 {
+        return Ok(());
+    }
+    ensure!(
+        max_tiles <= MAX_GRID_Y,
+        "{max_tiles} expert tiles are too many for one GEMM launch"
+    );
+    let name = format!("gemm_grouped_b{}", w.bits);
+    let grid = (n.div_ceil(GEMM_BN) as u32, max_tiles as u32, 1);
+    launch!(gpu, &name, grid, GEMM_THREADS;
+        w.arg(gpu), n as i32, x, gather, tiles, num_tiles, y);
+    Ok(())
+}
+
+/// The most tiles `pairs` routed (token, expert) pairs can make over `experts` experts:
+/// `Σ_e ⌈count_e / MOE_TILE⌉ ≤ pairs / MOE_TILE + experts`.
+pub fn max_tiles(pairs: usize, experts: usize) -> usize {
+    pairs / MOE_TILE + experts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_tiles_bounds_every_split_of_the_pairs() {
+        // Worst cases: every expert one row past a whole tile, or all pairs on one expert.
+        let experts = 8;
+        let counts = [MOE_TILE + 1; 8];
+        let pairs: usize = counts.iter().sum();
+        let tiles: usize = counts.iter().map(|c| c.div_ceil(MOE_TILE)).sum();
+        assert!(tiles <= max_tiles(pairs, experts));
+        assert_eq!(tiles, max_tiles(pairs, experts));
+        assert!(1000usize.div_ceil(MOE_TILE) <= max_tiles(1000, experts));
+    }
+}
