@@ -83,7 +83,12 @@ pub const KERNEL_FILES: [KernelFile; 10] = [
     KernelFile {
         name: "gdn_prefill",
         source: include_str!("kernels/gdn_prefill.cu"),
-        entries: &[],
+        entries: &[
+            "gdn_conv_rows",
+            "gdn_scan_prep",
+            "gdn_scan",
+            "gdn_gated_norm_rows",
+        ],
     },
     KernelFile {
         name: "attention_prefill",
