@@ -6,12 +6,13 @@ use lily_core::config::ModelConfig;
 use crate::gpu::Gpu;
 use crate::launch;
 
-/// Query vectors per attention block (PF_Q in the kernel file).
-const QUERY_TILE: usize = 16;
-/// Threads per attention block (PF_THREADS in the kernel file).
+/// Query vectors per attention block (FA_ROWS in the kernel file).
+const QUERY_TILE: usize = 64;
+/// Threads per attention block (FA_THREADS in the kernel file).
 const THREADS: u32 = 128;
 
-/// One chunk of an attention layer's prefill, as raw device addresses.
+/// One chunk of an attention layer's prefill, as raw device addresses. `q`, `out` and the caches
+/// must be 16-byte aligned (the kernels move 16-byte vectors); `qkv` may have any stride.
 pub struct AttnChunk {
     /// Tokens in the chunk (at least 1).
     pub tokens: usize,
@@ -78,6 +79,13 @@ pub fn prep_rows(
 /// `chunk.out`. Runs after [`prep_rows`] has put the chunk's keys and values in the cache.
 pub fn attend(gpu: &Gpu, c: &ModelConfig, chunk: &AttnChunk) -> Result<()> {
     let (t, pos0, ld) = chunk.ints()?;
+    // The mma tiles cover 16 dims at a time; 64 query rows of 256 dims plus a K/V tile fill the
+    // 48 KiB of static shared memory.
+    ensure!(
+        c.head_dim.is_multiple_of(16) && c.head_dim <= 256,
+        "prefill attention takes head dims that are multiples of 16 up to 256, not {}",
+        c.head_dim
+    );
     let group = c.num_attention_heads / c.num_kv_heads;
     let tiles = (chunk.tokens * group).div_ceil(QUERY_TILE);
     ensure!(

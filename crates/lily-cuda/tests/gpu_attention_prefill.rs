@@ -39,7 +39,8 @@ fn config(nh: usize, nkv: usize, hd: usize) -> ModelConfig {
 struct Measured {
     q: f64,
     k: f64,
-    /// Attention against the f64 reference fed the kernels' own queries and cache contents.
+    /// Attention against the f64 reference fed the kernel's own queries and cache contents,
+    /// rounded to bf16 as the tensor cores take them.
     own: f64,
     /// Attention against the f64 reference fed the CPU's queries, keys and values.
     end_to_end: f64,
@@ -50,27 +51,26 @@ struct Measured {
 /// Tolerances, as max |diff| / max |reference| per head vector.
 /// - q and k: RoPE angles reach pos · inv_freq ≈ 2,200 rad, where one f32 ulp of the angle is
 ///   2.4e-4; the GPU's `powf` may differ from the CPU's by an ulp or two in inv_freq, which moves
-///   the angle by about that much: 1e-3. The bf16 cache adds half a bf16 ulp (2⁻⁹ ≈ 2e-3) to k.
-/// - Attention from the kernels' own inputs: the same f32 products as the reference up to
-///   summation order and `__expf` (a few ulp): 2e-5 of the largest output.
-/// - End to end: the RoPE error above through the softmax in f32 (scores of a few units move by
-///   ~1e-3 relative), 3e-3. With the bf16 cache K and V carry 8 significant bits: scores, which
-///   the norm weights here make several units large, move by up to ~1e-2, and the softmax
-///   weights by as much relatively; at head dim 16 few dims average the rounding out: 5e-2.
+///   the angle by about that much: 1e-3 (measured 6e-7: the bits agreed on the H200). The bf16
+///   cache adds half a bf16 ulp (2⁻⁹ ≈ 2e-3) to k.
+/// - Attention from the kernel's own inputs, rounded to bf16 as the tensor cores read them:
+///   what remains is the bf16 rounding of the softmax weights P before P·V (each off by up to
+///   2⁻⁹ relatively, while their sum is taken in f32), noise of ~1e-3 of a vector's size per
+///   element; the worst of up to 10⁵ vectors, in heads of 16 dims whose largest element is
+///   close to their typical one, measured 7.7e-3 (3e-3 at head dim 256): 2e-2.
+/// - End to end, against unrounded f32 queries, keys and values: Q and K (and V) carry 8
+///   significant bits on the tensor cores whatever the cache stores. Scores, which the norm
+///   weights here make several units large, move by up to ~1e-2, and the softmax weights by as
+///   much relatively; measured up to 3.6e-2 at head dim 16 (2e-2 at 256): 8e-2. The precise
+///   checks are the ones above; this one catches a mismatch between them and the CPU's math.
 const Q_TOL: f64 = 1e-3;
-const OWN_TOL: f64 = 2e-5;
+const OWN_TOL: f64 = 2e-2;
+const END_TO_END_TOL: f64 = 8e-2;
 
 fn k_tol(kv: KvPrecision) -> f64 {
     match kv {
         KvPrecision::F32 => 1e-3,
         KvPrecision::Bf16 => 5e-3,
-    }
-}
-
-fn end_to_end_tol(kv: KvPrecision) -> f64 {
-    match kv {
-        KvPrecision::F32 => 3e-3,
-        KvPrecision::Bf16 => 5e-2,
     }
 }
 
@@ -139,6 +139,11 @@ fn stored(kv: KvPrecision, v: f32) -> f32 {
         KvPrecision::F32 => v,
         KvPrecision::Bf16 => bf16::from_f32(v).to_f32(),
     }
+}
+
+/// The values rounded to bf16, as the tensor cores take them.
+fn to_bf16(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect()
 }
 
 /// Rotate-half RoPE on the first `rot` dims, as lily-cpu computes it (f32 angles).
@@ -308,7 +313,14 @@ fn run_case(gpu: &Gpu, c: &ModelConfig, t: usize, pos0: usize, pad: usize, seed:
         k: vector_diff(&k_gpu[chunk_at.clone()], &widen(&k), hd),
         own: vector_diff(
             &out,
-            &attention_ref(c, &q_gpu, &k_gpu, &v_gpu, &gate, pos0),
+            &attention_ref(
+                c,
+                &to_bf16(&q_gpu),
+                &to_bf16(&k_gpu),
+                &to_bf16(&v_gpu),
+                &gate,
+                pos0,
+            ),
             hd,
         ),
         end_to_end: {
@@ -346,7 +358,7 @@ fn check_shape(nh: usize, nkv: usize, hd: usize, pad: usize) {
                 assert!(e.k <= k_tol(kv), "{what}: k {:e}", e.k);
                 assert!(e.own <= OWN_TOL, "{what}: attention {:e}", e.own);
                 assert!(
-                    e.end_to_end <= end_to_end_tol(kv),
+                    e.end_to_end <= END_TO_END_TOL,
                     "{what}: end to end {:e}",
                     e.end_to_end
                 );

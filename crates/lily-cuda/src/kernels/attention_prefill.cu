@@ -44,155 +44,224 @@ extern "C" __global__ void attn_prep_rows(const float* qkv, int ld, const float*
     }
 }
 
-// Flash attention on CUDA cores. A block takes one KV head and a tile of PF_Q query vectors of
-// its group, numbered token-major (j = token·GROUP + head-in-group), so every K/V tile read
-// from the cache serves PF_Q queries whatever GROUP is. Four warps own four queries each.
-// Shared memory holds the tile's queries and one K-or-V tile of PF_K positions (keys, then
-// values in the same buffer: 48 KiB does not fit the queries and both at HD 256 in f32).
-#define PF_Q 16
-#define PF_K 16
-#define PF_THREADS 128
-// Row pitch of the K/V tile: 4 floats of padding put the 16-byte reads of the score loop,
-// one row per lane, in distinct banks.
-#define PF_PITCH (HD + 4)
-#define PF_CHUNKS (HD / 4)                              // float4s in a head
-#define PF_CPL ((PF_CHUNKS + WARP - 1) / WARP)          // float4s per lane in the P·V loop
+// Flash attention on tensor cores (mma m16n8k16, bf16 inputs, f32 accumulation and softmax).
+// A block takes one KV head and a tile of FA_ROWS query vectors of its group, numbered
+// token-major (j = token·GROUP + head-in-group), so every K/V tile read from the cache serves
+// FA_ROWS queries whatever GROUP is. Each of the four warps owns 16 query rows: S = Q·Kᵀ and the
+// online softmax stay in its registers, and P (rounded to bf16) feeds P·V straight from them.
+// Shared memory holds the block's queries and one tile of FA_KEYS positions, keys and then
+// values in the same buffer: at HD 256 that is 32 + 16 KiB, the 48 KiB static limit.
+#define FA_ROWS 64
+#define FA_KEYS 32
+#define FA_THREADS 128
+#define FA_CHUNKS (HD / 8)   // 16-byte chunks (8 bf16) of a head row
+// Chunk c of row r sits at chunk c ^ (r % FA_SWZ) of its row, so the eight rows one ldmatrix
+// reads hit distinct banks (FA_SWZ: the largest power of two up to 8 dividing FA_CHUNKS).
+#define FA_SWZ (FA_CHUNKS % 8 == 0 ? 8 : FA_CHUNKS % 4 == 0 ? 4 : 2)
+
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    // cvt puts its first source in the upper half; rounds to nearest even like f32_to_bf16.
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Byte offset of (row, chunk) in a swizzled [rows][HD] bf16 tile.
+__device__ __forceinline__ u32 fa_at(int row, int chunk) {
+    return (u32)(row * HD * 2 + ((chunk ^ (row % FA_SWZ)) << 4));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Cache positions k0 .. k0+FA_KEYS-1 of one KV head into a swizzled bf16 tile; positions from
+// kend on become zeros (their scores are masked, and zeros keep 0 · V finite).
+__device__ __forceinline__ void fa_load_tile(u16* tile, const kv_t* cache, int kv, int k0, int kend) {
+    for (int i = threadIdx.x; i < FA_KEYS * FA_CHUNKS; i += FA_THREADS) {
+        int r = i / FA_CHUNKS, c = i % FA_CHUNKS, p = k0 + r;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (p < kend) {
+            const kv_t* src = cache + ((long)p * NKV + kv) * HD + c * 8;
+#if KV_F32
+            float4 a = ((const float4*)src)[0], b = ((const float4*)src)[1];
+            v = make_uint4(pack_bf16x2(a.x, a.y), pack_bf16x2(a.z, a.w), pack_bf16x2(b.x, b.y),
+                           pack_bf16x2(b.z, b.w));
+#else
+            v = *(const uint4*)src;
+#endif
+        }
+        *(uint4*)((char*)tile + fa_at(r, c)) = v;
+    }
+}
 
 // Causal attention: query row i (position pos0 + i) sees cache positions 0..=pos0+i; softmax
 // scale 1/sqrt(HD); the output is multiplied by sigmoid(gate) from qkv. q: [T, NH·HD] from
-// attn_prep_rows; out: [T, NH·HD]. Grid (NKV, ceil(T·GROUP / PF_Q)), PF_THREADS threads.
-extern "C" __global__ void __launch_bounds__(PF_THREADS)
+// attn_prep_rows; out: [T, NH·HD]. Grid (NKV, ceil(T·GROUP / FA_ROWS)), FA_THREADS threads.
+extern "C" __global__ void __launch_bounds__(FA_THREADS)
 attn_prefill(const float* q, const kv_t* k_cache, const kv_t* v_cache, int pos0, int t,
              const float* qkv, int ld, float* out) {
-    __shared__ __align__(16) float qs[PF_Q][HD];
-    __shared__ __align__(16) float kvs[PF_K][PF_PITCH];
-    __shared__ float probs[PF_Q][PF_K];
-    __shared__ float corr_s[PF_Q], l_s[PF_Q];
+    __shared__ __align__(128) u16 qs[FA_ROWS * HD];
+    __shared__ __align__(128) u16 kvs[FA_KEYS * HD];
+    const u32 qs_at = (u32)__cvta_generic_to_shared(qs), kvs_at = (u32)__cvta_generic_to_shared(kvs);
     int kv = blockIdx.x;
     // The longest tiles (latest queries) first, so the short ones fill in at the end.
-    int tile = gridDim.y - 1 - blockIdx.y;
-    int j0 = tile * PF_Q;
+    int j0 = (gridDim.y - 1 - blockIdx.y) * FA_ROWS;
+    int rows = t * GROUP;
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    int gid = lane / 4, tig = lane % 4;   // the mma fragments' row group and column pair
 
-    for (int i = threadIdx.x; i < PF_Q * HD; i += PF_THREADS) {
-        int jq = i / HD, d = i % HD;
-        int j = j0 + jq, row = j / GROUP, head = kv * GROUP + j % GROUP;
-        qs[jq][d] = row < t ? q[((long)row * NH + head) * HD + d] : 0.f;
+    for (int i = threadIdx.x; i < FA_ROWS * FA_CHUNKS; i += FA_THREADS) {
+        int r = i / FA_CHUNKS, c = i % FA_CHUNKS, j = j0 + r;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (j < rows) {
+            const float4* src = (const float4*)(q + ((long)(j / GROUP) * NH + kv * GROUP + j % GROUP) * HD + c * 8);
+            float4 a = src[0], b = src[1];
+            v = make_uint4(pack_bf16x2(a.x, a.y), pack_bf16x2(a.z, a.w), pack_bf16x2(b.x, b.y),
+                           pack_bf16x2(b.z, b.w));
+        }
+        *(uint4*)((char*)qs + fa_at(r, c)) = v;
     }
-    // Keys the tile's last query sees (queries past the chunk's end are padding).
-    int last_row = min(j0 + PF_Q - 1, t * GROUP - 1) / GROUP;
-    int kend = pos0 + last_row + 1;
+    // Keys the block's last query sees.
+    int kend = pos0 + (min(j0 + FA_ROWS, rows) - 1) / GROUP + 1;
+    // This lane's two rows (gid and gid + 8 of the warp's 16) and the last position each sees.
+    // Padding rows past the chunk attend as its first token would: finite, never written.
+    int wrow = j0 + warp * 16;
+    int ja = wrow + gid, jb = ja + 8;
+    int lim_a = pos0 + (ja < rows ? ja / GROUP : 0), lim_b = pos0 + (jb < rows ? jb / GROUP : 0);
+    // The warp skips tiles past its last row's position (all of them if it has no rows).
+    int warp_lim = wrow < rows ? pos0 + (min(wrow + 16, rows) - 1) / GROUP : -1;
+    // ldmatrix address roles: lane l gives row l % 8 of matrix l / 8.
+    int mi = lane / 8, ri = lane % 8;
 
-    // Score stage: lane → key (lane % 16) and two queries of the warp (lane / 16 picks the pair).
-    int key = lane % PF_K;
-    int qa = warp * 4 + (lane / PF_K) * 2;
-    // Padding queries attend as the chunk's first token would: finite, and never written.
-    int row_a = (j0 + qa) / GROUP, row_b = (j0 + qa + 1) / GROUP;
-    int lim_a = pos0 + (row_a < t ? row_a : 0), lim_b = pos0 + (row_b < t ? row_b : 0);
+    float o[HD / 8][4];
+#pragma unroll
+    for (int n = 0; n < HD / 8; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
     float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
     const float scale = rsqrtf((float)HD);
 
-    float acc[4][PF_CPL][4];
-#pragma unroll
-    for (int a = 0; a < 4; a++)
-#pragma unroll
-        for (int e = 0; e < PF_CPL; e++)
-#pragma unroll
-            for (int c = 0; c < 4; c++) acc[a][e][c] = 0.f;
-
-    for (int k0 = 0; k0 < kend; k0 += PF_K) {
+    for (int k0 = 0; k0 < kend; k0 += FA_KEYS) {
+        bool active = k0 <= warp_lim;
         __syncthreads();   // the previous tile's values are consumed (and qs is written)
-        for (int i = threadIdx.x; i < PF_K * HD; i += PF_THREADS) {
-            int kk = i / HD, d = i % HD, p = k0 + kk;
-            kvs[kk][d] = p < kend ? kv_load(k_cache[((long)p * NKV + kv) * HD + d]) : 0.f;
-        }
+        fa_load_tile(kvs, k_cache, kv, k0, kend);
         __syncthreads();
-        float sa = 0.f, sb = 0.f;
-#pragma unroll 8
-        for (int c = 0; c < PF_CHUNKS; c++) {
-            float4 kk = *(const float4*)&kvs[key][4 * c];
-            float4 x = *(const float4*)&qs[qa][4 * c];
-            float4 y = *(const float4*)&qs[qa + 1][4 * c];
-            sa += x.x * kk.x + x.y * kk.y + x.z * kk.z + x.w * kk.w;
-            sb += y.x * kk.x + y.y * kk.y + y.z * kk.z + y.w * kk.w;
-        }
-        int p = k0 + key;
-        sa = p <= lim_a ? sa * scale : -INFINITY;
-        sb = p <= lim_b ? sb * scale : -INFINITY;
-        // Max and sum over the 16 lanes that hold a query's keys. Position 0 is visible to
-        // every query, so the running max is finite from the first tile on.
-        float ta = sa, tb = sb;
+        float s[FA_KEYS / 8][4];
+        if (active) {
 #pragma unroll
-        for (int o = PF_K / 2; o > 0; o >>= 1) {
-            ta = fmaxf(ta, __shfl_xor_sync(0xffffffffu, ta, o));
-            tb = fmaxf(tb, __shfl_xor_sync(0xffffffffu, tb, o));
-        }
-        float na = fmaxf(m_a, ta), nb = fmaxf(m_b, tb);
-        float ca = __expf(m_a - na), cb = __expf(m_b - nb);
-        float pa = __expf(sa - na), pb = __expf(sb - nb);
-        m_a = na; m_b = nb;
-        float ra = pa, rb = pb;
+            for (int n = 0; n < FA_KEYS / 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
-        for (int o = PF_K / 2; o > 0; o >>= 1) {
-            ra += __shfl_xor_sync(0xffffffffu, ra, o);
-            rb += __shfl_xor_sync(0xffffffffu, rb, o);
+            for (int kk = 0; kk < HD / 16; kk++) {
+                u32 a[4];
+                // Q rows 0-15 of the warp, dims 16kk..: matrices (rows 0-7 | 8-15) × (dims lo | hi).
+                ldmatrix_x4(a, qs_at + fa_at(warp * 16 + lane % 16, 2 * kk + lane / 16));
+#pragma unroll
+                for (int n = 0; n < FA_KEYS / 16; n++) {
+                    u32 b[4];
+                    // Keys 16n.. as B (k = dim, n = key): (keys 0-7 | 8-15) × (dims lo | hi).
+                    ldmatrix_x4(b, kvs_at + fa_at(16 * n + ri + 8 * (mi >> 1), 2 * kk + (mi & 1)));
+                    mma_bf16(s[2 * n], a, b[0], b[1]);
+                    mma_bf16(s[2 * n + 1], a, b[2], b[3]);
+                }
+            }
+            // Scale, causal mask, online softmax. A row's 32 scores spread over the 4 lanes of
+            // a quad (same gid): c0,c1 are row gid, c2,c3 row gid + 8, columns 8n + 2tig + e.
+            float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+            for (int n = 0; n < FA_KEYS / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    int p = k0 + 8 * n + 2 * tig + e;
+                    s[n][e] = p <= lim_a ? s[n][e] * scale : -INFINITY;
+                    s[n][2 + e] = p <= lim_b ? s[n][2 + e] * scale : -INFINITY;
+                    mx_a = fmaxf(mx_a, s[n][e]);
+                    mx_b = fmaxf(mx_b, s[n][2 + e]);
+                }
+#pragma unroll
+            for (int x = 1; x < 4; x <<= 1) {
+                mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, x));
+                mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, x));
+            }
+            // Position 0 is in the first tile and visible to every row, so the new maxima are
+            // finite from the first tile on; later tiles may mask a row entirely (corr 1, p 0).
+            float na = fmaxf(m_a, mx_a), nb = fmaxf(m_b, mx_b);
+            float ca = __expf(m_a - na), cb = __expf(m_b - nb);
+            m_a = na;
+            m_b = nb;
+            // l: this lane's columns only; the quad's shares are summed at the end.
+            l_a *= ca;
+            l_b *= cb;
+#pragma unroll
+            for (int n = 0; n < FA_KEYS / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    s[n][e] = __expf(s[n][e] - na);
+                    s[n][2 + e] = __expf(s[n][2 + e] - nb);
+                    l_a += s[n][e];
+                    l_b += s[n][2 + e];
+                }
+#pragma unroll
+            for (int n = 0; n < HD / 8; n++) {
+                o[n][0] *= ca; o[n][1] *= ca;
+                o[n][2] *= cb; o[n][3] *= cb;
+            }
         }
-        l_a = l_a * ca + ra;
-        l_b = l_b * cb + rb;
-        probs[qa][key] = pa;
-        probs[qa + 1][key] = pb;
-        if (key == 0) { corr_s[qa] = ca; corr_s[qa + 1] = cb; }
         __syncthreads();   // every warp is done with the keys
-        for (int i = threadIdx.x; i < PF_K * HD; i += PF_THREADS) {
-            int kk = i / HD, d = i % HD, p = k0 + kk;
-            kvs[kk][d] = p < kend ? kv_load(v_cache[((long)p * NKV + kv) * HD + d]) : 0.f;
-        }
+        fa_load_tile(kvs, v_cache, kv, k0, kend);
         __syncthreads();
-        // P·V stage: lane → float4 chunks of the head, all four of the warp's queries.
+        if (active) {
 #pragma unroll
-        for (int a = 0; a < 4; a++) {
-            float cr = corr_s[warp * 4 + a];
+            for (int kk = 0; kk < FA_KEYS / 16; kk++) {
+                // P's accumulator layout for keys 16kk.. is the A operand's layout.
+                u32 a[4] = {pack_bf16x2(s[2 * kk][0], s[2 * kk][1]), pack_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                            pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                            pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
-            for (int e = 0; e < PF_CPL; e++)
-#pragma unroll
-                for (int c = 0; c < 4; c++) acc[a][e][c] *= cr;
-        }
-#pragma unroll 4
-        for (int kk = 0; kk < PF_K; kk++) {
-            float pr[4];
-#pragma unroll
-            for (int a = 0; a < 4; a++) pr[a] = probs[warp * 4 + a][kk];
-#pragma unroll
-            for (int e = 0; e < PF_CPL; e++) {
-                int c = lane + e * WARP;
-                if (c < PF_CHUNKS) {
-                    float4 v = *(const float4*)&kvs[kk][4 * c];
-#pragma unroll
-                    for (int a = 0; a < 4; a++) {
-                        acc[a][e][0] += pr[a] * v.x;
-                        acc[a][e][1] += pr[a] * v.y;
-                        acc[a][e][2] += pr[a] * v.z;
-                        acc[a][e][3] += pr[a] * v.w;
-                    }
+                for (int n = 0; n < HD / 16; n++) {
+                    u32 b[4];
+                    // V rows (keys) 16kk.. as B (k = key, n = dim), transposed on load:
+                    // (keys 0-7 | 8-15) × (dims 16n.. | 16n+8..).
+                    ldmatrix_x4_trans(b, kvs_at + fa_at(16 * kk + ri + 8 * (mi & 1), 2 * n + (mi >> 1)));
+                    mma_bf16(o[2 * n], a, b[0], b[1]);
+                    mma_bf16(o[2 * n + 1], a, b[2], b[3]);
                 }
             }
         }
     }
-    if (key == 0) { l_s[qa] = l_a; l_s[qa + 1] = l_b; }
-    __syncwarp();
 #pragma unroll
-    for (int a = 0; a < 4; a++) {
-        int j = j0 + warp * 4 + a, row = j / GROUP, head = kv * GROUP + j % GROUP;
-        if (row >= t) continue;
-        float inv_l = 1.f / l_s[warp * 4 + a];
+    for (int x = 1; x < 4; x <<= 1) {
+        l_a += __shfl_xor_sync(0xffffffffu, l_a, x);
+        l_b += __shfl_xor_sync(0xffffffffu, l_b, x);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        int j = half ? jb : ja;
+        if (j >= rows) continue;
+        int row = j / GROUP, head = kv * GROUP + j % GROUP;
+        float inv_l = 1.f / (half ? l_b : l_a);
         const float* gate = qkv + (long)row * ld + head * 2 * HD + HD;
-        float* o = out + ((long)row * NH + head) * HD;
+        float* dst = out + ((long)row * NH + head) * HD;
 #pragma unroll
-        for (int e = 0; e < PF_CPL; e++) {
-            int c = lane + e * WARP;
-            if (c >= PF_CHUNKS) continue;
-#pragma unroll
-            for (int i = 0; i < 4; i++) o[4 * c + i] = acc[a][e][i] * inv_l * sigmoidf(gate[4 * c + i]);
+        for (int n = 0; n < HD / 8; n++) {
+            int d = 8 * n + 2 * tig;
+            float2 v;
+            v.x = o[n][2 * half] * inv_l * sigmoidf(gate[d]);
+            v.y = o[n][2 * half + 1] * inv_l * sigmoidf(gate[d + 1]);
+            *(float2*)(dst + d) = v;
         }
     }
 }
