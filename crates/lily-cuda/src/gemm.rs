@@ -120,26 +120,3 @@ pub fn gemm_grouped(
         w.arg(gpu), n as i32, x, gather, tiles, num_tiles, y);
     Ok(())
 }
-
-/// The most tiles `pairs` routed (token, expert) pairs can make over `experts` experts:
-/// `Σ_e ⌈count_e / MOE_TILE⌉ ≤ pairs / MOE_TILE + experts`.
-pub fn max_tiles(pairs: usize, experts: usize) -> usize {
-    pairs / MOE_TILE + experts
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn max_tiles_bounds_every_split_of_the_pairs() {
-        // Worst cases: every expert one row past a whole tile, or all pairs on one expert.
-        let experts = 8;
-        let counts = [MOE_TILE + 1; 8];
-        let pairs: usize = counts.iter().sum();
-        let tiles: usize = counts.iter().map(|c| c.div_ceil(MOE_TILE)).sum();
-        assert!(tiles <= max_tiles(pairs, experts));
-        assert_eq!(tiles, max_tiles(pairs, experts));
-        assert!(1000usize.div_ceil(MOE_TILE) <= max_tiles(1000, experts));
-    }
-}

@@ -1,8 +1,9 @@
 //! The CUDA backend. Kernels are CUDA C++ files under `kernels/`, compiled with NVRTC at start
 //! for the loaded model's dimensions and the GPU's architecture (`compile`), each paired with
 //! the Rust code that launches it (`step`). A decode step runs entirely on the device and is
-//! captured once per sequence as a CUDA graph; prefill (until the tensor-core path exists) is a
-//! replay of that graph per prompt token.
+//! captured once per sequence as a CUDA graph. Prefill runs the prompt in chunks through batched
+//! kernels (`prefill`): tensor-core GEMMs, routing on the device, a register-resident GDN scan and
+//! causal attention over the cache.
 
 pub mod attention_prefill;
 pub mod compile;
@@ -11,6 +12,7 @@ pub mod gemm;
 pub mod gpu;
 pub mod mat;
 pub mod moe_prefill;
+mod prefill;
 mod state;
 mod step;
 pub mod weights;
@@ -28,7 +30,8 @@ pub use compile::KvPrecision;
 pub use gpu::gpu_available;
 pub use state::CudaState;
 
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, ptr};
+use crate::prefill::{PrefillScratch, encode_chunk};
 use crate::step::{Scratch, Timeline, encode_step};
 use crate::weights::{DeviceWeights, device_bytes};
 
@@ -36,9 +39,22 @@ pub struct CudaBackend {
     config: ModelConfig,
     gpu: Gpu,
     weights: DeviceWeights,
-    /// One step runs at a time; the scratch activations are shared by every sequence.
-    scratch: Mutex<Scratch>,
+    /// One step or chunk runs at a time; the scratch activations are shared by every sequence.
+    scratch: Mutex<Buffers>,
+    prefill_chunk: usize,
 }
+
+struct Buffers {
+    decode: Scratch,
+    prefill: PrefillScratch,
+}
+
+/// Tokens per prefill chunk unless told otherwise: long enough that each weight read serves
+/// many rows, short enough that the chunk's activations stay near 1 GB at the real shapes.
+pub const DEFAULT_PREFILL_CHUNK: usize = 2048;
+/// Logit rows computed per lm_head GEMM when every row is wanted (teacher-forced scoring): a
+/// `[rows, vocab]` f32 buffer of 64 rows is 64 MB at the real vocabulary.
+const LOGIT_ROWS: usize = 64;
 
 // SAFETY: every use of the stream and the scratch buffers goes through `&self` methods that take
 // the scratch lock first, so work from two threads never interleaves on the stream.
@@ -52,30 +68,57 @@ impl CudaBackend {
 
     /// As [`CudaBackend::new`] with a chosen KV-cache precision.
     pub fn with_kv(config: ModelConfig, host: &ModelWeights, kv: KvPrecision) -> Result<Self> {
+        Self::with_options(config, host, kv, DEFAULT_PREFILL_CHUNK)
+    }
+
+    /// As [`CudaBackend::new`] with a chosen KV-cache precision and prefill chunk length.
+    pub fn with_options(
+        config: ModelConfig,
+        host: &ModelWeights,
+        kv: KvPrecision,
+        prefill_chunk: usize,
+    ) -> Result<Self> {
         check_shapes(&config)?;
+        ensure!(
+            prefill_chunk > 0,
+            "the prefill chunk must hold at least one token"
+        );
         let gpu = Gpu::new(&config, kv)?;
-        // The memory plan, before anything is uploaded: weights as stored plus room for the
-        // activations and the first sequence's state (new_state checks its own KV cache).
-        let need = device_bytes(host) + (1 << 30);
+        // The memory plan, before anything is uploaded: weights as stored, the prefill chunk's
+        // activations, and 256 MiB for the decode step and the first sequence's state
+        // (new_state checks its own KV cache).
+        let chunk_bytes = PrefillScratch::bytes(&config, prefill_chunk);
+        let need = device_bytes(host) + chunk_bytes + (256 << 20);
         let (free, total) = gpu.memory()?;
         ensure!(
             need <= free,
-            "the weights need {:.2} GB of GPU memory (with 1 GiB for activations), but {} has {:.2} \
-             GB free of {:.2} GB",
+            "the weights need {:.2} GB of GPU memory (with {:.2} GB for a {prefill_chunk}-token \
+             prefill chunk and 0.27 GB for decoding), but {} has {:.2} GB free of {:.2} GB",
             need as f64 / 1e9,
+            chunk_bytes as f64 / 1e9,
             gpu.name,
             free as f64 / 1e9,
             total as f64 / 1e9
         );
         let weights = DeviceWeights::upload(&gpu, &config, host).context("uploading weights")?;
-        let scratch = Mutex::new(Scratch::new(&gpu, &config)?);
+        let scratch = Mutex::new(Buffers {
+            decode: Scratch::new(&gpu, &config)?,
+            prefill: PrefillScratch::new(&gpu, &config, prefill_chunk)?,
+        });
         gpu.sync()?;
         Ok(CudaBackend {
             config,
             gpu,
             weights,
             scratch,
+            prefill_chunk,
         })
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, Buffers>> {
+        self.scratch
+            .lock()
+            .map_err(|_| anyhow::anyhow!("GPU scratch lock poisoned"))
     }
 
     /// Runs one step for `state` (its token slot already holds the input): replays the state's
@@ -107,17 +150,14 @@ impl CudaBackend {
             steps > 0 && state.len + steps <= state.max_seq,
             "no room for {steps} profiled steps"
         );
-        let scratch = self
-            .scratch
-            .lock()
-            .map_err(|_| anyhow::anyhow!("GPU scratch lock poisoned"))?;
+        let scratch = self.lock()?;
         let mut timeline = Timeline::default();
         for _ in 0..steps {
             encode_step(
                 &self.gpu,
                 &self.config,
                 &self.weights,
-                &scratch,
+                &scratch.decode,
                 state,
                 Some(&mut timeline),
             )?;
@@ -134,10 +174,7 @@ impl CudaBackend {
     /// Device-to-device copy rate in bytes per second (read plus written), best of five copies
     /// of 1 GiB: the decode ceiling `lily bench` reports against.
     pub fn copy_bandwidth(&self) -> Result<f64> {
-        let _lock = self
-            .scratch
-            .lock()
-            .map_err(|_| anyhow::anyhow!("GPU scratch lock poisoned"))?;
+        let _lock = self.lock()?;
         let n = 1usize << 30;
         let src = self.gpu.zeros::<u8>(n)?;
         let mut dst = self.gpu.zeros::<u8>(n)?;
@@ -218,7 +255,7 @@ impl Backend for CudaBackend {
     }
 
     fn max_prefill_chunk(&self) -> usize {
-        4096
+        self.prefill_chunk
     }
 
     fn new_state(&self, max_seq: usize) -> Result<CudaState> {
@@ -246,31 +283,78 @@ impl Backend for CudaBackend {
     }
 
     fn fork(&self, state: &CudaState) -> Result<CudaState> {
-        let _lock = self
-            .scratch
-            .lock()
-            .map_err(|_| anyhow::anyhow!("GPU scratch lock poisoned"))?;
+        let _lock = self.lock()?;
         state.fork(&self.gpu)
     }
 
     fn prefill(&self, state: &mut CudaState, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
         ensure!(!tokens.is_empty(), "no tokens to run");
         self.check_room(state, tokens)?;
-        let scratch = self
-            .scratch
-            .lock()
-            .map_err(|_| anyhow::anyhow!("GPU scratch lock poisoned"))?;
+        let mut buffers = self.lock()?;
+        let Buffers { decode, prefill } = &mut *buffers;
+        let (vocab, h) = (self.config.vocab_size, self.config.hidden_size);
+        let chunks: Vec<&[u32]> = tokens.chunks(prefill.chunk).collect();
         let mut out = Vec::new();
-        for (i, &t) in tokens.iter().enumerate() {
-            self.set_token(state, t)?;
-            self.step(state, &scratch)?;
-            // The step's argmax overwrote the slot with a token the host has not seen.
-            state.device_token = None;
-            if rows == LogitRows::All || i + 1 == tokens.len() {
-                out.extend(self.gpu.download(&scratch.logits)?);
+        for (i, chunk) in chunks.iter().enumerate() {
+            let last = i + 1 == chunks.len();
+            let all = rows == LogitRows::All;
+            let normed = encode_chunk(
+                &self.gpu,
+                &self.config,
+                &self.weights,
+                prefill,
+                state,
+                chunk,
+                all,
+            )?;
+            state.len += chunk.len();
+            if all {
+                for first in (0..chunk.len()).step_by(LOGIT_ROWS) {
+                    let n = LOGIT_ROWS.min(chunk.len() - first);
+                    let x = normed + (first * h * 4) as u64;
+                    let logits = self.gpu.zeros::<f32>(n * vocab)?;
+                    gemm::gemm(
+                        &self.gpu,
+                        &self.weights.lm_head,
+                        x,
+                        n,
+                        ptr(&logits, &self.gpu.stream),
+                        vocab,
+                        0,
+                    )?;
+                    out.extend(self.gpu.download(&logits)?);
+                }
+            } else if last {
+                let logits = ptr(&decode.logits, &self.gpu.stream);
+                gemm::gemm(
+                    &self.gpu,
+                    &self.weights.lm_head,
+                    normed,
+                    1,
+                    logits,
+                    vocab,
+                    0,
+                )?;
+                out = self.gpu.download(&decode.logits)?;
             }
         }
+        // The decode graph reads the position from the device.
+        self.gpu
+            .stream
+            .memcpy_htod(&[state.len as i32], &mut state.pos)?;
+        state.device_token = None;
         Ok(out)
+    }
+
+    /// One graph step (the f32 GEMV path), logits read back.
+    fn decode(&self, state: &mut CudaState, token: u32) -> Result<Vec<f32>> {
+        self.check_room(state, &[token])?;
+        let scratch = self.lock()?;
+        self.set_token(state, token)?;
+        self.step(state, &scratch.decode)?;
+        // The step's argmax overwrote the slot with a token the host has not seen.
+        state.device_token = None;
+        self.gpu.download(&scratch.decode.logits)
     }
 
     fn decode_sample(
@@ -289,12 +373,9 @@ impl Backend for CudaBackend {
             return Ok(sampler.sample(&logits));
         }
         self.check_room(state, &[token])?;
-        let scratch = self
-            .scratch
-            .lock()
-            .map_err(|_| anyhow::anyhow!("GPU scratch lock poisoned"))?;
+        let scratch = self.lock()?;
         self.set_token(state, token)?;
-        self.step(state, &scratch)?;
+        self.step(state, &scratch.decode)?;
         let next = self.gpu.download(&state.token)?[0];
         state.device_token = Some(next);
         Ok(next)

@@ -95,3 +95,20 @@ pub fn combine(
         down, slot_of, weights, logits, shared, int(h, "hidden width")?, out);
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn max_tiles_bounds_every_split_of_the_pairs() {
+        // Worst cases: every expert one row past a whole tile, or all pairs on one expert.
+        let experts = 8;
+        let counts = [MOE_TILE + 1; 8];
+        let pairs: usize = counts.iter().sum();
+        let tiles: usize = counts.iter().map(|c| c.div_ceil(MOE_TILE)).sum();
+        assert!(tiles <= max_tiles(pairs, experts));
+        assert_eq!(tiles, max_tiles(pairs, experts));
+        assert!(1000usize.div_ceil(MOE_TILE) <= max_tiles(1000, experts));
+    }
+}

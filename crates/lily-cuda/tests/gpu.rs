@@ -84,7 +84,7 @@ fn decode_matches_the_cpu_on_the_fixtures() {
             let vocab = config.vocab_size as u32;
             let tokens: Vec<u32> = (0..100u32).map(|i| (i * 7919 + 11) % vocab).collect();
             let mut gs = gpu.new_state(tokens.len()).unwrap();
-            let ours = gpu.prefill(&mut gs, &tokens, LogitRows::All).unwrap();
+            let ours = decode_all(&gpu, &mut gs, &tokens);
             let mut cs = cpu.new_state(tokens.len()).unwrap();
             let reference = cpu.prefill(&mut cs, &tokens, LogitRows::All).unwrap();
             let d = rel_diff(&ours, &reference);
@@ -121,14 +121,27 @@ const FOUR_LAYERS: [&str; 4] = [
     "linear_attention",
 ];
 
-/// Last-position logits of both backends after `len` tokens.
+/// Last-position logits of both backends after `len` tokens, the GPU's fed one decode step at a
+/// time (prefill, with its bf16 tensor-core GEMMs, has its own tests in gpu_prefill.rs).
 fn last_logits(gpu: &CudaBackend, cpu: &CpuBackend, len: usize) -> (Vec<f32>, Vec<f32>) {
     let tokens: Vec<u32> = (0..len as u32).map(|i| (i * 131 + 7) % 4096).collect();
     let mut gs = gpu.new_state(len).unwrap();
     let mut cs = cpu.new_state(len).unwrap();
-    let g = gpu.prefill(&mut gs, &tokens, LogitRows::Last).unwrap();
+    let g = decode_all(gpu, &mut gs, &tokens).split_off((len - 1) * gpu.config().vocab_size);
     let c = cpu.prefill(&mut cs, &tokens, LogitRows::Last).unwrap();
     (g, c)
+}
+
+/// The logits after each token, every token through the decode step.
+fn decode_all(
+    gpu: &CudaBackend,
+    state: &mut <CudaBackend as Backend>::State,
+    tokens: &[u32],
+) -> Vec<f32> {
+    tokens
+        .iter()
+        .flat_map(|&t| gpu.decode(state, t).unwrap())
+        .collect()
 }
 
 #[test]

@@ -16,9 +16,10 @@ use lily_core::synthetic::synthetic_config;
 use lily_core::weights::{Linear, Matrix};
 use lily_cuda::KvPrecision;
 use lily_cuda::compile::MOE_TILE;
-use lily_cuda::gemm::{gemm, gemm_grouped, max_tiles};
+use lily_cuda::gemm::{gemm, gemm_grouped};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
+use lily_cuda::moe_prefill::max_tiles;
 
 const NEEDS_GPU: &str = "needs a CUDA GPU";
 

@@ -33,7 +33,8 @@ pub fn load_with(model: &str, device: Device, quantize: bool) -> Result<AnyBacke
     // Weights are made in host memory first on every device; this checks they fit there.
     let (config, weights) = load_weights(&model, quantize, LoadBar::wrap)?;
     if use_cuda {
-        let backend = CudaBackend::with_kv(config, &weights, kv_precision()?)?;
+        let backend =
+            CudaBackend::with_options(config, &weights, kv_precision()?, prefill_chunk()?)?;
         return Ok(AnyBackend::Cuda(Box::new(backend)));
     }
     Ok(AnyBackend::Cpu(Box::new(CpuBackend::new(config, weights))))
@@ -46,6 +47,17 @@ fn kv_precision() -> Result<KvPrecision> {
         Err(_) | Ok("bf16") => Ok(KvPrecision::Bf16),
         Ok("f32") => Ok(KvPrecision::F32),
         Ok(other) => anyhow::bail!("LILY_KV_CACHE={other:?}: expected bf16 or f32"),
+    }
+}
+
+/// Tokens per GPU prefill chunk: `LILY_PREFILL_CHUNK`, else the backend's measured default.
+fn prefill_chunk() -> Result<usize> {
+    match std::env::var("LILY_PREFILL_CHUNK") {
+        Err(_) => Ok(lily_cuda::DEFAULT_PREFILL_CHUNK),
+        Ok(v) => match v.parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => anyhow::bail!("LILY_PREFILL_CHUNK={v:?}: expected a positive number of tokens"),
+        },
     }
 }
 

@@ -1,0 +1,332 @@
+//! One prefill chunk: T prompt tokens through the whole model at once. Every projection is a
+//! tensor-core GEMM that reads each weight once per chunk (gemm.cu); routing, sorting by expert
+//! and the combine stay on the device (moe_prefill.cu); the Gated DeltaNet runs its recurrence
+//! over the chunk with the state in registers (gdn_prefill.cu); attention is causal over the
+//! cache, which holds earlier chunks (attention_prefill.cu). Nothing is read back until the
+//! logits, so the host only enqueues.
+
+use anyhow::Result;
+use cudarc::driver::CudaSlice;
+use lily_core::config::ModelConfig;
+
+use crate::attention_prefill::{self, AttnChunk};
+use crate::gpu::{Gpu, ptr};
+use crate::launch;
+use crate::state::{CudaState, LayerState};
+use crate::weights::{DeviceAttention, DeviceGdn, DeviceMixer, DeviceWeights};
+use crate::{gdn_prefill, gemm, moe_prefill};
+
+/// Activations of one chunk of up to `chunk` tokens, allocated once at the chunk size, so a
+/// prompt of any length runs in bounded memory.
+pub struct PrefillScratch {
+    pub chunk: usize,
+    tokens: CudaSlice<u32>,
+    hidden: CudaSlice<f32>,
+    x: CudaSlice<f32>,
+    /// The mixer's fused input projection, `[T, proj_width]`.
+    proj: CudaSlice<f32>,
+    conv: CudaSlice<f32>,
+    /// Per-token normalised q, k and gates for the GDN scan.
+    gdn_prep: CudaSlice<f32>,
+    gdn_o: CudaSlice<f32>,
+    gdn_y: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    attn_out: CudaSlice<f32>,
+    mix_out: CudaSlice<f32>,
+    /// `[T, NE + 1]`: router logits, then the shared-expert gate logit.
+    router: CudaSlice<f32>,
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    gather: CudaSlice<i32>,
+    slot_of: CudaSlice<i32>,
+    tiles: CudaSlice<i32>,
+    num_tiles: CudaSlice<i32>,
+    /// Routed expert rows in sorted-slot order: gate (then SwiGLU in place), up, down.
+    gate: CudaSlice<f32>,
+    up: CudaSlice<f32>,
+    down: CudaSlice<f32>,
+    shared_gate: CudaSlice<f32>,
+    shared_up: CudaSlice<f32>,
+    shared_down: CudaSlice<f32>,
+    moe_out: CudaSlice<f32>,
+}
+
+/// Widths of the fused mixer input projections: GDN [qkv | z | b | a], attention [q+gate | k | v].
+fn proj_widths(c: &ModelConfig) -> (usize, usize) {
+    let gdn = c.gdn_conv_dim() + c.gdn_value_dim() + 2 * c.linear_num_value_heads;
+    let attn = c.num_attention_heads * 2 * c.head_dim + 2 * c.num_kv_heads * c.head_dim;
+    (gdn, attn)
+}
+
+impl PrefillScratch {
+    /// Device bytes the scratch of a `chunk`-token chunk takes (for the memory plan).
+    pub fn bytes(c: &ModelConfig, chunk: usize) -> usize {
+        Self::sizes(c, chunk).iter().sum::<usize>() * 4
+    }
+
+    /// Element counts of every buffer, in field order (all 4-byte elements).
+    fn sizes(c: &ModelConfig, chunk: usize) -> [usize; 25] {
+        let (gdn, attn) = proj_widths(c);
+        let (h, t) = (c.hidden_size, chunk);
+        let pairs = t * c.experts_per_token;
+        let tiles = moe_prefill::max_tiles(pairs, c.num_experts);
+        let heads = c.num_attention_heads * c.head_dim;
+        let (inter, shared) = (c.moe_intermediate_size, c.shared_intermediate_size);
+        [
+            t,
+            t * h,
+            t * h,
+            t * gdn.max(attn),
+            t * c.gdn_conv_dim(),
+            gdn_prefill::scan_scratch_floats(c, t),
+            t * c.gdn_value_dim(),
+            t * c.gdn_value_dim(),
+            t * heads,
+            t * heads,
+            t * h,
+            t * (c.num_experts + 1),
+            pairs,
+            pairs,
+            pairs,
+            pairs,
+            3 * tiles,
+            1,
+            pairs * inter,
+            pairs * inter,
+            pairs * h,
+            t * shared,
+            t * shared,
+            t * h,
+            t * h,
+        ]
+    }
+
+    pub fn new(gpu: &Gpu, c: &ModelConfig, chunk: usize) -> Result<Self> {
+        let n = Self::sizes(c, chunk);
+        Ok(PrefillScratch {
+            chunk,
+            tokens: gpu.zeros(n[0])?,
+            hidden: gpu.zeros(n[1])?,
+            x: gpu.zeros(n[2])?,
+            proj: gpu.zeros(n[3])?,
+            conv: gpu.zeros(n[4])?,
+            gdn_prep: gpu.zeros(n[5])?,
+            gdn_o: gpu.zeros(n[6])?,
+            gdn_y: gpu.zeros(n[7])?,
+            q: gpu.zeros(n[8])?,
+            attn_out: gpu.zeros(n[9])?,
+            mix_out: gpu.zeros(n[10])?,
+            router: gpu.zeros(n[11])?,
+            ids: gpu.zeros(n[12])?,
+            weights: gpu.zeros(n[13])?,
+            gather: gpu.zeros(n[14])?,
+            slot_of: gpu.zeros(n[15])?,
+            tiles: gpu.zeros(n[16])?,
+            num_tiles: gpu.zeros(n[17])?,
+            gate: gpu.zeros(n[18])?,
+            up: gpu.zeros(n[19])?,
+            down: gpu.zeros(n[20])?,
+            shared_gate: gpu.zeros(n[21])?,
+            shared_up: gpu.zeros(n[22])?,
+            shared_down: gpu.zeros(n[23])?,
+            moe_out: gpu.zeros(n[24])?,
+        })
+    }
+}
+
+/// Enqueues one chunk of `tokens` (at most `s.chunk`) for `state`, starting at position
+/// `state.len` (the caller advances it). Returns the device address of the final-normed hidden
+/// rows `[rows, hidden]` for the lm_head: every row with `all_rows`, else only the last.
+pub fn encode_chunk(
+    gpu: &Gpu,
+    c: &ModelConfig,
+    w: &DeviceWeights,
+    s: &mut PrefillScratch,
+    state: &CudaState,
+    tokens: &[u32],
+    all_rows: bool,
+) -> Result<u64> {
+    let t = tokens.len();
+    anyhow::ensure!(
+        t > 0 && t <= s.chunk,
+        "a prefill chunk holds 1 to {} tokens, not {t}",
+        s.chunk
+    );
+    gpu.stream
+        .memcpy_htod(tokens, &mut s.tokens.slice_mut(0..t))?;
+    let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
+    let (h, eps) = (c.hidden_size, c.rms_norm_eps);
+    let rows = t as u32;
+    let norm_block = (h.div_ceil(32) * 32).min(1024) as u32;
+    let (gdn_w, attn_w) = proj_widths(c);
+
+    let name = format!("embed_b{}", w.embed.bits);
+    launch!(gpu, &name, (rows, 1, 1), 256; w.embed.arg(gpu), ptr(&s.tokens, &gpu.stream), p(&s.hidden));
+
+    let mut delta = 0u64;
+    for (layer, ls) in w.layers.iter().zip(&state.layers) {
+        launch!(gpu, "add_rms_norm", (rows, 1, 1), norm_block;
+            p(&s.hidden), delta, p(&layer.input_norm), p(&s.x), h as i32, eps);
+        match (&layer.mixer, ls) {
+            (DeviceMixer::GatedDeltaNet(g), LayerState::GatedDeltaNet { window, recurrent }) => {
+                let DeviceGdn {
+                    proj,
+                    conv,
+                    a_log,
+                    dt_bias,
+                    norm,
+                    out_proj,
+                } = g.as_ref();
+                let mut col = 0;
+                for m in proj {
+                    gemm::gemm(gpu, m, p(&s.x), t, p(&s.proj), gdn_w, col)?;
+                    col += m.rows;
+                }
+                gdn_prefill::conv_rows(
+                    gpu,
+                    c,
+                    p(&s.proj),
+                    gdn_w,
+                    t,
+                    p(conv),
+                    p(window),
+                    p(&s.conv),
+                )?;
+                gdn_prefill::scan(
+                    gpu,
+                    c,
+                    p(&s.conv),
+                    p(&s.proj),
+                    gdn_w,
+                    t,
+                    p(a_log),
+                    p(dt_bias),
+                    p(&s.gdn_prep),
+                    p(recurrent),
+                    p(&s.gdn_o),
+                )?;
+                gdn_prefill::gated_norm_rows(
+                    gpu,
+                    c,
+                    p(&s.gdn_o),
+                    p(&s.proj),
+                    gdn_w,
+                    t,
+                    p(norm),
+                    p(&s.gdn_y),
+                    eps,
+                )?;
+                gemm::gemm(gpu, out_proj, p(&s.gdn_y), t, p(&s.mix_out), h, 0)?;
+            }
+            (DeviceMixer::Attention(a), LayerState::Attention { k, v }) => {
+                let DeviceAttention {
+                    proj,
+                    q_norm,
+                    k_norm,
+                    o_proj,
+                } = a.as_ref();
+                let mut col = 0;
+                for m in proj {
+                    gemm::gemm(gpu, m, p(&s.x), t, p(&s.proj), attn_w, col)?;
+                    col += m.rows;
+                }
+                let chunk = AttnChunk {
+                    tokens: t,
+                    pos0: state.len,
+                    qkv: p(&s.proj),
+                    ld: attn_w,
+                    q: p(&s.q),
+                    k_cache: ptr(k, &gpu.stream),
+                    v_cache: ptr(v, &gpu.stream),
+                    out: p(&s.attn_out),
+                };
+                attention_prefill::prep_rows(gpu, c, &chunk, p(q_norm), p(k_norm))?;
+                attention_prefill::attend(gpu, c, &chunk)?;
+                gemm::gemm(gpu, o_proj, p(&s.attn_out), t, p(&s.mix_out), h, 0)?;
+            }
+            _ => unreachable!("states are built from the same config as the weights"),
+        }
+        launch!(gpu, "add_rms_norm", (rows, 1, 1), norm_block;
+            p(&s.hidden), p(&s.mix_out), p(&layer.post_norm), p(&s.x), h as i32, eps);
+        encode_moe(gpu, c, layer, s, t)?;
+        delta = p(&s.moe_out);
+    }
+    // The final norm, for the rows whose logits are wanted.
+    let (first, n) = if all_rows { (0, t) } else { (t - 1, 1) };
+    let at = |b: &CudaSlice<f32>| p(b) + (first * h * 4) as u64;
+    launch!(gpu, "add_rms_norm", (n as u32, 1, 1), norm_block;
+        at(&s.hidden), at(&s.moe_out), p(&w.final_norm), at(&s.x), h as i32, eps);
+    Ok(at(&s.x))
+}
+
+/// The MoE block over the chunk: router and shared gate as one `[T, NE+1]` GEMM output, top-k,
+/// the pairs sorted by expert into tiles, gate/up/down as grouped GEMMs over the tiles, the shared
+/// expert as dense GEMMs, and the weighted combine.
+fn encode_moe(
+    gpu: &Gpu,
+    c: &ModelConfig,
+    layer: &crate::weights::DeviceLayer,
+    s: &mut PrefillScratch,
+    t: usize,
+) -> Result<()> {
+    let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
+    let pi = |b: &CudaSlice<i32>| ptr(b, &gpu.stream);
+    let m = &layer.moe;
+    let (h, ne) = (c.hidden_size, c.num_experts);
+    let (inter, shared) = (c.moe_intermediate_size, c.shared_intermediate_size);
+    let pairs = t * c.experts_per_token;
+    gemm::gemm(gpu, &m.router, p(&s.x), t, p(&s.router), ne + 1, 0)?;
+    gemm::gemm(gpu, &m.shared_gate, p(&s.x), t, p(&s.router), ne + 1, ne)?;
+    moe_prefill::topk_rows(gpu, p(&s.router), t, pi(&s.ids), p(&s.weights))?;
+    moe_prefill::sort(
+        gpu,
+        pi(&s.ids),
+        pairs,
+        pi(&s.gather),
+        pi(&s.slot_of),
+        pi(&s.tiles),
+        pi(&s.num_tiles),
+    )?;
+    let max_tiles = moe_prefill::max_tiles(pairs, ne);
+    let grouped = |w, n, x, gather, y| {
+        gemm::gemm_grouped(
+            gpu,
+            w,
+            n,
+            x,
+            gather,
+            pi(&s.tiles),
+            pi(&s.num_tiles),
+            max_tiles,
+            y,
+        )
+    };
+    grouped(&m.gate, inter, p(&s.x), pi(&s.gather), p(&s.gate))?;
+    grouped(&m.up, inter, p(&s.x), pi(&s.gather), p(&s.up))?;
+    moe_prefill::swiglu(gpu, p(&s.gate), p(&s.up), pairs * inter, p(&s.gate))?;
+    grouped(&m.down, h, p(&s.gate), 0, p(&s.down))?;
+
+    let [sg, su, sd] = &m.shared;
+    gemm::gemm(gpu, sg, p(&s.x), t, p(&s.shared_gate), shared, 0)?;
+    gemm::gemm(gpu, su, p(&s.x), t, p(&s.shared_up), shared, 0)?;
+    moe_prefill::swiglu(
+        gpu,
+        p(&s.shared_gate),
+        p(&s.shared_up),
+        t * shared,
+        p(&s.shared_gate),
+    )?;
+    gemm::gemm(gpu, sd, p(&s.shared_gate), t, p(&s.shared_down), h, 0)?;
+    moe_prefill::combine(
+        gpu,
+        p(&s.down),
+        pi(&s.slot_of),
+        p(&s.weights),
+        p(&s.router),
+        p(&s.shared_down),
+        t,
+        h,
+        p(&s.moe_out),
+    )?;
+    Ok(())
+}
