@@ -223,6 +223,13 @@ impl CudaBackend {
 /// warps' partial outputs of one GQA group), one warp's registers for the router's probabilities.
 fn check_shapes(c: &ModelConfig) -> Result<()> {
     let group = c.num_attention_heads / c.num_kv_heads;
+    // Prefill attention holds a 64-query tile of bf16 head vectors in 48 KiB of shared memory and
+    // feeds the tensor cores 16 dims at a time.
+    ensure!(
+        c.head_dim % 16 == 0 && c.head_dim <= 256,
+        "the CUDA prefill attention needs a head dim that is a multiple of 16 and at most 256, not {}",
+        c.head_dim
+    );
     ensure!(
         c.head_dim <= 1024 && c.linear_value_head_dim <= 1024,
         "the CUDA kernels need head dims of at most 1,024 (head_dim {}, linear_value_head_dim {})",
@@ -393,9 +400,15 @@ mod tests {
         let real = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
         check_shapes(&real).unwrap();
         let mut wide = real.clone();
-        wide.head_dim = 2048;
-        wide.rotary_dim = 512;
+        wide.linear_value_head_dim = 2048;
         assert!(format!("{:#}", check_shapes(&wide).unwrap_err()).contains("head dims"));
+        for head_dim in [24, 512] {
+            let mut odd = real.clone();
+            odd.head_dim = head_dim;
+            odd.rotary_dim = 16;
+            let err = format!("{:#}", check_shapes(&odd).unwrap_err());
+            assert!(err.contains("multiple of 16"), "{err}");
+        }
         let mut grouped = real.clone();
         grouped.num_attention_heads = 64;
         assert!(format!("{:#}", check_shapes(&grouped).unwrap_err()).contains("GQA group"));
