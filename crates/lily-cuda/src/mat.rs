@@ -121,16 +121,25 @@ impl DeviceMat {
     }
 }
 
-/// Rows one warp of `gemv_b*` computes (kernels/gemv.cu, GEMV_ROWS).
+/// Rows one warp of `gemv_b*` computes (kernels/common.cuh, GEMV_ROWS).
 const GEMV_ROWS: usize = 4;
-/// Threads per block of the row kernels: eight warps.
-pub const ROW_BLOCK: u32 = 256;
+/// The widest input the staged GEMVs hold in shared memory (kernels/common.cuh, XS_COLS).
+pub const XS_COLS: usize = 8192;
+/// Most blocks of a staged kernel: each stages x once and strides over its share of the rows, so
+/// the lm_head's 62,000 warps of work need not each stage x again.
+const MAX_BLOCKS: usize = 1024;
+
+/// The launch shape of a staged kernel (`gemv_*`, `moe_*`) over `units` warps of work. Small
+/// launches get four-warp blocks, so that they spread over more SMs.
+pub fn staged_shape(units: usize) -> Shape {
+    let warps = if units >= 8 * 264 { 8 } else { 4 };
+    Shape {
+        grid: (units.div_ceil(warps).clamp(1, MAX_BLOCKS) as u32, 1, 1),
+        block: warps as u32 * 32,
+    }
+}
 
 /// The launch shape of `gemv_b*` over matrices with these row counts: whole warps per matrix.
 pub fn gemv_shape(rows: &[usize]) -> Shape {
-    let warps: usize = rows.iter().map(|r| r.div_ceil(GEMV_ROWS)).sum();
-    Shape {
-        grid: (warps.div_ceil((ROW_BLOCK / 32) as usize) as u32, 1, 1),
-        block: ROW_BLOCK,
-    }
+    staged_shape(rows.iter().map(|r| r.div_ceil(GEMV_ROWS)).sum())
 }

@@ -11,14 +11,15 @@ use lily_core::config::ModelConfig;
 use crate::compile::ATTN_SPLITS;
 use crate::gpu::{Gpu, KArg, ptr};
 use crate::launch;
-use crate::mat::{DeviceMat, MatArg, ROW_BLOCK, gemv_shape};
+use crate::mat::{DeviceMat, MatArg, XS_COLS, gemv_shape, staged_shape};
 use crate::state::{CudaState, LayerState};
-use crate::weights::{DeviceAttention, DeviceGdn, DeviceMixer, DeviceWeights};
+use crate::weights::{DeviceAttention, DeviceGdn, DeviceMixer, DeviceMoe, DeviceWeights};
 
 /// Activations of one step, shared by every sequence (steps run one at a time).
 pub struct Scratch {
+    /// The residual stream: the mixer and expert projections add into it, and the GEMVs that
+    /// read it normalise it themselves.
     pub hidden: CudaSlice<f32>,
-    pub x: CudaSlice<f32>,
     pub proj: CudaSlice<f32>,
     pub conv_out: CudaSlice<f32>,
     pub gdn_o: CudaSlice<f32>,
@@ -27,12 +28,12 @@ pub struct Scratch {
     pub part_ml: CudaSlice<f32>,
     pub part_acc: CudaSlice<f32>,
     pub attn_out: CudaSlice<f32>,
-    pub mix_out: CudaSlice<f32>,
     pub router_logits: CudaSlice<f32>,
     pub ids: CudaSlice<i32>,
     pub weights: CudaSlice<f32>,
     pub act: CudaSlice<f32>,
-    pub moe_out: CudaSlice<f32>,
+    /// Blocks of the router launch that have finished (the last one routes and resets it).
+    pub route_done: CudaSlice<u32>,
     pub logits: CudaSlice<f32>,
     pub arg_v: CudaSlice<f32>,
     pub arg_i: CudaSlice<i32>,
@@ -49,7 +50,6 @@ impl Scratch {
         let parts = nkv * ATTN_SPLITS * (nh / nkv);
         Ok(Scratch {
             hidden: gpu.zeros(c.hidden_size)?,
-            x: gpu.zeros(c.hidden_size)?,
             proj: gpu.zeros(gdn_proj.max(attn_proj))?,
             conv_out: gpu.zeros(c.gdn_conv_dim())?,
             gdn_o: gpu.zeros(c.gdn_value_dim())?,
@@ -58,14 +58,13 @@ impl Scratch {
             part_ml: gpu.zeros(parts * 2)?,
             part_acc: gpu.zeros(parts * hd)?,
             attn_out: gpu.zeros(nh * hd)?,
-            mix_out: gpu.zeros(c.hidden_size)?,
             router_logits: gpu.zeros(c.num_experts + 1)?,
             ids: gpu.zeros(c.experts_per_token)?,
             weights: gpu.zeros(c.experts_per_token)?,
             act: gpu.zeros(
                 c.experts_per_token * c.moe_intermediate_size + c.shared_intermediate_size,
             )?,
-            moe_out: gpu.zeros(c.hidden_size)?,
+            route_done: gpu.zeros(1)?,
             logits: gpu.zeros(c.vocab_size)?,
             arg_v: gpu.zeros(ARGMAX_BLOCKS as usize)?,
             arg_i: gpu.zeros(ARGMAX_BLOCKS as usize)?,
@@ -77,37 +76,45 @@ fn round_up_warp(n: usize) -> u32 {
     (n.div_ceil(32) * 32).min(1024) as u32
 }
 
-/// `y = [m0 | m1 | ...] · x`, one launch for matrices that share their input.
-fn gemv(gpu: &Gpu, mats: &[&DeviceMat], x: u64, y: u64) -> Result<()> {
+/// What a GEMV launch does with its input and output (the `gemv_*` kernels of gemv.cu).
+enum GemvForm {
+    /// `y = W · (RMSNorm(x) · norm)`, x being the residual stream.
+    Norm(u64, f32),
+    /// `y += W · x`, y being the residual stream.
+    Add,
+}
+
+/// `y = [m0 | m1 | ...] · x` in one of its forms, one launch for matrices that share their input.
+fn gemv(gpu: &Gpu, form: GemvForm, mats: &[&DeviceMat], x: u64, y: u64) -> Result<()> {
     ensure!(
         !mats.is_empty() && mats.len() <= 4,
         "gemv takes 1 to 4 matrices"
     );
-    let bits = mats[0].bits;
+    let (bits, cols) = (mats[0].bits, mats[0].cols);
     ensure!(
-        mats.iter().all(|m| m.bits == bits),
-        "matrices launched together must share a format"
+        mats.iter().all(|m| m.bits == bits && m.cols == cols),
+        "matrices launched together must share a format and their input"
+    );
+    ensure!(
+        cols <= XS_COLS,
+        "the CUDA GEMV stages at most {XS_COLS} inputs, not {cols}"
     );
     let mut args = [MatArg::default(); 4];
     for (a, m) in args.iter_mut().zip(mats) {
         *a = m.arg(gpu);
     }
     let rows: Vec<usize> = mats.iter().map(|m| m.rows).collect();
-    let name = format!("gemv_b{bits}");
-    let args = [args[0], args[1], args[2], args[3]].map(KArg::Mat);
-    gpu.launch(
-        &name,
-        gemv_shape(&rows),
-        &[
-            args[0],
-            args[1],
-            args[2],
-            args[3],
-            KArg::Ptr(x),
-            KArg::Ptr(y),
-        ],
-    )?;
-    Ok(())
+    let mut kargs: Vec<KArg> = args.iter().map(|&a| KArg::Mat(a)).collect();
+    kargs.push(KArg::Ptr(x));
+    let name = match form {
+        GemvForm::Add => format!("gemv_add_b{bits}"),
+        GemvForm::Norm(norm, eps) => {
+            kargs.extend([KArg::Ptr(norm), KArg::F32(eps)]);
+            format!("gemv_norm_b{bits}")
+        }
+    };
+    kargs.push(KArg::Ptr(y));
+    gpu.launch(&name, gemv_shape(&rows), &kargs)
 }
 
 /// GPU-timeline events between the kernel families of a step, for `lily bench`'s breakdown.
@@ -139,6 +146,91 @@ impl Timeline {
     }
 }
 
+/// The MoE block of one layer: router + top-k, then the chosen and shared experts' gate/up, then
+/// their down projections, combined and added into the residual stream. Three launches.
+fn experts(gpu: &Gpu, c: &ModelConfig, m: &DeviceMoe, post_norm: u64, s: &Scratch) -> Result<()> {
+    let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
+    let (h, eps) = (c.hidden_size, c.rms_norm_eps);
+    let (inter, shared) = (c.moe_intermediate_size, c.shared_intermediate_size);
+    let (ids, done) = (ptr(&s.ids, &gpu.stream), ptr(&s.route_done, &gpu.stream));
+    ensure!(
+        m.router.bits == m.shared_gate.bits,
+        "the router and the shared-expert gate must share a format"
+    );
+    ensure!(
+        h <= XS_COLS && c.experts_per_token * inter + shared <= XS_COLS,
+        "the CUDA expert kernels stage at most {XS_COLS} inputs"
+    );
+    let name = format!("moe_route_b{}", m.router.bits);
+    let shape = gemv_shape(&[m.router.rows, m.shared_gate.rows]);
+    let (r, sg) = (m.router.arg(gpu), m.shared_gate.arg(gpu));
+    gpu.launch(
+        &name,
+        shape,
+        &[
+            KArg::Mat(r),
+            KArg::Mat(sg),
+            KArg::Ptr(p(&s.hidden)),
+            KArg::Ptr(post_norm),
+            KArg::F32(eps),
+            KArg::Ptr(p(&s.router_logits)),
+            KArg::Ptr(ids),
+            KArg::Ptr(p(&s.weights)),
+            KArg::Ptr(done),
+        ],
+    )?;
+    let bits = m.gate.bits;
+    ensure!(
+        [&m.up, &m.down, &m.shared[0], &m.shared[1], &m.shared[2]]
+            .iter()
+            .all(|x| x.bits == bits),
+        "routed and shared experts must share a format"
+    );
+    // Two (gate, up) row pairs per warp (moe.cu, PAIRS).
+    let pairs = c.experts_per_token * inter + shared;
+    let (g, u, sg, su) = (
+        m.gate.arg(gpu),
+        m.up.arg(gpu),
+        m.shared[0].arg(gpu),
+        m.shared[1].arg(gpu),
+    );
+    let name = format!("moe_gate_up_b{bits}");
+    gpu.launch(
+        &name,
+        staged_shape(pairs.div_ceil(2)),
+        &[
+            KArg::Mat(g),
+            KArg::Mat(u),
+            KArg::Mat(sg),
+            KArg::Mat(su),
+            KArg::I32(inter as i32),
+            KArg::Ptr(ids),
+            KArg::Ptr(p(&s.hidden)),
+            KArg::Ptr(post_norm),
+            KArg::F32(eps),
+            KArg::Ptr(p(&s.act)),
+        ],
+    )?;
+    // One warp per output row.
+    let name = format!("moe_down_b{bits}");
+    let (d, sd) = (m.down.arg(gpu), m.shared[2].arg(gpu));
+    gpu.launch(
+        &name,
+        staged_shape(h),
+        &[
+            KArg::Mat(d),
+            KArg::Mat(sd),
+            KArg::I32(inter as i32),
+            KArg::I32(h as i32),
+            KArg::Ptr(ids),
+            KArg::Ptr(p(&s.weights)),
+            KArg::Ptr(p(&s.router_logits)),
+            KArg::Ptr(p(&s.act)),
+            KArg::Ptr(p(&s.hidden)),
+        ],
+    )
+}
+
 /// Enqueues one whole decode step for `state`; with a timeline, marks each kernel family.
 pub fn encode_step(
     gpu: &Gpu,
@@ -154,21 +246,19 @@ pub fn encode_step(
     };
     mark("start")?;
     let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
-    let (h, eps) = (c.hidden_size, c.rms_norm_eps);
+    let eps = c.rms_norm_eps;
     let token = ptr(&state.token, &gpu.stream);
     let pos = ptr(&state.pos, &gpu.stream);
-    let norm_block = round_up_warp(h);
 
     let embed = w.embed.arg(gpu);
     let name = format!("embed_b{}", w.embed.bits);
     launch!(gpu, &name, (1, 1, 1), 256; embed, token, p(&s.hidden));
     mark("embed")?;
 
-    let mut delta = 0u64; // the previous layer's MoE output, added to the residual by the next norm
+    // No norm launches: the GEMVs that read the residual stream normalise it as they stage it,
+    // and the mixer output and expert down projections add into it.
     for (layer, ls) in w.layers.iter().zip(&state.layers) {
-        launch!(gpu, "add_rms_norm", (1, 1, 1), norm_block;
-            p(&s.hidden), delta, p(&layer.input_norm), p(&s.x), h as i32, eps);
-        mark("rms norm")?;
+        let input_norm = GemvForm::Norm(p(&layer.input_norm), eps);
         match (&layer.mixer, ls) {
             (DeviceMixer::GatedDeltaNet(g), LayerState::GatedDeltaNet { window, recurrent }) => {
                 let DeviceGdn {
@@ -181,8 +271,9 @@ pub fn encode_step(
                 } = g.as_ref();
                 gemv(
                     gpu,
+                    input_norm,
                     &[&proj[0], &proj[1], &proj[2], &proj[3]],
-                    p(&s.x),
+                    p(&s.hidden),
                     p(&s.proj),
                 )?;
                 let conv_dim = c.gdn_conv_dim();
@@ -195,7 +286,7 @@ pub fn encode_step(
                 launch!(gpu, "gdn_gated_norm", (nv as u32, 1, 1), round_up_warp(dv);
                     p(&s.gdn_o), p(&s.proj), p(norm), p(&s.gdn_y), eps);
                 mark("gated deltanet")?;
-                gemv(gpu, &[out_proj], p(&s.gdn_y), p(&s.mix_out))?;
+                gemv(gpu, GemvForm::Add, &[out_proj], p(&s.gdn_y), p(&s.hidden))?;
                 mark("mixer output gemv")?;
             }
             (DeviceMixer::Attention(a), LayerState::Attention { k, v }) => {
@@ -205,7 +296,13 @@ pub fn encode_step(
                     k_norm,
                     o_proj,
                 } = a.as_ref();
-                gemv(gpu, &[&proj[0], &proj[1], &proj[2]], p(&s.x), p(&s.proj))?;
+                gemv(
+                    gpu,
+                    input_norm,
+                    &[&proj[0], &proj[1], &proj[2]],
+                    p(&s.hidden),
+                    p(&s.proj),
+                )?;
                 mark("mixer input gemv")?;
                 let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
                 let kp = ptr(k, &gpu.stream);
@@ -217,55 +314,21 @@ pub fn encode_step(
                 launch!(gpu, "attn_combine", (nh as u32, 1, 1), round_up_warp(hd);
                     p(&s.part_ml), p(&s.part_acc), p(&s.proj), p(&s.attn_out));
                 mark("attention")?;
-                gemv(gpu, &[o_proj], p(&s.attn_out), p(&s.mix_out))?;
+                gemv(gpu, GemvForm::Add, &[o_proj], p(&s.attn_out), p(&s.hidden))?;
                 mark("mixer output gemv")?;
             }
             _ => unreachable!("states are built from the same config as the weights"),
         }
-        launch!(gpu, "add_rms_norm", (1, 1, 1), norm_block;
-            p(&s.hidden), p(&s.mix_out), p(&layer.post_norm), p(&s.x), h as i32, eps);
-        mark("rms norm")?;
-
-        let m = &layer.moe;
-        gemv(
-            gpu,
-            &[&m.router, &m.shared_gate],
-            p(&s.x),
-            p(&s.router_logits),
-        )?;
-        launch!(gpu, "moe_topk", (1, 1, 1), 32;
-            p(&s.router_logits), ptr(&s.ids, &gpu.stream), p(&s.weights));
-        mark("router + top-k")?;
-        let (inter, shared) = (c.moe_intermediate_size, c.shared_intermediate_size);
-        let rows = c.experts_per_token * inter + shared;
-        let bits = m.gate.bits;
-        ensure!(
-            [&m.up, &m.down, &m.shared[0], &m.shared[1], &m.shared[2]]
-                .iter()
-                .all(|x| x.bits == bits),
-            "routed and shared experts must share a format"
-        );
-        let name = format!("moe_gate_up_b{bits}");
-        let (g, u, sg, su) = (
-            m.gate.arg(gpu),
-            m.up.arg(gpu),
-            m.shared[0].arg(gpu),
-            m.shared[1].arg(gpu),
-        );
-        launch!(gpu, &name, (rows.div_ceil(8) as u32, 1, 1), ROW_BLOCK;
-            g, u, sg, su, inter as i32, ptr(&s.ids, &gpu.stream), p(&s.x), p(&s.act));
-        let name = format!("moe_down_b{bits}");
-        let (d, sd) = (m.down.arg(gpu), m.shared[2].arg(gpu));
-        launch!(gpu, &name, (h.div_ceil(8) as u32, 1, 1), ROW_BLOCK;
-            d, sd, inter as i32, h as i32, ptr(&s.ids, &gpu.stream), p(&s.weights), p(&s.router_logits),
-            p(&s.act), p(&s.moe_out));
+        experts(gpu, c, &layer.moe, p(&layer.post_norm), s)?;
         mark("experts")?;
-        delta = p(&s.moe_out);
     }
-    launch!(gpu, "add_rms_norm", (1, 1, 1), norm_block;
-        p(&s.hidden), delta, p(&w.final_norm), p(&s.x), h as i32, eps);
-    mark("rms norm")?;
-    gemv(gpu, &[&w.lm_head], p(&s.x), p(&s.logits))?;
+    gemv(
+        gpu,
+        GemvForm::Norm(p(&w.final_norm), eps),
+        &[&w.lm_head],
+        p(&s.hidden),
+        p(&s.logits),
+    )?;
     mark("lm_head")?;
     launch!(gpu, "argmax_partial", (ARGMAX_BLOCKS, 1, 1), 256;
         p(&s.logits), c.vocab_size as i32, p(&s.arg_v), ptr(&s.arg_i, &gpu.stream));

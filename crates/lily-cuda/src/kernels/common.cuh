@@ -153,3 +153,304 @@ __device__ __forceinline__ float mat_at(const Mat& m, long r, int c) {
         return bf16_to_f32(m.scales[g]) * (float)code + bf16_to_f32(m.biases[g]);
     }
 }
+
+// ---- Decode GEMVs with x staged in shared memory (gemv.cu, moe.cu) ----
+//
+// Each block stages the input vector once in shared memory; a warp then computes R rows at a time,
+// lanes striding over the rows' 16-byte chunks (a warp reads 512 contiguous bytes of a row per
+// load). Staged x is padded by XS_PAD floats after every chunk's values, so the lanes' float4 reads
+// of x (lanes one chunk apart) hit distinct banks, and prescaled by 2^-(BITS·p) for a code's
+// position p in its 16-bit half word: a code then becomes a float with one mask-and-or and one
+// subtraction, no shift (see dot_batch). The sum of each chunk's x, needed for the biases, is
+// staged too.
+
+// Widest input the staged GEMVs take (the host checks).
+#define XS_COLS 8192
+#define XS_PAD 4
+
+// Codes in one 16-byte chunk (1 for dense f32, which has no chunks).
+#define CHUNK_CODES(BITS) ((BITS) == 32 ? 1 : 128 / (BITS))
+// Floats of the staged x and of its chunk sums.
+#define XS_FLOATS(BITS) ((BITS) == 32 ? XS_COLS : XS_COLS / CHUNK_CODES(BITS) * (CHUNK_CODES(BITS) + XS_PAD))
+#define XSUM_FLOATS(BITS) ((BITS) == 32 ? 1 : XS_COLS / CHUNK_CODES(BITS))
+
+template <int BITS>
+__device__ __forceinline__ int xs_at(int c) {
+    if constexpr (BITS == 32) {
+        return c;
+    } else {
+        constexpr int PER = 128 / BITS;
+        return c / PER * (PER + XS_PAD) + c % PER;
+    }
+}
+
+// 2^-(BITS·p), p the position of column c's code in its 16-bit half word.
+template <int BITS>
+__device__ __forceinline__ float xs_prescale(int c) {
+    if constexpr (BITS == 32) {
+        return 1.f;
+    } else {
+        return __uint_as_float((u32)(127 - BITS * (c % (16 / BITS))) << 23);
+    }
+}
+
+// Loads per thread issued together by the staging loops below: staging is on every staged
+// kernel's critical path, and a loop that waits for each load in turn costs microseconds.
+#define STAGE_UNROLL 4
+
+// 1 / RMS(h[0..n)) as add_rms_norm computes it. Every block of a launch gets identical bits (same
+// summation order), so rows computed by different blocks see the same normalised vector.
+__device__ float block_inv_rms(const float* h, int n, float eps, float* scratch) {
+    float ss = 0.f;
+    if (n % 4 == 0) {
+        const float4* h4 = (const float4*)h;
+        for (int i = threadIdx.x; i < n / 4; i += blockDim.x * STAGE_UNROLL) {
+            float4 v[STAGE_UNROLL];
+#pragma unroll
+            for (int u = 0; u < STAGE_UNROLL; u++) {
+                int j = i + u * blockDim.x;
+                v[u] = j < n / 4 ? h4[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int u = 0; u < STAGE_UNROLL; u++)
+                ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
+        }
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) ss += h[i] * h[i];
+    }
+    return rsqrtf(block_sum(ss, scratch) / n + eps);
+}
+
+// Stages x[c] (or x[c] · inv · norm_w[c] with norm_w) for c in [0, cols) into xs (padded,
+// prescaled) and each chunk's plain sum into xsum. Every thread of the block must call it (whole
+// warps take part in the shuffles); it ends with a barrier. For quantised matrices cols is a
+// multiple of CHUNK_CODES(BITS), and x and norm_w are 16-byte aligned (device buffers).
+template <int BITS>
+__device__ void stage_x(int cols, const float* x, const float* norm_w, float inv, float* xs, float* xsum) {
+    if constexpr (BITS == 32) {
+        for (int c = threadIdx.x; c < cols; c += blockDim.x * STAGE_UNROLL) {
+            float v[STAGE_UNROLL];
+#pragma unroll
+            for (int u = 0; u < STAGE_UNROLL; u++) {
+                int j = c + u * blockDim.x;
+                v[u] = j < cols ? (norm_w ? x[j] * inv * norm_w[j] : x[j]) : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < STAGE_UNROLL; u++)
+                if (c + u * blockDim.x < cols) xs[c + u * blockDim.x] = v[u];
+        }
+    } else {
+        // One float4 of x per thread and step; a chunk's PER values are PER/4 adjacent threads.
+        constexpr int PER = 128 / BITS, T = PER / 4;
+        int n4 = cols / 4, end = (n4 + WARP - 1) / WARP * WARP;
+        const float4* x4 = (const float4*)x;
+        const float4* w4 = (const float4*)norm_w;
+        for (int c = threadIdx.x; c < end; c += blockDim.x * STAGE_UNROLL) {
+            float4 v[STAGE_UNROLL];
+#pragma unroll
+            for (int u = 0; u < STAGE_UNROLL; u++) {
+                int j = c + u * blockDim.x;
+                v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (j < n4) {
+                    v[u] = x4[j];
+                    if (norm_w) {
+                        float4 w = w4[j];
+                        v[u] = make_float4(v[u].x * inv * w.x, v[u].y * inv * w.y, v[u].z * inv * w.z,
+                                           v[u].w * inv * w.w);
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < STAGE_UNROLL; u++) {
+                // Whole warps reach here together (blockDim and end are multiples of WARP).
+                int j = c + u * blockDim.x;
+                if (j < n4) {
+                    int col = 4 * j;
+                    *(float4*)(xs + xs_at<BITS>(col)) =
+                        make_float4(v[u].x * xs_prescale<BITS>(col), v[u].y * xs_prescale<BITS>(col + 1),
+                                    v[u].z * xs_prescale<BITS>(col + 2), v[u].w * xs_prescale<BITS>(col + 3));
+                }
+                float sum = v[u].x + v[u].y + v[u].z + v[u].w;
+                for (int o = T / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+                if (j < n4 && j % T == 0) xsum[j / T] = sum;
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// One lane's weight loads for NB chunks of R rows (chunk lane + j·WARP from `base`), all issued
+// before any arithmetic so that R·NB 16-byte loads are in flight.
+template <int BITS, int R, int NB>
+struct Batch {
+    uint4 q[R][NB];
+    u16 scale[R][NB];
+    u16 bias[R][NB];
+};
+
+template <int BITS, int R, int NB>
+__device__ __forceinline__ void load_batch(Batch<BITS, R, NB>& b, const RowRef (&rows)[R], int base,
+                                           int chunks, int group, int lane) {
+    constexpr int PER = 128 / BITS;
+#pragma unroll
+    for (int j = 0; j < NB; j++) {
+        int ch = base + lane + j * WARP;
+        if (ch < chunks) {
+            int g = ch * PER / group;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                b.q[r][j] = ((const uint4*)rows[r].w)[ch];
+                b.scale[r][j] = rows[r].scales[g];
+                b.bias[r][j] = rows[r].biases[g];
+            }
+        }
+    }
+}
+
+// acc[r] += this lane's share of row r · x for the batch's chunks. Row r reads x from chunk
+// xoff[r] on (0 for a plain GEMV; the slot's segment for the expert down projection). SHARED_X:
+// every row reads the same x, loaded once per chunk.
+template <int BITS, int R, int NB, bool SHARED_X>
+__device__ __forceinline__ void dot_batch(const Batch<BITS, R, NB>& b, int base, int chunks,
+                                          const int (&xoff)[R], const float* xs, const float* xsum,
+                                          int lane, float (&acc)[R]) {
+    constexpr int PER = 128 / BITS, HALF = 16 / BITS, WORD = 32 / BITS;
+    constexpr u32 MASK = (1u << BITS) - 1u;
+#pragma unroll
+    for (int j = 0; j < NB; j++) {
+        int ch = base + lane + j * WARP;
+        if (ch >= chunks) break;
+        float xf[PER];
+        float sx = 0.f;
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if (r == 0 || !SHARED_X) {
+                int at = xoff[r] + ch;
+                const float4* xv = (const float4*)(xs + at * (PER + XS_PAD));
+#pragma unroll
+                for (int i = 0; i < PER / 4; i++) {
+                    float4 v = xv[i];
+                    xf[4 * i] = v.x; xf[4 * i + 1] = v.y; xf[4 * i + 2] = v.z; xf[4 * i + 3] = v.w;
+                }
+                sx = xsum[at];
+            }
+            u32 words[4] = {b.q[r][j].x, b.q[r][j].y, b.q[r][j].z, b.q[r][j].w};
+            float dq = 0.f;
+#pragma unroll
+            for (int i = 0; i < PER; i++) {
+                int p = i % WORD;
+                u32 v = p >= HALF ? words[i / WORD] >> 16 : words[i / WORD];
+                // code · 2^(BITS·(p % HALF)), exactly; xf carries the inverse power of two.
+                float code = __uint_as_float((v & (MASK << (BITS * (p % HALF)))) | 0x4B000000u) - 8388608.f;
+                dq += code * xf[i];
+            }
+            acc[r] += bf16_to_f32(b.scale[r][j]) * dq + bf16_to_f32(b.bias[r][j]) * sx;
+        }
+    }
+}
+
+// Units of R rows, one warp each, warp-strided over the grid (any grid size works). rows_of(u,
+// rows, xoff) fills the unit's row references (clamping ragged ones to a valid row); store(u, acc)
+// gets the lanes' unreduced partials. The first unit's weights are requested before x is staged
+// (stage() must stage with stage_x), so the two latencies overlap. Every thread must call this.
+template <int BITS, int R, int NB, bool SHARED_X, class RowsOf, class Stage, class Store>
+__device__ void staged_units(long units, int cols, int group, RowsOf rows_of, Stage stage,
+                             Store store, const float* xs, const float* xsum) {
+    int lane = threadIdx.x % WARP;
+    long stride = (long)gridDim.x * (blockDim.x / WARP);
+    long u = (long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    RowRef rows[R];
+    int xoff[R];
+    if constexpr (BITS == 32) {
+        stage();
+        for (; u < units; u += stride) {
+            rows_of(u, rows, xoff);
+            float acc[R] = {};
+            for (int c = lane; c < cols; c += WARP) {
+#pragma unroll
+                for (int r = 0; r < R; r++) acc[r] += ((const float*)rows[r].w)[c] * xs[xoff[r] + c];
+            }
+            store(u, acc);
+        }
+    } else {
+        constexpr int PER = 128 / BITS;
+        int chunks = cols / PER;
+        Batch<BITS, R, NB> b;
+        if (u < units) {
+            rows_of(u, rows, xoff);
+            load_batch<BITS, R, NB>(b, rows, 0, chunks, group, lane);
+        }
+        stage();
+        for (; u < units; u += stride) {
+            float acc[R] = {};
+            for (int base = 0; base < chunks; base += WARP * NB) {
+                if (base > 0) load_batch<BITS, R, NB>(b, rows, base, chunks, group, lane);
+                dot_batch<BITS, R, NB, SHARED_X>(b, base, chunks, xoff, xs, xsum, lane, acc);
+            }
+            if (u + stride < units) {
+                rows_of(u + stride, rows, xoff);
+                load_batch<BITS, R, NB>(b, rows, 0, chunks, group, lane);
+            }
+            store(u, acc);
+        }
+    }
+}
+
+// Rows one warp of the staged GEMV computes: x chunks loaded from shared memory serve all four.
+#define GEMV_ROWS 4
+// Chunks per lane per row whose loads are issued together (2 covers a 2,048-wide 4-bit row).
+#define GEMV_BATCH 2
+
+// y = [m0 | m1 | m2 | m3] · x, outputs end to end; unused matrices have no rows, and all share x
+// (so their columns). With norm_w, x is the residual stream and the rows see RMSNorm(x) · norm_w,
+// computed by every block while staging. With add, y += W · x (the residual add of the mixer
+// output and expert projections, each element owned by one lane: no race).
+template <int BITS>
+__device__ void gemv_staged(Mat m0, Mat m1, Mat m2, Mat m3, const float* x, const float* norm_w,
+                            float eps, float* y, bool add) {
+    __shared__ __align__(16) float xs[XS_FLOATS(BITS)];
+    __shared__ float xsum[XSUM_FLOATS(BITS)];
+    __shared__ float scratch[32];
+    const Mat ms[4] = {m0, m1, m2, m3};
+    long units = 0;
+    for (int i = 0; i < 4; i++) units += (ms[i].rows + GEMV_ROWS - 1) / GEMV_ROWS;
+    // Unit u → its matrix, first row and output offset. Each matrix gets whole units.
+    auto locate = [&](long u, int& which, long& r0, long& base) {
+        base = 0;
+        which = 3;
+        for (int i = 0; i < 4; i++) {
+            long n = (ms[i].rows + GEMV_ROWS - 1) / GEMV_ROWS;
+            if (u < n) { which = i; break; }
+            u -= n;
+            base += ms[i].rows;
+        }
+        r0 = u * GEMV_ROWS;
+    };
+    auto rows_of = [&](long u, RowRef (&rows)[GEMV_ROWS], int (&xoff)[GEMV_ROWS]) {
+        int which; long r0, base;
+        locate(u, which, r0, base);
+        const Mat& m = ms[which];
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; r++) {
+            rows[r] = row_ref(m, min(r0 + r, (long)m.rows - 1), BITS);
+            xoff[r] = 0;
+        }
+    };
+    auto stage = [&]() {
+        float inv = norm_w ? block_inv_rms(x, m0.cols, eps, scratch) : 1.f;
+        stage_x<BITS>(m0.cols, x, norm_w, inv, xs, xsum);
+    };
+    auto store = [&](long u, float (&acc)[GEMV_ROWS]) {
+        int which; long r0, base;
+        locate(u, which, r0, base);
+#pragma unroll
+        for (int r = 0; r < GEMV_ROWS; r++) {
+            float v = warp_sum(acc[r]);
+            if (threadIdx.x % WARP == 0 && r0 + r < ms[which].rows) {
+                float* out = y + base + r0 + r;
+                *out = add ? *out + v : v;
+            }
+        }
+    };
+    staged_units<BITS, GEMV_ROWS, GEMV_BATCH, true>(units, m0.cols, m0.group, rows_of, stage, store, xs, xsum);
+}
