@@ -226,7 +226,7 @@ fn check_shapes(c: &ModelConfig) -> Result<()> {
     // Prefill attention holds a 64-query tile of bf16 head vectors in 48 KiB of shared memory and
     // feeds the tensor cores 16 dims at a time.
     ensure!(
-        c.head_dim % 16 == 0 && c.head_dim <= 256,
+        c.head_dim.is_multiple_of(16) && c.head_dim <= 256,
         "the CUDA prefill attention needs a head dim that is a multiple of 16 and at most 256, not {}",
         c.head_dim
     );
