@@ -31,7 +31,7 @@ pub use gpu::gpu_available;
 pub use state::CudaState;
 
 use crate::gpu::{Gpu, ptr};
-use crate::prefill::{PrefillScratch, encode_chunk};
+use crate::prefill::{Model, PrefillScratch, encode_chunk};
 use crate::step::{Scratch, Timeline, encode_step};
 use crate::weights::{DeviceWeights, device_bytes};
 
@@ -115,6 +115,14 @@ impl CudaBackend {
         })
     }
 
+    fn model(&self) -> Model<'_> {
+        Model {
+            gpu: &self.gpu,
+            c: &self.config,
+            w: &self.weights,
+        }
+    }
+
     fn lock(&self) -> Result<std::sync::MutexGuard<'_, Buffers>> {
         self.scratch
             .lock()
@@ -167,6 +175,35 @@ impl CudaBackend {
         self.gpu.sync()?;
         let mut totals = timeline.totals()?;
         totals.iter_mut().for_each(|(_, ms)| *ms /= steps as f64);
+        totals.retain(|(family, _)| *family != "start");
+        Ok(totals)
+    }
+
+    /// Runs one prefill chunk of `tokens` (at most the chunk length) for `state`, timing each
+    /// kernel family on the GPU's timeline; returns milliseconds by family.
+    pub fn profile_prefill(
+        &self,
+        state: &mut CudaState,
+        tokens: &[u32],
+    ) -> Result<Vec<(&'static str, f64)>> {
+        self.check_room(state, tokens)?;
+        let mut buffers = self.lock()?;
+        let mut timeline = Timeline::default();
+        encode_chunk(
+            self.model(),
+            &mut buffers.prefill,
+            state,
+            tokens,
+            false,
+            Some(&mut timeline),
+        )?;
+        state.len += tokens.len();
+        self.gpu
+            .stream
+            .memcpy_htod(&[state.len as i32], &mut state.pos)?;
+        state.device_token = None;
+        self.gpu.sync()?;
+        let mut totals = timeline.totals()?;
         totals.retain(|(family, _)| *family != "start");
         Ok(totals)
     }
@@ -305,15 +342,7 @@ impl Backend for CudaBackend {
         for (i, chunk) in chunks.iter().enumerate() {
             let last = i + 1 == chunks.len();
             let all = rows == LogitRows::All;
-            let normed = encode_chunk(
-                &self.gpu,
-                &self.config,
-                &self.weights,
-                prefill,
-                state,
-                chunk,
-                all,
-            )?;
+            let normed = encode_chunk(self.model(), prefill, state, chunk, all, None)?;
             state.len += chunk.len();
             if all {
                 for first in (0..chunk.len()).step_by(LOGIT_ROWS) {

@@ -13,6 +13,7 @@ use crate::attention_prefill::{self, AttnChunk};
 use crate::gpu::{Gpu, ptr};
 use crate::launch;
 use crate::state::{CudaState, LayerState};
+use crate::step::Timeline;
 use crate::weights::{DeviceAttention, DeviceGdn, DeviceMixer, DeviceWeights};
 use crate::{gdn_prefill, gemm, moe_prefill};
 
@@ -134,18 +135,31 @@ impl PrefillScratch {
     }
 }
 
+/// What every launch of a chunk needs: the device, the model's shape and its weights there.
+#[derive(Clone, Copy)]
+pub struct Model<'a> {
+    pub gpu: &'a Gpu,
+    pub c: &'a ModelConfig,
+    pub w: &'a DeviceWeights,
+}
+
 /// Enqueues one chunk of `tokens` (at most `s.chunk`) for `state`, starting at position
 /// `state.len` (the caller advances it). Returns the device address of the final-normed hidden
 /// rows `[rows, hidden]` for the lm_head: every row with `all_rows`, else only the last.
 pub fn encode_chunk(
-    gpu: &Gpu,
-    c: &ModelConfig,
-    w: &DeviceWeights,
+    model: Model,
     s: &mut PrefillScratch,
     state: &CudaState,
     tokens: &[u32],
     all_rows: bool,
+    mut timeline: Option<&mut Timeline>,
 ) -> Result<u64> {
+    let Model { gpu, c, w } = model;
+    let mut mark = |family: &'static str| match timeline.as_deref_mut() {
+        Some(t) => t.mark(gpu, family),
+        None => Ok(()),
+    };
+    mark("start")?;
     let t = tokens.len();
     anyhow::ensure!(
         t > 0 && t <= s.chunk,
@@ -162,11 +176,13 @@ pub fn encode_chunk(
 
     let name = format!("embed_b{}", w.embed.bits);
     launch!(gpu, &name, (rows, 1, 1), 256; w.embed.arg(gpu), ptr(&s.tokens, &gpu.stream), p(&s.hidden));
+    mark("embed")?;
 
     let mut delta = 0u64;
     for (layer, ls) in w.layers.iter().zip(&state.layers) {
         launch!(gpu, "add_rms_norm", (rows, 1, 1), norm_block;
             p(&s.hidden), delta, p(&layer.input_norm), p(&s.x), h as i32, eps);
+        mark("rms norm")?;
         match (&layer.mixer, ls) {
             (DeviceMixer::GatedDeltaNet(g), LayerState::GatedDeltaNet { window, recurrent }) => {
                 let DeviceGdn {
@@ -182,6 +198,7 @@ pub fn encode_chunk(
                     gemm::gemm(gpu, m, p(&s.x), t, p(&s.proj), gdn_w, col)?;
                     col += m.rows;
                 }
+                mark("mixer input gemm")?;
                 gdn_prefill::conv_rows(
                     gpu,
                     c,
@@ -216,7 +233,9 @@ pub fn encode_chunk(
                     p(&s.gdn_y),
                     eps,
                 )?;
+                mark("gated deltanet")?;
                 gemm::gemm(gpu, out_proj, p(&s.gdn_y), t, p(&s.mix_out), h, 0)?;
+                mark("mixer output gemm")?;
             }
             (DeviceMixer::Attention(a), LayerState::Attention { k, v }) => {
                 let DeviceAttention {
@@ -230,6 +249,7 @@ pub fn encode_chunk(
                     gemm::gemm(gpu, m, p(&s.x), t, p(&s.proj), attn_w, col)?;
                     col += m.rows;
                 }
+                mark("mixer input gemm")?;
                 let chunk = AttnChunk {
                     tokens: t,
                     pos0: state.len,
@@ -242,13 +262,16 @@ pub fn encode_chunk(
                 };
                 attention_prefill::prep_rows(gpu, c, &chunk, p(q_norm), p(k_norm))?;
                 attention_prefill::attend(gpu, c, &chunk)?;
+                mark("attention")?;
                 gemm::gemm(gpu, o_proj, p(&s.attn_out), t, p(&s.mix_out), h, 0)?;
+                mark("mixer output gemm")?;
             }
             _ => unreachable!("states are built from the same config as the weights"),
         }
         launch!(gpu, "add_rms_norm", (rows, 1, 1), norm_block;
             p(&s.hidden), p(&s.mix_out), p(&layer.post_norm), p(&s.x), h as i32, eps);
-        encode_moe(gpu, c, layer, s, t)?;
+        mark("rms norm")?;
+        encode_moe(gpu, c, layer, s, t, &mut mark)?;
         delta = p(&s.moe_out);
     }
     // The final norm, for the rows whose logits are wanted.
@@ -256,6 +279,7 @@ pub fn encode_chunk(
     let at = |b: &CudaSlice<f32>| p(b) + (first * h * 4) as u64;
     launch!(gpu, "add_rms_norm", (n as u32, 1, 1), norm_block;
         at(&s.hidden), at(&s.moe_out), p(&w.final_norm), at(&s.x), h as i32, eps);
+    mark("rms norm")?;
     Ok(at(&s.x))
 }
 
@@ -268,6 +292,7 @@ fn encode_moe(
     layer: &crate::weights::DeviceLayer,
     s: &mut PrefillScratch,
     t: usize,
+    mark: &mut impl FnMut(&'static str) -> Result<()>,
 ) -> Result<()> {
     let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
     let pi = |b: &CudaSlice<i32>| ptr(b, &gpu.stream);
@@ -287,6 +312,7 @@ fn encode_moe(
         pi(&s.tiles),
         pi(&s.num_tiles),
     )?;
+    mark("router + sort")?;
     let max_tiles = moe_prefill::max_tiles(pairs, ne);
     let grouped = |w, n, x, gather, y| {
         gemm::gemm_grouped(
@@ -305,6 +331,7 @@ fn encode_moe(
     grouped(&m.up, inter, p(&s.x), pi(&s.gather), p(&s.up))?;
     moe_prefill::swiglu(gpu, p(&s.gate), p(&s.up), pairs * inter, p(&s.gate))?;
     grouped(&m.down, h, p(&s.gate), 0, p(&s.down))?;
+    mark("expert gemms")?;
 
     let [sg, su, sd] = &m.shared;
     gemm::gemm(gpu, sg, p(&s.x), t, p(&s.shared_gate), shared, 0)?;
@@ -317,6 +344,7 @@ fn encode_moe(
         p(&s.shared_gate),
     )?;
     gemm::gemm(gpu, sd, p(&s.shared_gate), t, p(&s.shared_down), h, 0)?;
+    mark("shared expert")?;
     moe_prefill::combine(
         gpu,
         p(&s.down),
@@ -328,5 +356,6 @@ fn encode_moe(
         h,
         p(&s.moe_out),
     )?;
+    mark("combine")?;
     Ok(())
 }

@@ -125,7 +125,7 @@ pub struct Timeline {
 
 impl Timeline {
     /// Records that the work enqueued since the previous mark belongs to `family`.
-    fn mark(&mut self, gpu: &Gpu, family: &'static str) -> Result<()> {
+    pub(crate) fn mark(&mut self, gpu: &Gpu, family: &'static str) -> Result<()> {
         let event = gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
         event.record(&gpu.stream)?;
         self.marks.push((family, event));

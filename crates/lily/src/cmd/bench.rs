@@ -183,14 +183,21 @@ pub fn run(args: Args) -> Result<()> {
                 "\nper decode step at context {ctx}, kernels launched one by one: {:.3} ms",
                 total
             );
-            println!("| kernel family | µs per step | share |\n|---|---:|---:|");
-            for (family, ms) in families {
-                println!(
-                    "| {family} | {:.1} | {:.0} % |",
-                    ms * 1e3,
-                    100.0 * ms / total
-                );
-            }
+            print_families(&families, total, "µs per step", 1e3);
+        }
+    }
+    if let (AnyBackend::Cuda(gpu), Some(&len)) = (&backend, args.prompt_lens.iter().max()) {
+        // One prefill chunk from an empty state, kernel family by family.
+        let len = len.min(backend.max_prefill_chunk());
+        let mut state = backend.new_state(len)?;
+        if let AnyState::Cuda(s) = &mut state {
+            let families = gpu.profile_prefill(s, &tokens[..len])?;
+            let total: f64 = families.iter().map(|(_, ms)| ms).sum();
+            println!(
+                "\none prefill chunk of {len} tokens: {total:.2} ms ({:.0} tok/s)",
+                len as f64 / total * 1e3
+            );
+            print_families(&families, total, "ms", 1.0);
         }
     }
     if let Some(path) = &args.json {
@@ -213,6 +220,18 @@ pub fn run(args: Args) -> Result<()> {
             .with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(())
+}
+
+/// A table of time per kernel family; `scale` converts milliseconds to `unit`.
+fn print_families(families: &[(&str, f64)], total: f64, unit: &str, scale: f64) {
+    println!("| kernel family | {unit} | share |\n|---|---:|---:|");
+    for (family, ms) in families {
+        println!(
+            "| {family} | {:.2} | {:.0} % |",
+            ms * scale,
+            100.0 * ms / total
+        );
+    }
 }
 
 /// The H200's dense bf16 matrix rate, measured with an 8192³ product (perf.md).
