@@ -107,9 +107,15 @@ pub const KERNEL_FILES: [KernelFile; 10] = [
 
 const COMMON: &str = include_str!("kernels/common.cuh");
 
-/// KV splits of decode attention: enough blocks to cover the GPU at long contexts; at short ones
-/// most splits hold a handful of positions.
-pub const ATTN_SPLITS: usize = 64;
+/// The most KV splits decode attention uses (its partial results are sized for this many).
+pub const MAX_ATTN_SPLITS: usize = 1024;
+
+/// KV splits of decode attention for a sequence that can grow to `max_seq`: about 256 positions
+/// a split at the longest context, so a 128K context runs 512 splits per KV head (enough blocks
+/// to fill the GPU, each warp walking 64 positions), and never fewer than 64.
+pub fn attn_splits(max_seq: usize) -> usize {
+    max_seq.div_ceil(256).clamp(64, MAX_ATTN_SPLITS)
+}
 
 /// Rows of one grouped-GEMM tile: routing (moe_prefill.cu) cuts each expert's rows into tiles of
 /// this height and the expert GEMM (gemm.cu) computes one tile per block row.
@@ -142,7 +148,6 @@ pub fn model_defines(c: &ModelConfig, kv: KvPrecision) -> Vec<(String, String)> 
         d("HD", c.head_dim.to_string()),
         d("ROT", c.rotary_dim.to_string()),
         d("ROPE_THETA", format!("{:.1}f", c.rope_theta)),
-        d("NSPLIT", ATTN_SPLITS.to_string()),
         d("NK", c.linear_num_key_heads.to_string()),
         d("NV", c.linear_num_value_heads.to_string()),
         d("DK", c.linear_key_head_dim.to_string()),

@@ -5,11 +5,14 @@ use anyhow::Result;
 use cudarc::driver::{CudaGraph, CudaSlice};
 use lily_core::config::{LayerKind, ModelConfig};
 
+use crate::compile::attn_splits;
 use crate::gpu::Gpu;
 
 pub struct CudaState {
     pub(crate) len: usize,
     pub(crate) max_seq: usize,
+    /// KV splits of decode attention, fixed by `max_seq` (the captured graph's grid).
+    pub(crate) attn_splits: usize,
     /// The token the next step embeds; written by the host or by the previous step's argmax.
     pub(crate) token: CudaSlice<u32>,
     /// The next position (= len), advanced on the device by every step.
@@ -72,6 +75,7 @@ impl CudaState {
         Ok(CudaState {
             len: 0,
             max_seq,
+            attn_splits: attn_splits(max_seq),
             token: gpu.zeros(1)?,
             pos: gpu.zeros(1)?,
             device_token: None,
@@ -102,6 +106,7 @@ impl CudaState {
         Ok(CudaState {
             len: self.len,
             max_seq: self.max_seq,
+            attn_splits: self.attn_splits,
             token: s.clone_dtod(&self.token)?,
             pos: s.clone_dtod(&self.pos)?,
             device_token: self.device_token,

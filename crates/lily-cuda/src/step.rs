@@ -8,7 +8,7 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice};
 use lily_core::config::ModelConfig;
 
-use crate::compile::ATTN_SPLITS;
+use crate::compile::MAX_ATTN_SPLITS;
 use crate::gpu::{Gpu, KArg, ptr};
 use crate::launch;
 use crate::mat::{DeviceMat, MatArg, XS_COLS, gemv_shape, staged_shape};
@@ -47,7 +47,7 @@ impl Scratch {
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
         let gdn_proj = c.gdn_conv_dim() + c.gdn_value_dim() + 2 * c.linear_num_value_heads;
         let attn_proj = nh * 2 * hd + 2 * nkv * hd;
-        let parts = nkv * ATTN_SPLITS * (nh / nkv);
+        let parts = nkv * MAX_ATTN_SPLITS * (nh / nkv);
         Ok(Scratch {
             hidden: gpu.zeros(c.hidden_size)?,
             proj: gpu.zeros(gdn_proj.max(attn_proj))?,
@@ -309,10 +309,11 @@ pub fn encode_step(
                 let vp = ptr(v, &gpu.stream);
                 launch!(gpu, "attn_prep", ((nh + nkv) as u32, 1, 1), round_up_warp(hd);
                     p(&s.proj), p(q_norm), p(k_norm), pos, p(&s.q), kp, vp, eps);
-                launch!(gpu, "attn_split", (nkv as u32, ATTN_SPLITS as u32, 1), 128;
+                let splits = state.attn_splits;
+                launch!(gpu, "attn_split", (nkv as u32, splits as u32, 1), 128;
                     p(&s.q), kp, vp, pos, p(&s.part_ml), p(&s.part_acc));
                 launch!(gpu, "attn_combine", (nh as u32, 1, 1), round_up_warp(hd);
-                    p(&s.part_ml), p(&s.part_acc), p(&s.proj), p(&s.attn_out));
+                    p(&s.part_ml), p(&s.part_acc), splits as i32, p(&s.proj), p(&s.attn_out));
                 mark("attention")?;
                 gemv(gpu, GemvForm::Add, &[o_proj], p(&s.attn_out), p(&s.hidden))?;
                 mark("mixer output gemv")?;

@@ -81,7 +81,8 @@ fn argmax(v: &[f32]) -> usize {
 /// The tiny fixtures are random-weight models whose routers and attention are far more sensitive
 /// than a trained model's: rounding only their weights to bf16 on the CPU moves tiny-a's logits by
 /// a median 4e-3 of their maximum but by 6.6e-2 at its worst positions (an expert choice flips).
-/// So the typical position is held tight and the worst only loosely; the chosen tokens must agree.
+/// So the typical position is held tight and the worst only loosely; the greedy continuations
+/// must agree or part at a near-tie.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn prefill_matches_the_cpu_on_the_fixtures() {
@@ -117,17 +118,91 @@ fn prefill_matches_the_cpu_on_the_fixtures() {
                 ));
             }
             for len in [1, 8, 100] {
-                let p = &prompt[..len];
-                let (g, c) = (greedy(&gpu, p, 16), greedy(&cpu, p, 16));
-                let same = g.iter().zip(&c).take_while(|(a, b)| a == b).count();
-                eprintln!("{name}, {kv:?} KV: greedy after {len} prompt tokens: {same}/16 equal");
-                if g != c {
-                    failures.push(format!("{name} {kv:?}: greedy after {len}: {g:?} vs {c:?}"));
+                let agreement = greedy_agreement(&gpu, &cpu, &prompt[..len], 16);
+                eprintln!("{name}, {kv:?} KV: greedy after {len} prompt tokens: {agreement}");
+                if !agreement.holds() {
+                    failures.push(format!("{name} {kv:?}: greedy after {len}: {agreement}"));
                 }
             }
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// How far apart two logits may be, relative to the largest, for the choice between them to count
+/// as a near-tie: twice the median error bf16 prefill leaves on the fixtures (about 5e-3).
+const NEAR_TIE: f32 = 1e-2;
+
+/// How the greedy continuations of the two backends compare.
+struct Agreement {
+    equal: usize,
+    of: usize,
+    /// At the first difference: the CPU's logit for its own token minus its logit for the GPU's,
+    /// over the largest logit.
+    gap: Option<f32>,
+}
+
+impl Agreement {
+    fn holds(&self) -> bool {
+        self.gap.is_none_or(|g| g <= NEAR_TIE)
+    }
+}
+
+impl std::fmt::Display for Agreement {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "{}/{} equal", self.equal, self.of)?;
+        match self.gap {
+            Some(g) => write!(f, ", then a CPU logit gap of {g:.2e} of the largest"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// `n` greedy tokens from each backend; at the first difference, how close the CPU's own scores
+/// for the two tokens were.
+fn greedy_agreement(gpu: &CudaBackend, cpu: &CpuBackend, prompt: &[u32], n: usize) -> Agreement {
+    let (g, c) = (greedy(gpu, prompt, n), greedy(cpu, prompt, n));
+    let Some(i) = g.iter().zip(&c).position(|(a, b)| a != b) else {
+        return Agreement {
+            equal: n,
+            of: n,
+            gap: None,
+        };
+    };
+    let context: Vec<u32> = prompt.iter().chain(&c[..i]).copied().collect();
+    let mut state = cpu.new_state(context.len()).unwrap();
+    let logits = cpu.prefill(&mut state, &context, LogitRows::Last).unwrap();
+    let scale = logits.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let gap = (logits[c[i] as usize] - logits[g[i] as usize]) / scale;
+    Agreement {
+        equal: i,
+        of: n,
+        gap: Some(gap),
+    }
+}
+
+/// The full-size synthetic model: the prompt's last-row logits, then 32 greedy tokens, against the
+/// CPU backend (needs about 40 GB of host memory for the CPU's weights and the upload).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn full_size_synthetic_prefill_matches_the_cpu() {
+    let (config, source) = ModelRef::parse("synthetic:qwen3.6-35b-a3b")
+        .unwrap()
+        .open()
+        .unwrap();
+    let weights = ModelWeights::load(&config, source).unwrap();
+    let gpu = CudaBackend::new(config.clone(), &weights).unwrap();
+    let cpu = CpuBackend::new(config.clone(), weights);
+    let prompt = [9419, 11, 1814, 13, 576, 374, 264, 1296];
+    let mut gs = gpu.new_state(prompt.len()).unwrap();
+    let mut cs = cpu.new_state(prompt.len()).unwrap();
+    let ours = gpu.prefill(&mut gs, &prompt, LogitRows::Last).unwrap();
+    let reference = cpu.prefill(&mut cs, &prompt, LogitRows::Last).unwrap();
+    let d = rel_diff(&ours, &reference);
+    let agreement = greedy_agreement(&gpu, &cpu, &prompt, 32);
+    eprintln!("full-size synthetic: last logits max rel diff {d:e}; greedy {agreement}");
+    assert!(d <= BF16_PREFILL, "last logits: {d:e}");
+    assert!(agreement.holds(), "greedy: {agreement}");
 }
 
 /// Chunks compute rows independently and carry every state exactly: a prompt cut into ragged

@@ -1,5 +1,5 @@
 // Gated attention for one decode token. Constants: NH query heads, NKV KV heads, HD head dim,
-// ROT rotary dims, ROPE_THETA, NSPLIT KV splits. The position comes from device memory, so a
+// ROT rotary dims, ROPE_THETA. The position comes from device memory, so a
 // captured graph replays unchanged from step to step.
 
 #define GROUP (NH / NKV)
@@ -44,7 +44,8 @@ extern "C" __global__ void attn_prep(const float* qkv, const float* q_norm, cons
     }
 }
 
-// One block per (KV head, split of the context): every query head of the group is scored
+// One block per (KV head, split of the context); the split count is the grid's y size, chosen
+// per sequence from its longest context, so long contexts get enough blocks to fill the GPU: every query head of the group is scored
 // against each key as it is loaded (GQA packing: one K/V read serves GROUP heads). Each warp
 // walks its share of positions with an online softmax; the warps then merge. Writes per
 // (kv, split, head-in-group) the running max, the sum of exponentials and the unnormalised
@@ -59,7 +60,8 @@ extern "C" __global__ void attn_split(const float* q, const kv_t* k_cache, const
     for (int i = threadIdx.x; i < GROUP * HD; i += blockDim.x) qs[i / HD][i % HD] = q[(kv * GROUP) * HD + i];
     __syncthreads();
     long len = pos_ptr[0] + 1;
-    int start = (int)(split * len / NSPLIT), end = (int)((split + 1) * len / NSPLIT);
+    int nsplit = gridDim.y;
+    int start = (int)(split * len / nsplit), end = (int)((split + 1) * len / nsplit);
     const float scale = rsqrtf((float)HD);
     float m[GROUP], l[GROUP], acc[GROUP][EPL];
 #pragma unroll
@@ -105,7 +107,7 @@ extern "C" __global__ void attn_split(const float* q, const kv_t* k_cache, const
         }
     }
     __syncthreads();
-    long part = (long)kv * NSPLIT + split;
+    long part = (long)kv * nsplit + split;
     for (int i = threadIdx.x; i < GROUP * HD; i += blockDim.x) {
         int g = i / HD, d = i % HD;
         float mx = fmaxf(fmaxf(wm[0][g], wm[1][g]), fmaxf(wm[2][g], wm[3][g]));
@@ -123,16 +125,16 @@ extern "C" __global__ void attn_split(const float* q, const kv_t* k_cache, const
 }
 
 // Merges the splits of each query head and applies the sigmoid output gate.
-extern "C" __global__ void attn_combine(const float* part_ml, const float* part_acc, const float* qkv,
-                                        float* out) {
+extern "C" __global__ void attn_combine(const float* part_ml, const float* part_acc, int nsplit,
+                                        const float* qkv, float* out) {
     int h = blockIdx.x, d = threadIdx.x;
     if (d >= HD) return;
     int kv = h / GROUP, g = h % GROUP;
     float mx = -INFINITY;
-    for (int s = 0; s < NSPLIT; s++) mx = fmaxf(mx, part_ml[(((long)kv * NSPLIT + s) * GROUP + g) * 2]);
+    for (int s = 0; s < nsplit; s++) mx = fmaxf(mx, part_ml[(((long)kv * nsplit + s) * GROUP + g) * 2]);
     float a = 0.f, sum = 0.f;
-    for (int s = 0; s < NSPLIT; s++) {
-        long part = ((long)kv * NSPLIT + s) * GROUP + g;
+    for (int s = 0; s < nsplit; s++) {
+        long part = ((long)kv * nsplit + s) * GROUP + g;
         float ms = part_ml[part * 2];
         if (ms == -INFINITY) continue;
         float f = __expf(ms - mx);
