@@ -2,62 +2,24 @@
 //! `cargo test` (which says so) and run on the H200 with `--include-ignored`
 //! (tools/gpu-check.sh). Every comparison prints its measured error, so a run is a record.
 
-use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
+mod support;
 
 use lily_core::backend::{Backend, LogitRows};
 use lily_core::config::ModelConfig;
-use lily_core::generate::generate;
 use lily_core::model_ref::ModelRef;
-use lily_core::quant::QuantMatrix;
 use lily_core::rng::uniform_at;
-use lily_core::sampling::{Sampler, SamplingParams};
 use lily_core::synthetic::SyntheticSource;
-use lily_core::weights::{Linear, Matrix, ModelWeights};
+use lily_core::weights::{Linear, ModelWeights};
 use lily_cpu::CpuBackend;
 use lily_cuda::CudaBackend;
 use lily_cuda::KvPrecision;
 use lily_cuda::gpu::{Gpu, KArg, ptr};
 use lily_cuda::mat::{DeviceMat, MatArg, gemv_shape};
-
-const NEEDS_GPU: &str = "needs a CUDA GPU";
-
-/// The fixtures folder: `LILY_FIXTURES` where the binary runs away from its source tree (the GPU
-/// machine), else the repository's.
-fn fixture(name: &str) -> PathBuf {
-    std::env::var_os("LILY_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"))
-        .join(name)
-}
-
-/// max |a − b| / max |b|.
-fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-    assert!(scale > 0.0, "reference is all zeros");
-    a.iter().zip(b).fold(0f32, |m, (x, y)| {
-        if x.is_nan() {
-            f32::INFINITY
-        } else {
-            m.max((x - y).abs())
-        }
-    }) / scale
-}
+use support::{NEEDS_GPU, dense_of, fixture, greedy, random_linear, rel_diff};
 
 fn both(config: &ModelConfig, weights: ModelWeights, kv: KvPrecision) -> (CudaBackend, CpuBackend) {
     let gpu = CudaBackend::with_kv(config.clone(), &weights, kv).expect("CUDA backend");
     (gpu, CpuBackend::new(config.clone(), weights))
-}
-
-fn greedy<B: Backend>(b: &B, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut state = b.new_state(prompt.len() + n).unwrap();
-    let mut sampler = Sampler::new(SamplingParams::greedy());
-    generate(b, &mut state, prompt, n, &[], &mut sampler, |_| {
-        ControlFlow::Continue(())
-    })
-    .unwrap()
-    .tokens
 }
 
 /// Tolerances, as max |diff| / max |logit|. With an f32 KV cache the GPU computes what the CPU
@@ -217,27 +179,6 @@ fn each_part_alone_matches_the_cpu() {
             d <= tolerance(KvPrecision::F32),
             "{layer}, {experts} experts, context {len}: {d:e}"
         );
-    }
-}
-
-fn random_linear(rows: usize, cols: usize, bits: u32, seed: u64) -> Linear {
-    let values: Vec<f32> = (0..rows * cols)
-        .map(|i| uniform_at(seed, i as u64))
-        .collect();
-    match bits {
-        32 => Linear::Dense(Matrix {
-            rows,
-            cols,
-            data: values,
-        }),
-        b => Linear::Affine(QuantMatrix::quantize(rows, cols, b, 64, &values).unwrap()),
-    }
-}
-
-fn dense_of(l: &Linear) -> Vec<f32> {
-    match l {
-        Linear::Dense(m) => m.data.clone(),
-        Linear::Affine(q) => q.dequantize(),
     }
 }
 

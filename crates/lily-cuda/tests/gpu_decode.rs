@@ -4,48 +4,15 @@
 //! batches per lane, and a row count large enough that every warp strides over several units.
 //! Needs a CUDA GPU (`--include-ignored` on the H200).
 
-use lily_core::quant::QuantMatrix;
+mod support;
+
 use lily_core::rng::uniform_at;
 use lily_core::synthetic::synthetic_config;
-use lily_core::weights::{Linear, Matrix};
+use lily_core::weights::Linear;
 use lily_cuda::KvPrecision;
 use lily_cuda::gpu::{Gpu, KArg, ptr};
 use lily_cuda::mat::{DeviceMat, MatArg, gemv_shape};
-
-fn random_linear(rows: usize, cols: usize, bits: u32, seed: u64) -> Linear {
-    let values: Vec<f32> = (0..rows * cols)
-        .map(|i| uniform_at(seed, i as u64))
-        .collect();
-    match bits {
-        32 => Linear::Dense(Matrix {
-            rows,
-            cols,
-            data: values,
-        }),
-        b => Linear::Affine(QuantMatrix::quantize(rows, cols, b, 64, &values).unwrap()),
-    }
-}
-
-fn dense_of(l: &Linear) -> Vec<f32> {
-    match l {
-        Linear::Dense(m) => m.data.clone(),
-        Linear::Affine(q) => q.dequantize(),
-    }
-}
-
-/// max |a − b| / max |b|.
-fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-    assert!(scale > 0.0, "reference is all zeros");
-    a.iter().zip(b).fold(0f32, |m, (x, y)| {
-        if x.is_nan() {
-            f32::INFINITY
-        } else {
-            m.max((x - y).abs())
-        }
-    }) / scale
-}
+use support::{dense_of, random_linear, rel_diff};
 
 #[test]
 #[ignore = "needs a CUDA GPU"]

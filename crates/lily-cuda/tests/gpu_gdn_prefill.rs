@@ -3,6 +3,8 @@
 //! after an earlier chunk. These need a CUDA GPU: ignored by a plain `cargo test`, run on the
 //! H200 with `--include-ignored`. Every comparison prints its measured error.
 
+mod support;
+
 use cudarc::driver::CudaSlice;
 use lily_core::config::{ModelConfig, QWEN36_35B_A3B_CONFIG};
 use lily_core::rng::uniform_at;
@@ -11,8 +13,7 @@ use lily_cpu::ops::{inv_rms, l2_normalize, sigmoid, silu, softplus};
 use lily_cuda::KvPrecision;
 use lily_cuda::gdn_prefill::{conv_rows, gated_norm_rows, scan, scan_scratch_floats};
 use lily_cuda::gpu::{Gpu, ptr};
-
-const NEEDS_GPU: &str = "needs a CUDA GPU";
+use support::{NEEDS_GPU, rel_diff};
 
 /// (NK, NV, DK, DV): the production heads, and a small shape where a warp holds two columns of
 /// 16-row keys and two value heads share a key head.
@@ -46,20 +47,6 @@ fn config(nk: usize, nv: usize, dk: usize, dv: usize) -> ModelConfig {
 /// Floats of one [qkv | z | b | a] projection row.
 fn proj_width(c: &ModelConfig) -> usize {
     c.gdn_conv_dim() + c.gdn_value_dim() + 2 * c.linear_num_value_heads
-}
-
-/// max |a − b| / max |b| (NaN in `a` counts as infinitely far).
-fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
-    assert!(scale > 0.0, "reference is all zeros");
-    a.iter().zip(b).fold(0f32, |m, (x, y)| {
-        if x.is_nan() {
-            f32::INFINITY
-        } else {
-            m.max((x - y).abs())
-        }
-    }) / scale
 }
 
 fn random(n: usize, seed: u64, scale: f32, offset: f32) -> Vec<f32> {

@@ -1,0 +1,72 @@
+//! What the GPU test files share: fixtures, the error measure, random matrices, greedy runs.
+// Each test binary uses its own subset.
+#![allow(dead_code)]
+
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+
+use lily_core::backend::Backend;
+use lily_core::generate::generate;
+use lily_core::quant::QuantMatrix;
+use lily_core::rng::uniform_at;
+use lily_core::sampling::{Sampler, SamplingParams};
+use lily_core::weights::{Linear, Matrix};
+
+pub const NEEDS_GPU: &str = "needs a CUDA GPU";
+
+/// The fixtures folder: `LILY_FIXTURES` where the binary runs away from its source tree (the GPU
+/// machine), else the repository's.
+pub fn fixture(name: &str) -> PathBuf {
+    std::env::var_os("LILY_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures"))
+        .join(name)
+}
+
+/// max |a − b| / max |b|; a NaN in `a` is an infinite error.
+pub fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    assert!(scale > 0.0, "reference is all zeros");
+    a.iter().zip(b).fold(0f32, |m, (x, y)| {
+        if x.is_nan() {
+            f32::INFINITY
+        } else {
+            m.max((x - y).abs())
+        }
+    }) / scale
+}
+
+/// `n` greedy tokens after `prompt`, through `generate` as the CLI runs it.
+pub fn greedy<B: Backend>(b: &B, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut state = b.new_state(prompt.len() + n).unwrap();
+    let mut sampler = Sampler::new(SamplingParams::greedy());
+    generate(b, &mut state, prompt, n, &[], &mut sampler, |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap()
+    .tokens
+}
+
+/// A `rows × cols` matrix of uniform values, dense (`bits` 32) or MLX-quantised with group 64.
+pub fn random_linear(rows: usize, cols: usize, bits: u32, seed: u64) -> Linear {
+    let values: Vec<f32> = (0..rows * cols)
+        .map(|i| uniform_at(seed, i as u64))
+        .collect();
+    match bits {
+        32 => Linear::Dense(Matrix {
+            rows,
+            cols,
+            data: values,
+        }),
+        b => Linear::Affine(QuantMatrix::quantize(rows, cols, b, 64, &values).unwrap()),
+    }
+}
+
+/// The values a matrix stands for, dequantised.
+pub fn dense_of(l: &Linear) -> Vec<f32> {
+    match l {
+        Linear::Dense(m) => m.data.clone(),
+        Linear::Affine(q) => q.dequantize(),
+    }
+}
