@@ -20,6 +20,11 @@ if [ "$step" = all ] || [ "$step" = bench ]; then
   .gpu/lily bench --model synthetic:qwen3.6-35b-a3b --device cuda --prompt-lens 256 \
     --contexts "${CONTEXTS:-256,1024,4096}" --json "$out/bench-cuda.json" 2>&1 | tee "$out/bench-cuda.md"
 fi
+if [ "$step" = bench-long ]; then
+  # The protocol's long rows (minutes each; not part of `all`).
+  .gpu/lily bench --model synthetic:qwen3.6-35b-a3b --device cuda --prompt-lens "${PROMPTS:-8192,65536,131072}" \
+    --contexts "${CONTEXTS:-32768,65536,131072}" --json "$out/bench-long.json" 2>&1 | tee "$out/bench-long.md"
+fi
 if [ "$step" = all ] || [ "$step" = agree ]; then
   # The first 32 greedy tokens of the full-size synthetic model, CPU against GPU.
   prompt=9419,11,1814,13,576,374,264,1296
