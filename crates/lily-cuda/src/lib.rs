@@ -54,6 +54,12 @@ struct Buffers {
 /// longer chunks fill more of each expert's 64-row GEMM tiles. A 4,096-token chunk's activations
 /// take about 1.3 GB at the real shapes.
 pub const DEFAULT_PREFILL_CHUNK: usize = 4096;
+/// Device memory the backend takes beyond weights and sequence state: the prefill chunk's
+/// activations, plus 256 MiB for the decode step's scratch and allocator slack.
+pub fn activation_bytes(c: &ModelConfig, prefill_chunk: usize) -> usize {
+    PrefillScratch::bytes(c, prefill_chunk) + (256 << 20)
+}
+
 /// Logit rows computed per lm_head GEMM when every row is wanted (teacher-forced scoring): a
 /// `[rows, vocab]` f32 buffer of 64 rows is 64 MB at the real vocabulary.
 const LOGIT_ROWS: usize = 64;
@@ -89,15 +95,15 @@ impl CudaBackend {
         // The memory plan, before anything is uploaded: weights as stored, the prefill chunk's
         // activations, and 256 MiB for the decode step and the first sequence's state
         // (new_state checks its own KV cache).
-        let chunk_bytes = PrefillScratch::bytes(&config, prefill_chunk);
-        let need = device_bytes(host) + chunk_bytes + (256 << 20);
+        let activations = activation_bytes(&config, prefill_chunk);
+        let need = device_bytes(host) + activations;
         let (free, total) = gpu.memory()?;
         ensure!(
             need <= free,
-            "the weights need {:.2} GB of GPU memory (with {:.2} GB for a {prefill_chunk}-token \
-             prefill chunk and 0.27 GB for decoding), but {} has {:.2} GB free of {:.2} GB",
+            "the weights need {:.2} GB of GPU memory (with {:.2} GB of activations for \
+             {prefill_chunk}-token prefill chunks and decoding), but {} has {:.2} GB free of {:.2} GB",
             need as f64 / 1e9,
-            chunk_bytes as f64 / 1e9,
+            activations as f64 / 1e9,
             gpu.name,
             free as f64 / 1e9,
             total as f64 / 1e9

@@ -28,7 +28,11 @@ pub struct Args {
 
 /// How each backend holds a model: the one place to change when a backend changes what it
 /// stores. MLX-quantised checkpoints stay in their format on every backend (design.md).
-fn backend_layout(backend: BackendKind, quantised: Option<WeightFormat>) -> MemoryLayout {
+fn backend_layout(
+    config: &ModelConfig,
+    backend: BackendKind,
+    quantised: Option<WeightFormat>,
+) -> MemoryLayout {
     match backend {
         // Dense checkpoints are widened to f32; KV and state are f32.
         // Scratch is left out: it is small next to f32 weights.
@@ -38,13 +42,14 @@ fn backend_layout(backend: BackendKind, quantised: Option<WeightFormat>) -> Memo
             conv_elem_bytes: 4,
             scratch_bytes: 0,
         },
-        // bf16 checkpoints are quantised to MLX 4-bit at load; bf16 KV; scratch is perf.md's
-        // budget of 2 GB.
+        // bf16 checkpoints are quantised to MLX 4-bit at load; bf16 KV; scratch is what the
+        // backend allocates for its default prefill chunk and the decode step.
         BackendKind::Cuda => MemoryLayout {
             weights: quantised.unwrap_or(WeightFormat::MLX_Q4),
             kv_elem_bytes: 2,
             conv_elem_bytes: 4,
-            scratch_bytes: 2_000_000_000,
+            scratch_bytes: lily_cuda::activation_bytes(config, lily_cuda::DEFAULT_PREFILL_CHUNK)
+                as u64,
         },
     }
 }
@@ -126,7 +131,7 @@ fn element(bytes: usize) -> &'static str {
 
 impl Report<'_> {
     fn layout(&self, backend: BackendKind) -> MemoryLayout {
-        backend_layout(backend, self.quantised)
+        backend_layout(self.config, backend, self.quantised)
     }
 
     fn need(&self, backend: BackendKind) -> MemoryNeed {
@@ -390,7 +395,10 @@ mod tests {
         assert_eq!(json["recurrent_state_bytes"], 60 << 20);
         assert_eq!(
             gpu["total_bytes"].as_u64().unwrap(),
-            weights + 20_480 * 32_768 + gpu["state_bytes"].as_u64().unwrap() + 2_000_000_000
+            weights
+                + 20_480 * 32_768
+                + gpu["state_bytes"].as_u64().unwrap()
+                + gpu["scratch_bytes"].as_u64().unwrap()
         );
         let devices = json["devices"].as_array().unwrap();
         // The H200 holds the model's whole context; a 24 GB card holds 32K and more; 16 GB of
@@ -417,19 +425,30 @@ mod tests {
 
     #[test]
     fn quantised_checkpoints_keep_their_format_and_dense_ones_follow_the_backend() {
+        let c = ModelConfig::from_json(lily_core::config::QWEN36_35B_A3B_CONFIG).unwrap();
         let q8 = WeightFormat::Mlx {
             bits: 8,
             group_size: 32,
         };
-        assert_eq!(backend_layout(BackendKind::Cpu, Some(q8)).weights, q8);
-        assert_eq!(backend_layout(BackendKind::Cuda, Some(q8)).weights, q8);
+        assert_eq!(backend_layout(&c, BackendKind::Cpu, Some(q8)).weights, q8);
+        assert_eq!(backend_layout(&c, BackendKind::Cuda, Some(q8)).weights, q8);
         assert_eq!(
-            backend_layout(BackendKind::Cpu, None).weights,
+            backend_layout(&c, BackendKind::Cpu, None).weights,
             WeightFormat::F32
         );
         assert_eq!(
-            backend_layout(BackendKind::Cuda, None).weights,
+            backend_layout(&c, BackendKind::Cuda, None).weights,
             WeightFormat::MLX_Q4
         );
+    }
+
+    /// The CUDA plan counts what the backend allocates: a 4,096-token prefill chunk's activations
+    /// of the real model (about 1.3 GB) and the decode reserve.
+    #[test]
+    fn the_cuda_plan_counts_the_prefill_chunk() {
+        let c = ModelConfig::from_json(lily_core::config::QWEN36_35B_A3B_CONFIG).unwrap();
+        let scratch = backend_layout(&c, BackendKind::Cuda, None).scratch_bytes;
+        assert!((1.3e9..1.8e9).contains(&(scratch as f64)), "{scratch}");
+        assert_eq!(backend_layout(&c, BackendKind::Cpu, None).scratch_bytes, 0);
     }
 }
