@@ -310,6 +310,7 @@ pub fn encode_step(
                 launch!(gpu, "attn_prep", ((nh + nkv) as u32, 1, 1), round_up_warp(hd);
                     p(&s.proj), p(q_norm), p(k_norm), pos, p(&s.q), kp, vp, eps);
                 let splits = state.attn_splits;
+                // 128 threads: attn_split is written for four warps (AS_WARPS).
                 launch!(gpu, "attn_split", (nkv as u32, splits as u32, 1), 128;
                     p(&s.q), kp, vp, pos, p(&s.part_ml), p(&s.part_acc));
                 launch!(gpu, "attn_combine", (nh as u32, 1, 1), round_up_warp(hd);

@@ -13,7 +13,7 @@ use lily_core::weights::{Linear, ModelWeights};
 use lily_cpu::CpuBackend;
 use lily_cuda::CudaBackend;
 use lily_cuda::KvPrecision;
-use lily_cuda::gpu::{Gpu, KArg, ptr};
+use lily_cuda::gpu::{Gpu, KArg, Shape, ptr};
 use lily_cuda::mat::{DeviceMat, MatArg, gemv_shape};
 use support::{NEEDS_GPU, dense_of, fixture, greedy, random_linear, rel_diff};
 
@@ -180,6 +180,163 @@ fn each_part_alone_matches_the_cpu() {
             "{layer}, {experts} experts, context {len}: {d:e}"
         );
     }
+}
+
+/// Decode attention alone (attn_split, then attn_combine) at production head shapes against a
+/// direct softmax over the same cache: empty splits, ragged splits, and splits long enough that
+/// every warp streams many batches. The bf16 cache holds bf16-rounded values, so both precisions
+/// compare against exactly the keys and values the kernel reads.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn decode_attention_matches_a_direct_softmax() {
+    let config = narrow(&FOUR_LAYERS, 16, 4);
+    let (nh, nkv, hd) = (
+        config.num_attention_heads,
+        config.num_kv_heads,
+        config.head_dim,
+    );
+    let group = nh / nkv;
+    let bf16 = |x: f32| {
+        let b = x.to_bits();
+        ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+    };
+    for kv in [KvPrecision::F32, KvPrecision::Bf16] {
+        let gpu = Gpu::new(&config, kv).expect(NEEDS_GPU);
+        for (len, splits) in [
+            (1usize, 64usize),
+            (65, 64),
+            (300, 274),
+            (700, 3),
+            (20_000, 80),
+        ] {
+            let n = len * nkv * hd;
+            let seed = len as u64 * 7 + splits as u64;
+            // Values centred off zero, so a long context's output (near their mean) stays large.
+            let mut k: Vec<f32> = (0..n).map(|i| 4.0 * uniform_at(seed, i as u64)).collect();
+            let mut v: Vec<f32> = (0..n)
+                .map(|i| 0.25 + uniform_at(seed + 1, i as u64))
+                .collect();
+            if kv == KvPrecision::Bf16 {
+                for x in k.iter_mut().chain(v.iter_mut()) {
+                    *x = f32::from_bits((bf16(*x) as u32) << 16);
+                }
+            }
+            let q: Vec<f32> = (0..nh * hd)
+                .map(|i| uniform_at(seed + 2, i as u64))
+                .collect();
+            // qkv as attn_combine reads it: per head [q | gate]; only the gates matter here.
+            let qkv: Vec<f32> = (0..nh * 2 * hd)
+                .map(|i| uniform_at(seed + 3, i as u64))
+                .collect();
+            let k16: Vec<u16> = k.iter().map(|&x| bf16(x)).collect();
+            let v16: Vec<u16> = v.iter().map(|&x| bf16(x)).collect();
+            let (kf, vf) = (gpu.upload(&k).unwrap(), gpu.upload(&v).unwrap());
+            let (kb, vb) = (gpu.upload(&k16).unwrap(), gpu.upload(&v16).unwrap());
+            let (pk, pv) = match kv {
+                KvPrecision::F32 => (ptr(&kf, &gpu.stream), ptr(&vf, &gpu.stream)),
+                KvPrecision::Bf16 => (ptr(&kb, &gpu.stream), ptr(&vb, &gpu.stream)),
+            };
+            let shape = (nh, nkv, hd);
+            let out = run_attention(&gpu, shape, &q, pk, pv, &qkv, len, splits);
+            check_attention(&out, &q, &k, &v, &qkv, len, group, hd, kv, splits);
+        }
+    }
+}
+
+/// attn_split over `splits` splits then attn_combine, for a cache of `len` positions.
+#[allow(clippy::too_many_arguments)]
+fn run_attention(
+    gpu: &Gpu,
+    (nh, nkv, hd): (usize, usize, usize),
+    q: &[f32],
+    k: u64,
+    v: u64,
+    qkv: &[f32],
+    len: usize,
+    splits: usize,
+) -> Vec<f32> {
+    let dq = gpu.upload(q).unwrap();
+    let dqkv = gpu.upload(qkv).unwrap();
+    let pos = gpu.upload(&[len as i32 - 1]).unwrap();
+    let part_ml = gpu.zeros::<f32>(nkv * splits * (nh / nkv) * 2).unwrap();
+    let part_acc = gpu.zeros::<f32>(nkv * splits * (nh / nkv) * hd).unwrap();
+    let out = gpu.zeros::<f32>(nh * hd).unwrap();
+    let p = |b: &cudarc::driver::CudaSlice<f32>| KArg::Ptr(ptr(b, &gpu.stream));
+    let split_shape = Shape {
+        grid: (nkv as u32, splits as u32, 1),
+        block: 128,
+    };
+    let args = [
+        p(&dq),
+        KArg::Ptr(k),
+        KArg::Ptr(v),
+        KArg::Ptr(ptr(&pos, &gpu.stream)),
+        p(&part_ml),
+        p(&part_acc),
+    ];
+    gpu.launch("attn_split", split_shape, &args).unwrap();
+    let combine_shape = Shape {
+        grid: (nh as u32, 1, 1),
+        block: hd.div_ceil(32) as u32 * 32,
+    };
+    let args = [
+        p(&part_ml),
+        p(&part_acc),
+        KArg::I32(splits as i32),
+        p(&dqkv),
+        p(&out),
+    ];
+    gpu.launch("attn_combine", combine_shape, &args).unwrap();
+    gpu.download(&out).unwrap()
+}
+
+/// Compares with softmax(q·K/√hd)·V · sigmoid(gate) per head, in f64.
+#[allow(clippy::too_many_arguments)]
+fn check_attention(
+    out: &[f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    qkv: &[f32],
+    len: usize,
+    group: usize,
+    hd: usize,
+    kv: KvPrecision,
+    splits: usize,
+) {
+    let nkv = k.len() / (len * hd);
+    let mut want = vec![0f32; out.len()];
+    for h in 0..out.len() / hd {
+        let kh = h / group;
+        let row = |c: &[f32], p: usize| c[(p * nkv + kh) * hd..][..hd].to_vec();
+        let qh = &q[h * hd..][..hd];
+        let scores: Vec<f64> = (0..len)
+            .map(|p| {
+                let kr = row(k, p);
+                qh.iter()
+                    .zip(&kr)
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum::<f64>()
+                    / (hd as f64).sqrt()
+            })
+            .collect();
+        let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+        let sum: f64 = w.iter().sum();
+        for d in 0..hd {
+            let a: f64 = (0..len)
+                .map(|p| w[p] * v[(p * nkv + kh) * hd + d] as f64)
+                .sum();
+            let gate = qkv[h * 2 * hd + hd + d] as f64;
+            want[h * hd + d] = (a / sum / (1.0 + (-gate).exp())) as f32;
+        }
+    }
+    let d = rel_diff(out, &want);
+    eprintln!("attention alone, {kv:?} KV, context {len}, {splits} splits: max rel diff {d:e}");
+    assert!(
+        d <= tolerance(KvPrecision::F32),
+        "{kv:?} context {len}, {splits} splits: {d:e}"
+    );
 }
 
 /// The GEMV at every format, ragged row counts, and several matrices in one launch.
