@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu
 cargo build --release -p lily
-cp target/release/lily .gpu/lily
+cp "${CARGO_TARGET_DIR:-target}/release/lily" .gpu/lily
 # Every lily-cuda test binary named gpu* (they need a GPU), as .gpu/test-<name>.
 rm -f .gpu/test-*
 cargo test --release -p lily-cuda --no-run --message-format=json 2>/dev/null \
