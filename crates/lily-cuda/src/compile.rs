@@ -225,3 +225,32 @@ pub fn compile_all(c: &ModelConfig, kv: KvPrecision, arch: &str) -> Result<Vec<(
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::KERNEL_FILES;
+
+    /// Kernels are launched allowed to start before their predecessor ends (gpu.rs), so every
+    /// entry point must reach `pdl_wait()` before it touches another kernel's output: directly, or
+    /// through one of the shared bodies that call it after requesting only weights.
+    #[test]
+    fn every_kernel_waits_for_its_predecessor() {
+        const WAITING_BODIES: [&str; 4] = ["gemv_staged<", "route<", "gate_up<", "down_combine<"];
+        for file in &KERNEL_FILES {
+            let pieces: Vec<&str> = file.source.split("__global__").skip(1).collect();
+            assert!(!pieces.is_empty(), "{}.cu has no kernels", file.name);
+            for piece in pieces {
+                let body = &piece[piece.find('{').expect("a kernel body")..];
+                let first = body.split(';').next().unwrap_or_default();
+                let waits = first.contains("pdl_wait()")
+                    || WAITING_BODIES.iter().any(|b| first.contains(b));
+                let name: String = piece.chars().take(80).collect();
+                assert!(
+                    waits,
+                    "{}.cu: kernel does not begin with pdl_wait(): {name}",
+                    file.name
+                );
+            }
+        }
+    }
+}

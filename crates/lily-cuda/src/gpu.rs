@@ -20,6 +20,18 @@ pub struct Gpu {
     pub name: String,
     pub arch: String,
     pub kv: KvPrecision,
+    /// Launch with programmatic dependent launch (see [`Gpu::launch`]).
+    pdl: bool,
+}
+
+/// `LILY_PDL=0` turns programmatic dependent launch off (for measuring what it gives, and as a
+/// fallback should a driver mishandle it); it is on by default where the GPU has it (sm_90+).
+fn pdl_allowed() -> Result<bool> {
+    match std::env::var("LILY_PDL").as_deref() {
+        Err(_) | Ok("1") => Ok(true),
+        Ok("0") => Ok(false),
+        Ok(other) => bail!("LILY_PDL must be 0 or 1, not {other:?}"),
+    }
 }
 
 /// Whether a CUDA driver and at least one GPU are present (without panicking when not).
@@ -71,6 +83,7 @@ impl Gpu {
             name,
             arch,
             kv,
+            pdl: major >= 9 && pdl_allowed()?,
         })
     }
 
@@ -145,8 +158,20 @@ pub struct Shape {
 
 impl Gpu {
     /// Launches kernel `name` on the stream.
+    ///
+    /// On sm_90+ every launch may begin before the previous kernel ends (programmatic stream
+    /// serialisation): each kernel calls `pdl_wait()` (kernels/common.cuh) before it touches
+    /// anything an earlier kernel writes, and then lets its successor be scheduled. The successor's
+    /// blocks are resident while this kernel runs, and the staged GEMVs use that time to request
+    /// their weights, which no kernel writes. A decode step is ~300 short dependent kernels, so the
+    /// launch gap and the weight-load latency at each kernel's start are most of what it loses.
     pub fn launch(&self, name: &str, shape: Shape, args: &[KArg]) -> Result<()> {
         let f = self.function(name)?;
+        if self.pdl {
+            return self
+                .launch_pdl(f, &shape, args)
+                .with_context(|| format!("kernel {name}"));
+        }
         let cfg = LaunchConfig {
             grid_dim: shape.grid,
             block_dim: (shape.block, 1, 1),
@@ -164,6 +189,54 @@ impl Gpu {
         // SAFETY: argument types and order follow the kernel signatures in kernels/*.cu (each
         // launcher in step.rs mirrors one), and every buffer outlives the stream's work.
         unsafe { builder.launch(cfg) }.map_err(|e| anyhow::anyhow!("kernel {name}: {e:?}"))?;
+        Ok(())
+    }
+
+    fn launch_pdl(&self, f: &CudaFunction, shape: &Shape, args: &[KArg]) -> Result<()> {
+        use cudarc::driver::sys;
+        use std::ffi::c_void;
+        self.ctx.bind_to_thread()?;
+        // The driver reads each argument through a pointer; `values` outlives the call.
+        let mut values = args.to_vec();
+        let mut params: Vec<*mut c_void> = values
+            .iter_mut()
+            .map(|a| match a {
+                KArg::Ptr(v) => v as *mut u64 as *mut c_void,
+                KArg::I32(v) => v as *mut i32 as *mut c_void,
+                KArg::F32(v) => v as *mut f32 as *mut c_void,
+                KArg::Mat(v) => v as *mut MatArg as *mut c_void,
+            })
+            .collect();
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: shape.grid.0,
+            gridDimY: shape.grid.1,
+            gridDimZ: shape.grid.2,
+            blockDimX: shape.block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        // SAFETY: as in `launch`: the arguments match the kernel's signature; `params` points
+        // into `values`, which lives until the call returns (the driver copies the values).
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+            .result()?
+        };
         Ok(())
     }
 }

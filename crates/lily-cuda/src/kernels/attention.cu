@@ -10,6 +10,7 @@
 extern "C" __global__ void attn_prep(const float* qkv, const float* q_norm, const float* k_norm,
                                      const int* pos_ptr, float* q_out, kv_t* k_cache, kv_t* v_cache,
                                      float eps) {
+    pdl_wait();
     __shared__ float scratch[32];
     __shared__ float normed[HD];
     int d = threadIdx.x;
@@ -132,6 +133,7 @@ __device__ __forceinline__ void as_reduce_scatter(float (&v)[AS_N], int li) {
 extern "C" __global__ void __launch_bounds__(AS_WARPS * WARP)
 attn_split(const float* q, const kv_t* k_cache, const kv_t* v_cache, const int* pos_ptr,
            float* part_ml, float* part_acc) {
+    pdl_wait();
     // Staging ring while streaming; the sub-streams' outputs (wacc) when merging.
     __shared__ __align__(16) uint4 smem[AS_STAGE_U4 > AS_WACC_U4 ? AS_STAGE_U4 : AS_WACC_U4];
     __shared__ __align__(16) float sprob[AS_WARPS][AS_RPW][AS_N];
@@ -290,6 +292,7 @@ attn_split(const float* q, const kv_t* k_cache, const kv_t* v_cache, const int* 
 // Merges the splits of each query head and applies the sigmoid output gate.
 extern "C" __global__ void attn_combine(const float* part_ml, const float* part_acc, int nsplit,
                                         const float* qkv, float* out) {
+    pdl_wait();
     int h = blockIdx.x, d = threadIdx.x;
     if (d >= HD) return;
     int kv = h / GROUP, g = h % GROUP;

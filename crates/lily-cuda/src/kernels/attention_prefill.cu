@@ -11,6 +11,7 @@
 extern "C" __global__ void attn_prep_rows(const float* qkv, int ld, const float* q_norm,
                                           const float* k_norm, int pos0, float* q_out,
                                           kv_t* k_cache, kv_t* v_cache, float eps) {
+    pdl_wait();
     __shared__ float scratch[32];
     __shared__ float normed[HD];
     int d = threadIdx.x;
@@ -116,6 +117,7 @@ __device__ __forceinline__ void fa_load_tile(u16* tile, const kv_t* cache, int k
 extern "C" __global__ void __launch_bounds__(FA_THREADS)
 attn_prefill(const float* q, const kv_t* k_cache, const kv_t* v_cache, int pos0, int t,
              const float* qkv, int ld, float* out) {
+    pdl_wait();
     __shared__ __align__(128) u16 qs[FA_ROWS * HD];
     __shared__ __align__(128) u16 kvs[FA_KEYS * HD];
     const u32 qs_at = (u32)__cvta_generic_to_shared(qs), kvs_at = (u32)__cvta_generic_to_shared(kvs);

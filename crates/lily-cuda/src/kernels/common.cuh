@@ -30,6 +30,23 @@ __device__ __forceinline__ float kv_load(kv_t v) { return bf16_to_f32(v); }
 __device__ __forceinline__ kv_t kv_store(float f) { return f32_to_bf16(f); }
 #endif
 
+// Programmatic dependent launch (gpu.rs launches every kernel allowed to start before the previous
+// one ends, on sm_90+). Before pdl_wait() a kernel may read only weights, which no kernel writes;
+// pdl_wait() returns once the previous kernel has finished and its writes are visible, and then
+// lets the next kernel be scheduled, so that kernel's blocks can request their weights while this
+// one runs (one kernel ahead, never more). No-ops below sm_90 and on a normal launch.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Asks L2 for the line holding p (weights a kernel will read after pdl_wait).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
@@ -349,11 +366,20 @@ __device__ __forceinline__ void dot_batch(const Batch<BITS, R, NB>& b, int base,
     }
 }
 
+// Requests R rows' codes into L2, a 128-byte line per lane and step.
+template <int BITS, int R>
+__device__ __forceinline__ void prefetch_rows(const RowRef (&rows)[R], int cols, int lane) {
+    long bytes = (long)cols * BITS / 8;
+#pragma unroll
+    for (int r = 0; r < R; r++)
+        for (long off = lane * 128L; off < bytes; off += WARP * 128L) prefetch_l2((const char*)rows[r].w + off);
+}
+
 // Units of R rows, one warp each, warp-strided over the grid (any grid size works). rows_of(u,
 // rows, xoff) fills the unit's row references (clamping ragged ones to a valid row); store(u, acc)
 // gets the lanes' unreduced partials. The first unit's weights are requested before x is staged
 // (stage() must stage with stage_x), so the two latencies overlap. Every thread must call this.
-template <int BITS, int R, int NB, bool SHARED_X, class RowsOf, class Stage, class Store>
+template <int BITS, int R, int NB, bool SHARED_X, bool ROWS_FIXED, class RowsOf, class Stage, class Store>
 __device__ void staged_units(long units, int cols, int group, RowsOf rows_of, Stage stage,
                              Store store, const float* xs, const float* xsum) {
     int lane = threadIdx.x % WARP;
@@ -362,6 +388,7 @@ __device__ void staged_units(long units, int cols, int group, RowsOf rows_of, St
     RowRef rows[R];
     int xoff[R];
     if constexpr (BITS == 32) {
+        pdl_wait();
         stage();
         for (; u < units; u += stride) {
             rows_of(u, rows, xoff);
@@ -376,9 +403,27 @@ __device__ void staged_units(long units, int cols, int group, RowsOf rows_of, St
         constexpr int PER = 128 / BITS;
         int chunks = cols / PER;
         Batch<BITS, R, NB> b;
-        if (u < units) {
-            rows_of(u, rows, xoff);
-            load_batch<BITS, R, NB>(b, rows, 0, chunks, group, lane);
+        if constexpr (ROWS_FIXED) {
+            // The rows do not depend on earlier kernels: request this warp's first two units while
+            // the previous kernel finishes (the first batch into registers, the rest into L2).
+            if (u < units) {
+                rows_of(u, rows, xoff);
+                load_batch<BITS, R, NB>(b, rows, 0, chunks, group, lane);
+                prefetch_rows<BITS, R>(rows, cols, lane);
+                if (u + stride < units) {
+                    RowRef next[R];
+                    int next_off[R];
+                    rows_of(u + stride, next, next_off);
+                    prefetch_rows<BITS, R>(next, cols, lane);
+                }
+            }
+            pdl_wait();
+        } else {
+            pdl_wait();
+            if (u < units) {
+                rows_of(u, rows, xoff);
+                load_batch<BITS, R, NB>(b, rows, 0, chunks, group, lane);
+            }
         }
         stage();
         for (; u < units; u += stride) {
@@ -452,5 +497,5 @@ __device__ void gemv_staged(Mat m0, Mat m1, Mat m2, Mat m3, const float* x, cons
             }
         }
     };
-    staged_units<BITS, GEMV_ROWS, GEMV_BATCH, true>(units, m0.cols, m0.group, rows_of, stage, store, xs, xsum);
+    staged_units<BITS, GEMV_ROWS, GEMV_BATCH, true, true>(units, m0.cols, m0.group, rows_of, stage, store, xs, xsum);
 }

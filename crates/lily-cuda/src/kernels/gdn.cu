@@ -11,6 +11,7 @@
 // Causal depthwise conv over the q|k|v channels with the cached window, then SiLU. The window
 // holds the previous CONV_K-1 pre-conv rows, oldest first, and slides by one.
 extern "C" __global__ void gdn_conv(const float* proj, const float* conv_w, float* window, float* out) {
+    pdl_wait();
     int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= CONV_DIM) return;
     float cur = proj[ch];
@@ -30,6 +31,7 @@ extern "C" __global__ void gdn_conv(const float* proj, const float* conv_w, floa
 // small work rather than adding a launch).
 extern "C" __global__ void gdn_step(const float* conv, const float* proj, const float* a_log,
                                     const float* dt_bias, float* state, float* out) {
+    pdl_wait();
     __shared__ float qn[DK], kn[DK];
     __shared__ float scratch[32];
     __shared__ float part[ROW_GROUPS][COLS];
@@ -94,6 +96,7 @@ extern "C" __global__ void gdn_step(const float* conv, const float* proj, const 
 
 // Gated RMSNorm per value head: normalise, scale by the plain weight, gate with silu(z).
 extern "C" __global__ void gdn_gated_norm(const float* o, const float* proj, const float* w, float* y, float eps) {
+    pdl_wait();
     __shared__ float scratch[32];
     int j = blockIdx.x, d = threadIdx.x;
     float x = d < DV ? o[j * DV + d] : 0.f;

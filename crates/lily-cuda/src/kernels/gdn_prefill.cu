@@ -16,6 +16,7 @@
 // Grid (ceil(CONV_DIM / blockDim), ceil(t / CONV_TT)); a thread is one channel of one token tile.
 extern "C" __global__ void gdn_conv_rows(const float* proj, int ld, int t, const float* conv_w,
                                          float* window, float* out) {
+    pdl_wait();
     static_assert(CONV_TT >= CONV_K - 1, "a conv tile must cover the window");
     int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= CONV_DIM) return;
@@ -68,6 +69,7 @@ extern "C" __global__ void gdn_conv_rows(const float* proj, int ld, int t, const
 // Grid (t); any multiple of 32 threads (one warp per q or k head at a time).
 extern "C" __global__ void gdn_scan_prep(const float* conv, const float* proj, int ld, int t,
                                          const float* a_log, const float* dt_bias, float* prep) {
+    pdl_wait();
     int tok = blockIdx.x;
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
     const float* row = conv + (long)tok * CONV_DIM;
@@ -167,6 +169,7 @@ __device__ __forceinline__ void scan_step(float (&s)[SCAN_RPL], const ScanIn& in
 // Grid (ceil(DV / (SCAN_WARPS·SCAN_CPW)), NV), SCAN_WARPS·32 threads. No __syncthreads: warps
 // are independent, so a warp whose columns all lie past DV leaves at once.
 extern "C" __global__ void gdn_scan(const float* conv, const float* prep, int t, float* state, float* out) {
+    pdl_wait();
     int j = blockIdx.y;                       // value head
     int kh = j / (NV / NK);
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
@@ -203,6 +206,7 @@ extern "C" __global__ void gdn_scan(const float* conv, const float* prep, int t,
 // Grid (NV, t), any multiple of 32 threads (each strides over DV).
 extern "C" __global__ void gdn_gated_norm_rows(const float* o, const float* proj, int ld,
                                                const float* w, float* y, float eps) {
+    pdl_wait();
     __shared__ float scratch[32];
     int j = blockIdx.x, tok = blockIdx.y;
     const float* x = o + (long)tok * NV * DV + j * DV;

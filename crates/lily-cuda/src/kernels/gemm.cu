@@ -327,6 +327,7 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
 #define GEMM_DENSE(BITS)                                                                             \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS)                                       \
         gemm_b##BITS(Mat w, const float* x, int m, float* y, int ldy, int col0) {                    \
+        pdl_wait();                                                                                  \
         int n0 = blockIdx.x * GEMM_BN;                                                               \
         long r0 = (long)blockIdx.y * GEMM_BM;                                                        \
         gemm_tile<BITS>(w, n0, min(GEMM_BN, w.rows - n0), x, nullptr, r0, (int)min((long)GEMM_BM, m - r0), y, \
@@ -340,6 +341,7 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS)                                       \
         gemm_grouped_b##BITS(Mat w, int n, const float* x, const int* gather, const int* tiles,      \
                              const int* num_tiles, float* y) {                                       \
+        pdl_wait();                                                                                  \
         int t = blockIdx.y;                                                                          \
         if (t >= *num_tiles) return;                                                                 \
         int expert = tiles[3 * t], slot0 = tiles[3 * t + 1], rows = min(tiles[3 * t + 2], GEMM_BM);  \

@@ -25,6 +25,7 @@ GEMV(32)
 // The embedding rows of tokens[0..gridDim.x), dequantised: one block per token.
 #define EMBED(BITS)                                                                             \
     extern "C" __global__ void embed_b##BITS(Mat table, const u32* tokens, float* out) {        \
+        pdl_wait();                                                                             \
         long r = tokens[blockIdx.x];                                                            \
         out += (long)blockIdx.x * table.cols;                                                   \
         for (int c = threadIdx.x; c < table.cols; c += blockDim.x) out[c] = mat_at<BITS>(table, r, c); \

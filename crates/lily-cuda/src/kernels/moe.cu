@@ -120,7 +120,7 @@ __device__ void gate_up(Mat gate, Mat up, Mat sh_gate, Mat sh_up, int inter, con
             if (threadIdx.x % WARP == 0 && u * PAIRS + i < pairs) act[u * PAIRS + i] = siluf(g) * v;
         }
     };
-    staged_units<BITS, 2 * PAIRS, GEMV_BATCH, true>(units, gate.cols, gate.group, rows_of, stage, store, xs, xsum);
+    staged_units<BITS, 2 * PAIRS, GEMV_BATCH, true, false>(units, gate.cols, gate.group, rows_of, stage, store, xs, xsum);
 }
 
 // residual[h] += Σ_k w_k · down_{id_k}[h] · act_k + σ(shared gate logit) · shared_down[h] · act_shared.
@@ -133,6 +133,7 @@ __device__ void down_combine(Mat down, Mat sh_down, int inter, int hidden, const
     __shared__ __align__(16) float xs[XS_FLOATS(BITS)];
     __shared__ float xsum[XSUM_FLOATS(BITS)];
     constexpr int PER = CHUNK_CODES(BITS);
+    pdl_wait();
     stage_x<BITS>(TOPK * inter + sh_down.cols, act, nullptr, 1.f, xs, xsum);
     int lane = threadIdx.x % WARP;
     long stride = (long)gridDim.x * (blockDim.x / WARP);

@@ -72,6 +72,7 @@ __device__ void route_row(const float* logits, int lane, int* ids, float* weight
 // logits [t, NE + 1] → ids, weights [t, TOPK]. One warp per token row (any multiple of 32
 // threads a block); a warp past the last row leaves as a whole, so the shuffles stay full-warp.
 extern "C" __global__ void moe_topk_rows(const float* logits, int t, int* ids, float* weights) {
+    pdl_wait();
     long row = (long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (row >= t) return;
     route_row(logits + row * LOGITS_STRIDE, threadIdx.x % WARP, ids + row * TOPK, weights + row * TOPK);
@@ -121,6 +122,7 @@ __device__ int block_exclusive_scan(int v, int* warp_sums, int* total) {
 // atomics on one address would serialise.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
 moe_sort(const int* ids, int pairs, int* gather, int* slot_of, int* tiles, int* num_tiles) {
+    pdl_wait();
     __shared__ int cursor[NE];          // pairs per expert, then the next free slot of each
     __shared__ int slot_start[NE + 1];  // an expert's first slot; [NE] = pairs
     __shared__ int tile_start[NE + 1];  // an expert's first tile; [NE] = the tile count
@@ -189,6 +191,7 @@ moe_sort(const int* ids, int pairs, int* gather, int* slot_of, int* tiles, int* 
 
 // act[i] = silu(gate[i]) · up[i] for i < n, grid-stride.
 extern "C" __global__ void moe_swiglu(const float* gate, const float* up, int n, float* act) {
+    pdl_wait();
     for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
         act[i] = siluf(gate[i]) * up[i];
 }
@@ -198,6 +201,7 @@ extern "C" __global__ void moe_swiglu(const float* gate, const float* up, int n,
 // the caller's (the next norm adds it).
 extern "C" __global__ void moe_combine(const float* down, const int* slot_of, const float* weights,
                                        const float* logits, const float* shared, int h, float* out) {
+    pdl_wait();
     long t = blockIdx.x;
     long row[TOPK];
     float w[TOPK];

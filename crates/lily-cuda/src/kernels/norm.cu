@@ -3,6 +3,7 @@
 // row of n values: a decode step launches one, a prefill chunk one per token.
 extern "C" __global__ void add_rms_norm(float* hidden, const float* delta, const float* scale,
                                         float* out, int n, float eps) {
+    pdl_wait();
     __shared__ float scratch[32];
     long row = (long)blockIdx.x * n;
     hidden += row;

@@ -4,6 +4,7 @@
 #define ARGMAX_BLOCKS 128
 
 extern "C" __global__ void argmax_partial(const float* logits, int n, float* part_v, int* part_i) {
+    pdl_wait();
     __shared__ float sv[32];
     __shared__ int si[32];
     float v = -INFINITY; int i = n;
@@ -25,6 +26,7 @@ extern "C" __global__ void argmax_partial(const float* logits, int n, float* par
 }
 
 extern "C" __global__ void argmax_final(const float* part_v, const int* part_i, u32* token, int* pos) {
+    pdl_wait();
     if (threadIdx.x != 0) return;
     float v = part_v[0]; int i = part_i[0];
     for (int b = 1; b < ARGMAX_BLOCKS; b++)
@@ -35,5 +37,6 @@ extern "C" __global__ void argmax_final(const float* part_v, const int* part_i, 
 
 // Advances the position without choosing a token (prefill steps and host-sampled steps).
 extern "C" __global__ void advance(int* pos) {
+    pdl_wait();
     if (threadIdx.x == 0 && blockIdx.x == 0) pos[0] += 1;
 }
