@@ -90,36 +90,53 @@ impl SyntheticSource {
         key_of(tensor) ^ self.seed.wrapping_mul(0x2545_f491_4f6c_dd1d)
     }
 
-    /// Matrix `index` of the quantised stack `module` (see the module docs).
-    pub fn quantised(
-        &self,
-        module: &str,
-        index: usize,
-        rows: usize,
-        cols: usize,
-        bits: u32,
-    ) -> Result<QuantMatrix> {
-        let group = DEFAULT_GROUP_SIZE;
-        let (words, groups) = (rows * cols * bits as usize / 32, rows * cols / group);
-        let code_key = self.key(&format!("{module}.weight"));
-        let scale_key = self.key(&format!("{module}.scales"));
+    /// The stream of the linear module `module` (canonical name, experts stacked) with `cols`
+    /// inputs, or `None` where mlx-lm leaves such a module unquantised (then it is f32).
+    pub fn quant_stream(&self, module: &str, cols: usize) -> Option<QuantStream> {
+        let bits = mlx_quant_bits(module, cols)?;
         let levels = ((1u64 << (2 * bits)) - 1) as f64 / 12.0;
-        let c = (quantised_sigma(module, cols) / levels.sqrt()) as f32;
-        let middle = ((1u32 << bits) - 1) as f32 / 2.0;
+        Some(QuantStream {
+            bits,
+            code_key: self.key(&format!("{module}.weight")),
+            scale_key: self.key(&format!("{module}.scales")),
+            scale: (quantised_sigma(module, cols) / levels.sqrt()) as f32,
+        })
+    }
+}
+
+/// What makes one quantised module's bytes (the module docs' formula): a generator on any device
+/// needs only these constants to write the same codes, scales and biases.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct QuantStream {
+    pub bits: u32,
+    pub code_key: u64,
+    pub scale_key: u64,
+    /// `c`: the role's deviation over the codes' deviation, rounded once to f32.
+    pub scale: f32,
+}
+
+impl QuantStream {
+    /// Scale and bias of group `g`, counted over the whole stack.
+    pub fn group(&self, g: u64) -> (bf16, bf16) {
+        let middle = ((1u32 << self.bits) - 1) as f32 / 2.0;
+        let scale = bf16::from_f32(self.scale * (1.0 + 0.25 * uniform_at(self.scale_key, g)));
+        (scale, bf16::from_f32(-scale.to_f32() * middle))
+    }
+
+    /// Matrix `index` of a stack of `rows × cols` matrices.
+    pub fn matrix(&self, index: usize, rows: usize, cols: usize) -> Result<QuantMatrix> {
+        let group = DEFAULT_GROUP_SIZE;
+        let (words, groups) = (rows * cols * self.bits as usize / 32, rows * cols / group);
         let (w0, g0) = (index * words, index * groups);
         let codes: Vec<u32> = (0..words)
             .into_par_iter()
-            .map(|j| code_word(code_key, (w0 + j) as u64))
+            .map(|j| code_word(self.code_key, (w0 + j) as u64))
             .collect();
-        let scales: Vec<bf16> = (0..groups)
+        let (scales, biases) = (0..groups)
             .into_par_iter()
-            .map(|g| bf16::from_f32(c * (1.0 + 0.25 * uniform_at(scale_key, (g0 + g) as u64))))
-            .collect();
-        let biases = scales
-            .iter()
-            .map(|s| bf16::from_f32(-s.to_f32() * middle))
-            .collect();
-        QuantMatrix::from_parts(rows, cols, bits, group, codes, scales, biases)
+            .map(|g| self.group((g0 + g) as u64))
+            .unzip();
+        QuantMatrix::from_parts(rows, cols, self.bits, group, codes, scales, biases)
     }
 }
 
@@ -187,9 +204,9 @@ impl TensorSource for SyntheticSource {
         rows: usize,
         cols: usize,
     ) -> Result<Vec<Linear>> {
-        if let Some(bits) = mlx_quant_bits(module, cols) {
+        if let Some(stream) = self.quant_stream(module, cols) {
             return (0..count)
-                .map(|i| Ok(Linear::Affine(self.quantised(module, i, rows, cols, bits)?)))
+                .map(|i| Ok(Linear::Affine(stream.matrix(i, rows, cols)?)))
                 .collect();
         }
         let data = self.take_f32(&format!("{module}.weight"), &[count, rows, cols])?;
@@ -241,9 +258,11 @@ mod tests {
     fn quantised_weights_follow_the_documented_formula() {
         let src = SyntheticSource::new(11);
         let (rows, cols) = (8, 128);
-        let m = src
-            .quantised("layers.0.mlp.switch_mlp.up_proj", 2, rows, cols, 4)
+        let stream = src
+            .quant_stream("layers.0.mlp.switch_mlp.up_proj", cols)
             .unwrap();
+        assert_eq!(stream.bits, 4);
+        let m = stream.matrix(2, rows, cols).unwrap();
         // Matrix 2 of the stack starts at word 2·rows·cols/8 and group 2·rows·cols/64.
         let key = |t: &str| key_of(t) ^ 11u64.wrapping_mul(0x2545_f491_4f6c_dd1d);
         let word0 = 2 * rows * cols / 8;
@@ -266,10 +285,9 @@ mod tests {
             ("layers.1.mlp.gate", 8, 3.0 / 512f64.sqrt()),
             ("embed_tokens", 4, 1.0 / 3f64.sqrt()),
         ] {
-            let w = src
-                .quantised(module, 0, 256, 512, bits)
-                .unwrap()
-                .dequantize();
+            let stream = src.quant_stream(module, 512).unwrap();
+            assert_eq!(stream.bits, bits, "{module}");
+            let w = stream.matrix(0, 256, 512).unwrap().dequantize();
             let n = w.len() as f64;
             let mean = w.iter().map(|&v| v as f64).sum::<f64>() / n;
             let std = (w.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n).sqrt();

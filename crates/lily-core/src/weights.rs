@@ -172,8 +172,9 @@ fn matrix(src: &mut dyn TensorSource, name: &str, rows: usize, cols: usize) -> R
     Ok(Matrix { rows, cols, data })
 }
 
-/// Loads a zero-centred norm weight as its multiplier `1 + w`.
-fn offset_norm(src: &mut dyn TensorSource, name: &str, len: usize) -> Result<Vec<f32>> {
+/// Loads a zero-centred norm weight as its multiplier `1 + w` (also for the CUDA backend's
+/// synthetic weights, which take their small tensors from a source directly).
+pub fn offset_norm(src: &mut dyn TensorSource, name: &str, len: usize) -> Result<Vec<f32>> {
     let shifted = src.norms_are_shifted();
     let w = src.take_f32(name, &[len])?;
     Ok(if shifted {

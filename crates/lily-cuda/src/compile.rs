@@ -17,7 +17,7 @@ pub struct KernelFile {
     pub entries: &'static [&'static str],
 }
 
-pub const KERNEL_FILES: [KernelFile; 10] = [
+pub const KERNEL_FILES: [KernelFile; 11] = [
     KernelFile {
         name: "gemv",
         source: include_str!("kernels/gemv.cu"),
@@ -102,6 +102,11 @@ pub const KERNEL_FILES: [KernelFile; 10] = [
         name: "attention_prefill",
         source: include_str!("kernels/attention_prefill.cu"),
         entries: &["attn_prep_rows", "attn_prefill"],
+    },
+    KernelFile {
+        name: "synthetic",
+        source: include_str!("kernels/synthetic.cu"),
+        entries: &["synthetic_quant"],
     },
 ];
 

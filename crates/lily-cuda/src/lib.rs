@@ -15,6 +15,7 @@ pub mod moe_prefill;
 mod prefill;
 mod state;
 mod step;
+pub mod synthetic;
 pub mod weights;
 
 use std::sync::Mutex;
@@ -33,7 +34,7 @@ pub use state::CudaState;
 use crate::gpu::{Gpu, ptr};
 use crate::prefill::{Model, PrefillScratch, encode_chunk};
 use crate::step::{Scratch, Timeline, encode_step};
-use crate::weights::{DeviceWeights, device_bytes};
+use crate::weights::{DeviceWeights, HostWeights, WeightSource};
 
 pub struct CudaBackend {
     config: ModelConfig,
@@ -86,17 +87,28 @@ impl CudaBackend {
         kv: KvPrecision,
         prefill_chunk: usize,
     ) -> Result<Self> {
+        Self::from_source(config, &mut HostWeights(host), kv, prefill_chunk)
+    }
+
+    /// A backend whose weights come from `src`: the host model ([`HostWeights`]), or a synthetic
+    /// model made on the device ([`synthetic::SyntheticWeights`]).
+    pub fn from_source(
+        config: ModelConfig,
+        src: &mut dyn WeightSource,
+        kv: KvPrecision,
+        prefill_chunk: usize,
+    ) -> Result<Self> {
         check_shapes(&config)?;
         ensure!(
             prefill_chunk > 0,
             "the prefill chunk must hold at least one token"
         );
         let gpu = Gpu::new(&config, kv)?;
-        // The memory plan, before anything is uploaded: weights as stored, the prefill chunk's
+        // The memory plan, before anything is allocated: weights as stored, the prefill chunk's
         // activations, and 256 MiB for the decode step and the first sequence's state
         // (new_state checks its own KV cache).
         let activations = activation_bytes(&config, prefill_chunk);
-        let need = device_bytes(host) + activations;
+        let need = src.device_bytes(&config) + activations;
         let (free, total) = gpu.memory()?;
         ensure!(
             need <= free,
@@ -108,11 +120,13 @@ impl CudaBackend {
             free as f64 / 1e9,
             total as f64 / 1e9
         );
-        let weights = DeviceWeights::upload(&gpu, &config, host).context("uploading weights")?;
+        let weights = DeviceWeights::build(&gpu, &config, src).context("loading the weights")?;
         let scratch = Mutex::new(Buffers {
             decode: Scratch::new(&gpu, &config)?,
             prefill: PrefillScratch::new(&gpu, &config, prefill_chunk)?,
         });
+        // Every weight is written before the first step: kernels may read weights ahead of their
+        // pdl_wait(), which orders them only after the kernel before them.
         gpu.sync()?;
         Ok(CudaBackend {
             config,

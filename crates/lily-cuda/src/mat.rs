@@ -65,16 +65,11 @@ impl DeviceMat {
                 "group size {group} does not suit the {bits}-bit GPU kernels"
             );
         }
-        let rows = first.rows() * parts.len();
+        let mut out = Self::zeros(gpu, bits, first.rows() * parts.len(), cols, group)?;
         let s = &gpu.stream;
-        let mut w = gpu.zeros::<u8>(rows * cols * bits as usize / 8)?;
-        let (mut scales, mut biases) = match bits {
-            32 => (None, None),
-            _ => (
-                Some(gpu.zeros::<u16>(rows * cols / group)?),
-                Some(gpu.zeros::<u16>(rows * cols / group)?),
-            ),
-        };
+        let DeviceMat {
+            w, scales, biases, ..
+        } = &mut out;
         let (mut at_w, mut at_g) = (0, 0);
         for part in parts {
             match part {
@@ -98,15 +93,49 @@ impl DeviceMat {
                 }
             }
         }
+        Ok(out)
+    }
+
+    /// A zeroed matrix of this format, for an upload or a kernel to fill.
+    pub(crate) fn zeros(
+        gpu: &Gpu,
+        bits: u32,
+        rows: usize,
+        cols: usize,
+        group: usize,
+    ) -> Result<Self> {
+        let groups = || gpu.zeros::<u16>(rows * cols / group);
+        let (scales, biases) = match bits {
+            32 => (None, None),
+            _ => (Some(groups()?), Some(groups()?)),
+        };
         Ok(DeviceMat {
             bits,
             rows,
             cols,
             group,
-            w,
+            w: gpu.zeros::<u8>(rows * cols * bits as usize / 8)?,
             scales,
             biases,
         })
+    }
+
+    /// The stored bytes: codes (or f32 values), scales and biases (empty for a dense matrix), so
+    /// that tests can compare two devices' copies to the bit.
+    pub fn download(&self, gpu: &Gpu) -> Result<[Vec<u8>; 3]> {
+        let halves = |b: &Option<CudaSlice<u16>>| -> Result<Vec<u8>> {
+            let values = b.as_ref().map(|b| gpu.download(b)).transpose()?;
+            Ok(values
+                .unwrap_or_default()
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect())
+        };
+        Ok([
+            gpu.download(&self.w)?,
+            halves(&self.scales)?,
+            halves(&self.biases)?,
+        ])
     }
 
     pub fn arg(&self, gpu: &Gpu) -> MatArg {

@@ -3,7 +3,9 @@
 use anyhow::Result;
 use clap::ValueEnum;
 use lily_core::load::load_weights;
+use lily_core::model_ref::{ModelRef, SYNTHETIC_SEED};
 use lily_cpu::CpuBackend;
+use lily_cuda::synthetic::SyntheticWeights;
 use lily_cuda::{CudaBackend, KvPrecision};
 
 use crate::backends::AnyBackend;
@@ -30,13 +32,24 @@ pub fn load_with(model: &str, device: Device, quantize: bool) -> Result<AnyBacke
         Device::Auto => lily_cuda::gpu_available(),
     };
     let model = crate::cmd::pull::resolve_model(model)?;
-    // Weights are made in host memory first on every device; this checks they fit there.
-    let (config, weights) = load_weights(&model, quantize, LoadBar::wrap)?;
     if use_cuda {
-        let backend =
-            CudaBackend::with_options(config, &weights, kv_precision()?, prefill_chunk()?)?;
+        let (kv, chunk) = (kv_precision()?, prefill_chunk()?);
+        let backend = match &model {
+            // Synthetic weights are made on the GPU, where they live: the host makes only the
+            // small tensors. (`--quantize` rounds those to bf16, so it takes the host path.)
+            ModelRef::Synthetic(_) if !quantize => {
+                let mut source = SyntheticWeights::new(SYNTHETIC_SEED);
+                CudaBackend::from_source(model.config()?, &mut source, kv, chunk)?
+            }
+            _ => {
+                // Made in host memory first, then uploaded; this checks they fit there.
+                let (config, weights) = load_weights(&model, quantize, LoadBar::wrap)?;
+                CudaBackend::with_options(config, &weights, kv, chunk)?
+            }
+        };
         return Ok(AnyBackend::Cuda(Box::new(backend)));
     }
+    let (config, weights) = load_weights(&model, quantize, LoadBar::wrap)?;
     Ok(AnyBackend::Cpu(Box::new(CpuBackend::new(config, weights))))
 }
 
