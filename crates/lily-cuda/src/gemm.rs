@@ -8,17 +8,21 @@ use crate::gpu::Gpu;
 use crate::launch;
 use crate::mat::DeviceMat;
 
-/// Rows of X (tokens, or sorted expert slots) one block computes (kernels/gemm.cu, GEMM_BM).
-pub const GEMM_BM: usize = 64;
-/// Weight rows (output columns) one block computes (GEMM_BN).
-pub const GEMM_BN: usize = 128;
+/// Rows of X (tokens) one block of the dense GEMM computes (kernels/gemm.cu, GEMM_DENSE_BM).
+pub const GEMM_DENSE_BM: usize = 128;
+/// Weight rows (output columns) one block of the dense GEMM computes (GEMM_DENSE_BN).
+pub const GEMM_DENSE_BN: usize = 128;
+/// Sorted expert slots one block of the grouped GEMM computes: one routing tile (GEMM_GROUPED_BM).
+pub const GEMM_GROUPED_BM: usize = 64;
+/// Expert weight rows (output columns) one block of the grouped GEMM computes (GEMM_GROUPED_BN).
+pub const GEMM_GROUPED_BN: usize = 256;
 /// Threads of a block: 8 warps (GEMM_THREADS).
 const GEMM_THREADS: u32 = 256;
 /// CUDA's limit on a grid's y dimension, which counts row tiles.
 const MAX_GRID_Y: usize = 65_535;
 
 const _: () = assert!(
-    GEMM_BM == MOE_TILE,
+    GEMM_GROUPED_BM == MOE_TILE,
     "a grouped tile must be one block's rows"
 );
 
@@ -72,13 +76,13 @@ pub fn gemm(
         "output columns {col0}..{} do not fit rows of {ldy}",
         col0 + w.rows
     );
-    let row_tiles = m.div_ceil(GEMM_BM);
+    let row_tiles = m.div_ceil(GEMM_DENSE_BM);
     ensure!(
         row_tiles <= MAX_GRID_Y,
         "{m} rows are too many for one GEMM launch"
     );
     let name = format!("gemm_b{}", w.bits);
-    let grid = (w.rows.div_ceil(GEMM_BN) as u32, row_tiles as u32, 1);
+    let grid = (w.rows.div_ceil(GEMM_DENSE_BN) as u32, row_tiles as u32, 1);
     launch!(gpu, &name, grid, GEMM_THREADS;
         w.arg(gpu), x, m as i32, y, ldy as i32, col0 as i32);
     Ok(())
@@ -115,7 +119,7 @@ pub fn gemm_grouped(
         "{max_tiles} expert tiles are too many for one GEMM launch"
     );
     let name = format!("gemm_grouped_b{}", w.bits);
-    let grid = (n.div_ceil(GEMM_BN) as u32, max_tiles as u32, 1);
+    let grid = (n.div_ceil(GEMM_GROUPED_BN) as u32, max_tiles as u32, 1);
     launch!(gpu, &name, grid, GEMM_THREADS;
         w.arg(gpu), n as i32, x, gather, tiles, num_tiles, y);
     Ok(())
