@@ -4,8 +4,7 @@
 use anyhow::{Result, ensure};
 
 use crate::compile::MOE_TILE;
-use crate::gpu::Gpu;
-use crate::launch;
+use crate::gpu::{Gpu, KArg, Shape};
 use crate::mat::DeviceMat;
 
 /// Rows of X (tokens) one block of the dense GEMM computes (kernels/gemm.cu, GEMM_DENSE_BM).
@@ -16,10 +15,40 @@ pub const GEMM_DENSE_BN: usize = 128;
 pub const GEMM_GROUPED_BM: usize = 64;
 /// Expert weight rows (output columns) one block of the grouped GEMM computes (GEMM_GROUPED_BN).
 pub const GEMM_GROUPED_BN: usize = 256;
+/// K columns a step of the GEMM advances (GEMM_BK).
+const GEMM_BK: usize = 32;
+/// Stages of the cp.async ring that streams X (GEMM_XS).
+const GEMM_XS: usize = 3;
 /// Threads of a block: 8 warps (GEMM_THREADS).
 const GEMM_THREADS: u32 = 256;
 /// CUDA's limit on a grid's y dimension, which counts row tiles.
 const MAX_GRID_Y: usize = 65_535;
+
+/// Dynamic shared memory of a `bm × bn` block, as kernels/gemm.cu lays it out
+/// (`gemm_shared_bytes`): the f32 X ring, then two bf16 X tiles and two bf16 W tiles. The kernel
+/// traps when given less.
+const fn shared_bytes(bm: usize, bn: usize) -> u32 {
+    (GEMM_XS * bm * GEMM_BK * 4 + 2 * (bm + bn) * GEMM_BK * 2) as u32
+}
+
+/// Dense blocks: 80 KiB (two fit an SM's 228 KiB).
+const DENSE_SHARED: u32 = shared_bytes(GEMM_DENSE_BM, GEMM_DENSE_BN);
+/// Grouped blocks: 64 KiB.
+const GROUPED_SHARED: u32 = shared_bytes(GEMM_GROUPED_BM, GEMM_GROUPED_BN);
+
+/// The GEMM kernels and the dynamic shared memory each launches with, for `Gpu::new` to raise
+/// their limit (above the default 48 KiB).
+pub fn dynamic_shared() -> Vec<(String, u32)> {
+    [4, 8, 32]
+        .iter()
+        .flat_map(|bits| {
+            [
+                (format!("gemm_b{bits}"), DENSE_SHARED),
+                (format!("gemm_grouped_b{bits}"), GROUPED_SHARED),
+            ]
+        })
+        .collect()
+}
 
 const _: () = assert!(
     GEMM_GROUPED_BM == MOE_TILE,
@@ -83,8 +112,19 @@ pub fn gemm(
     );
     let name = format!("gemm_b{}", w.bits);
     let grid = (w.rows.div_ceil(GEMM_DENSE_BN) as u32, row_tiles as u32, 1);
-    launch!(gpu, &name, grid, GEMM_THREADS;
-        w.arg(gpu), x, m as i32, y, ldy as i32, col0 as i32);
+    let args: [KArg; 6] = [
+        w.arg(gpu).into(),
+        x.into(),
+        (m as i32).into(),
+        y.into(),
+        (ldy as i32).into(),
+        (col0 as i32).into(),
+    ];
+    let shape = Shape {
+        grid,
+        block: GEMM_THREADS,
+    };
+    gpu.launch_shared(&name, shape, DENSE_SHARED, &args)?;
     Ok(())
 }
 
@@ -120,7 +160,19 @@ pub fn gemm_grouped(
     );
     let name = format!("gemm_grouped_b{}", w.bits);
     let grid = (n.div_ceil(GEMM_GROUPED_BN) as u32, max_tiles as u32, 1);
-    launch!(gpu, &name, grid, GEMM_THREADS;
-        w.arg(gpu), n as i32, x, gather, tiles, num_tiles, y);
+    let args: [KArg; 7] = [
+        w.arg(gpu).into(),
+        (n as i32).into(),
+        x.into(),
+        gather.into(),
+        tiles.into(),
+        num_tiles.into(),
+        y.into(),
+    ];
+    let shape = Shape {
+        grid,
+        block: GEMM_THREADS,
+    };
+    gpu.launch_shared(&name, shape, GROUPED_SHARED, &args)?;
     Ok(())
 }

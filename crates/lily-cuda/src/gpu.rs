@@ -64,6 +64,18 @@ impl Gpu {
                 functions.insert(entry.to_string(), f);
             }
         }
+        // Kernels that take more than the default 48 KiB of dynamic shared memory must say so
+        // once, before their first launch (cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES).
+        for (entry, bytes) in crate::gemm::dynamic_shared() {
+            let f = functions
+                .get(entry.as_str())
+                .with_context(|| format!("kernel {entry} is not compiled"))?;
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(|e| anyhow::anyhow!("kernel {entry}: {bytes} bytes of shared memory: {e:?}"))?;
+        }
         Ok(Gpu {
             ctx,
             stream,
@@ -137,7 +149,7 @@ impl From<MatArg> for KArg {
     }
 }
 
-/// A launch shape: grid and block dimensions (no dynamic shared memory is used).
+/// A launch shape: grid and block dimensions (dynamic shared memory: [`Gpu::launch_shared`]).
 pub struct Shape {
     pub grid: (u32, u32, u32),
     pub block: u32,
@@ -146,11 +158,23 @@ pub struct Shape {
 impl Gpu {
     /// Launches kernel `name` on the stream.
     pub fn launch(&self, name: &str, shape: Shape, args: &[KArg]) -> Result<()> {
+        self.launch_shared(name, shape, 0, args)
+    }
+
+    /// Launches kernel `name` with `shared` bytes of dynamic shared memory (above 48 KiB only for
+    /// kernels that `Gpu::new` raised the limit of: `gemm::dynamic_shared`).
+    pub fn launch_shared(
+        &self,
+        name: &str,
+        shape: Shape,
+        shared: u32,
+        args: &[KArg],
+    ) -> Result<()> {
         let f = self.function(name)?;
         let cfg = LaunchConfig {
             grid_dim: shape.grid,
             block_dim: (shape.block, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: shared,
         };
         let mut builder = self.stream.launch_builder(f);
         for a in args {

@@ -6,12 +6,19 @@
 // A block computes a BM × BN tile of Y with 8 warps, each a 64 × 32 tile (4 × 4 mma tiles: per
 // 16 columns of K, 4 ldmatrix of X and 2 of W feed 16 mma). Dense: BM = BN = 128, warps 2 (rows)
 // × 4 (columns). Grouped: BM = MOE_TILE = 64 (routing cuts tiles of 64 rows), BN = 256, warps
-// 1 × 8. K advances GEMM_BK at a time through two shared buffers: the global loads of step k+1
-// are issued into registers before the mma work of step k and converted into the other buffer
-// after it, so their latency hides behind the arithmetic and one barrier per step suffices.
+// 1 × 8. K advances GEMM_BK at a time.
+//
+// X (f32) streams in by cp.async through a ring of GEMM_XS stages in shared memory, GEMM_XS − 1
+// steps ahead of the mma work, costing no registers while in flight. Each thread copies and later
+// converts the same pieces (8 values of one row), so a ring slot is private to its thread: the
+// thread's own cp.async.wait_group makes it readable, with no barrier. The thread rounds its
+// pieces to bf16 into the block's X tile. W (codes, 4-8 bits a value) is loaded into registers one
+// step ahead and dequantised into the W tile. The bf16 tiles are double-buffered: step k's mma
+// work reads one while the threads fill the other for step k+1, so one barrier per step suffices.
 // Shared tiles are rows of 32 bf16 (4 chunks of 16 bytes) with chunk c of row r stored at
 // c ^ ((r / 2) % 4): the 8 rows an ldmatrix reads at one logical chunk, and the chunks a
-// quarter-warp stores, fall in 8 different bank groups.
+// quarter-warp stores, fall in 8 different bank groups. Shared memory is dynamic (more than the
+// 48 KiB static limit): gemm.rs sizes it by the same formula as gemm_shared_bytes below.
 
 #define GEMM_BK 32
 #define GEMM_THREADS 256
@@ -19,6 +26,12 @@
 #define GEMM_DENSE_BN 128
 #define GEMM_GROUPED_BM 64
 #define GEMM_GROUPED_BN 256
+#define GEMM_XS 3
+
+// Dynamic shared memory of a block: the X ring (f32) then two bf16 X tiles and two bf16 W tiles.
+__host__ __device__ constexpr int gemm_shared_bytes(int bm, int bn) {
+    return GEMM_XS * bm * GEMM_BK * 4 + 2 * (bm + bn) * GEMM_BK * 2;
+}
 
 static_assert(GEMM_GROUPED_BM == MOE_TILE, "a grouped tile (MOE_TILE rows) must be one block's rows");
 
@@ -52,53 +65,72 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int bytes) {
+    // Bytes past `bytes` (16 or 0) are written as zeros; src is not read when bytes is 0.
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_4(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most N of this thread's committed groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // This thread's share of one X tile (BM × GEMM_BK f32): BM / 64 pieces of 8 values; piece
-// c = tid + 256·i is row c/4, columns (c%4)·8 .. +8 of the step.
+// c = tid + 256·i is row c/4, columns (c%4)·8 .. +8 of the step. In a ring slot, half h (4 values)
+// of piece i is float4 number (2·i + h)·256 + tid: a quarter-warp's 16-byte accesses are
+// contiguous, so neither the copies nor the reads conflict.
 template <int BM>
-struct XLoad {
+struct XPieces {
     static constexpr int PIECES = BM * GEMM_BK / 8 / GEMM_THREADS;
-    float v[PIECES][8];
+    static constexpr int SLOT_FLOATS = BM * GEMM_BK;
 };
 
-// The source rows of this thread's X pieces (null: the row is past the block's rows).
-// Vector loads need 16-byte aligned rows: the caller checks x and K.
+// Issues the copies of this thread's pieces of the X step at column k into ring slot `slot`
+// (f32). rows[i] is the source row of piece i (null past the block's rows: zeros). Columns past K
+// are zeros (their copies name `x`, any valid global address, and read nothing). vec: x rows and K allow 16-byte copies (K % 4 == 0, so a float4 is wholly inside
+// the row or wholly past it); otherwise 4-byte copies (x rows are only 4-byte aligned).
 template <int BM>
-__device__ __forceinline__ void load_x(XLoad<BM>& r, const float* const (&rows)[XLoad<BM>::PIECES], int k, int K,
-                                       bool vec) {
+__device__ __forceinline__ void copy_x(float* slot, const float* const (&rows)[XPieces<BM>::PIECES], const float* x,
+                                       int k, int K, bool vec, int tid) {
 #pragma unroll
-    for (int i = 0; i < XLoad<BM>::PIECES; i++) {
+    for (int i = 0; i < XPieces<BM>::PIECES; i++) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            int kk = k + 4 * h;
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (rows[i] != nullptr) {
-                if (vec) {
-                    // K % 4 == 0 here, so a float4 is wholly inside the row or wholly past it.
-                    if (kk < K) v = *(const float4*)(rows[i] + kk);
-                } else {
-                    if (kk < K) v.x = rows[i][kk];
-                    if (kk + 1 < K) v.y = rows[i][kk + 1];
-                    if (kk + 2 < K) v.z = rows[i][kk + 2];
-                    if (kk + 3 < K) v.w = rows[i][kk + 3];
+            const int kk = k + 4 * h;
+            float* dst = slot + ((2 * i + h) * GEMM_THREADS + tid) * 4;
+            const float* src = rows[i] != nullptr ? rows[i] + kk : nullptr;
+            if (vec) {
+                bool live = src != nullptr && kk < K;
+                cp_async_16(shared_address(dst), live ? src : x, live ? 16 : 0);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    bool live = src != nullptr && kk + j < K;
+                    cp_async_4(shared_address(dst + j), live ? src + j : x, live ? 4 : 0);
                 }
             }
-            r.v[i][4 * h] = v.x;
-            r.v[i][4 * h + 1] = v.y;
-            r.v[i][4 * h + 2] = v.z;
-            r.v[i][4 * h + 3] = v.w;
         }
     }
 }
 
+// Rounds this thread's pieces of ring slot `slot` (its own copies, complete) to bf16 in sx.
 template <int BM>
-__device__ __forceinline__ void store_x(const XLoad<BM>& r, u16* sx, int tid) {
+__device__ __forceinline__ void convert_x(const float* slot, u16* sx, int tid) {
 #pragma unroll
-    for (int i = 0; i < XLoad<BM>::PIECES; i++) {
-        const float* v = r.v[i];
-        uint4 q = make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
-                             pack_bf16x2(v[6], v[7]));
+    for (int i = 0; i < XPieces<BM>::PIECES; i++) {
+        const float4 p = *(const float4*)(slot + ((2 * i) * GEMM_THREADS + tid) * 4);
+        const float4 q = *(const float4*)(slot + ((2 * i + 1) * GEMM_THREADS + tid) * 4);
+        uint4 out = make_uint4(pack_bf16x2(p.x, p.y), pack_bf16x2(p.z, p.w), pack_bf16x2(q.x, q.y),
+                               pack_bf16x2(q.z, q.w));
         int c = tid + GEMM_THREADS * i;
-        *(uint4*)(sx + swizzled(c / 4, c % 4)) = q;
+        *(uint4*)(sx + swizzled(c / 4, c % 4)) = out;
     }
 }
 
@@ -236,15 +268,23 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
                                           const int* __restrict__ gather, long x_row0, int m_valid,
                                           float* __restrict__ y, long y_row0, long ldy, long y_col0) {
     static_assert((BM / 64) * (BN / 32) * WARP == GEMM_THREADS, "one 64 x 32 warp tile per warp");
-    __shared__ __align__(16) u16 sx[2][BM * GEMM_BK];
-    __shared__ __align__(16) u16 sw[2][BN * GEMM_BK];
+    extern __shared__ __align__(16) unsigned char gemm_smem[];
+    float* ring = (float*)gemm_smem;
+    u16* sx = (u16*)(ring + GEMM_XS * XPieces<BM>::SLOT_FLOATS);  // [2][BM * GEMM_BK]
+    u16* sw = sx + 2 * BM * GEMM_BK;                                // [2][BN * GEMM_BK]
 
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    {
+        // The launcher must give the block gemm_shared_bytes(BM, BN): trap rather than overrun.
+        u32 dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (dyn < (u32)gemm_shared_bytes(BM, BN)) __trap();
+    }
     const int K = w.cols;
     const bool x_vec = ((unsigned long long)x & 15) == 0 && K % 4 == 0;
     const bool w_vec = ((unsigned long long)w.w & 15) == 0 && K % 4 == 0;
 
-    constexpr int XP = XLoad<BM>::PIECES;
+    constexpr int XP = XPieces<BM>::PIECES;
     const float* x_rows[XP];
 #pragma unroll
     for (int i = 0; i < XP; i++) {
@@ -262,26 +302,36 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[i][j][c] = 0.f;
 
-    XLoad<BM> xl;
     WLoad<BITS, BN> wl;
     const int steps = (K + GEMM_BK - 1) / GEMM_BK;
-    load_x<BM>(xl, x_rows, x_col, K, x_vec);
+    // Prologue: X steps 0 .. XS-2 in flight (one commit group each, empty past the last step).
+#pragma unroll
+    for (int s = 0; s < GEMM_XS - 1; s++) {
+        if (s < steps) copy_x<BM>(ring + s * XPieces<BM>::SLOT_FLOATS, x_rows, x, s * GEMM_BK + x_col, K, x_vec, tid);
+        cp_async_commit();
+    }
     load_w<BITS, BN>(wl, w, w_row0, n_valid, 0, w_vec, tid);
-    store_x<BM>(xl, sx[0], tid);
-    store_w<BITS, BN>(wl, sw[0], tid);
+    cp_async_wait<GEMM_XS - 2>();  // step 0's group is complete
+    convert_x<BM>(ring, sx, tid);
+    store_w<BITS, BN>(wl, sw, tid);
     __syncthreads();
 
     const int wm = (warp / (BN / 32)) * 64, wn = (warp % (BN / 32)) * 32;
     for (int step = 0; step < steps; step++) {
         const int buf = step & 1;
         const bool more = step + 1 < steps;
-        if (more) {
-            int k = (step + 1) * GEMM_BK;
-            load_x<BM>(xl, x_rows, k + x_col, K, x_vec);
-            load_w<BITS, BN>(wl, w, w_row0, n_valid, k, w_vec, tid);
+        {
+            // X step + XS − 1 into the slot of step − 1, which this thread converted in the
+            // previous iteration (slots are private to their thread: no barrier is needed).
+            const int s = step + GEMM_XS - 1;
+            if (s < steps)
+                copy_x<BM>(ring + (s % GEMM_XS) * XPieces<BM>::SLOT_FLOATS, x_rows, x, s * GEMM_BK + x_col, K, x_vec,
+                           tid);
+            cp_async_commit();
         }
-        const u16* tx = sx[buf];
-        const u16* tw = sw[buf];
+        if (more) load_w<BITS, BN>(wl, w, w_row0, n_valid, (step + 1) * GEMM_BK, w_vec, tid);
+        const u16* tx = sx + buf * BM * GEMM_BK;
+        const u16* tw = sw + buf * BN * GEMM_BK;
 #pragma unroll
         for (int ks = 0; ks < GEMM_BK / 16; ks++) {
             u32 a[4][4], b[4][2];
@@ -308,12 +358,17 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
                 for (int j = 0; j < 4; j++) mma_bf16(acc[i][j], a[i], b[j][0], b[j][1]);
         }
         if (more) {
-            // The other buffer was last read in the previous step, before its closing barrier.
-            store_x<BM>(xl, sx[buf ^ 1], tid);
-            store_w<BITS, BN>(wl, sw[buf ^ 1], tid);
+            // Groups committed: steps 0 .. step + XS − 1; step + 1's is complete when at most
+            // XS − 2 are pending. The other bf16 buffers were last read in the previous step,
+            // before its closing barrier.
+            cp_async_wait<GEMM_XS - 2>();
+            convert_x<BM>(ring + ((step + 1) % GEMM_XS) * XPieces<BM>::SLOT_FLOATS, sx + (buf ^ 1) * BM * GEMM_BK,
+                          tid);
+            store_w<BITS, BN>(wl, sw + (buf ^ 1) * BN * GEMM_BK, tid);
         }
         __syncthreads();
     }
+    cp_async_wait<0>();  // no copy may land after the block's shared memory is reused
 
     // Accumulator c of mma tile (i, j): row lane/4 (+8 for c ≥ 2), column 2·(lane%4) + c%2.
 #pragma unroll
