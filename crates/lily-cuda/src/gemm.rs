@@ -17,27 +17,25 @@ pub const GEMM_GROUPED_BM: usize = 64;
 pub const GEMM_GROUPED_BN: usize = 256;
 /// K columns a step of the GEMM advances (GEMM_BK).
 const GEMM_BK: usize = 32;
-/// Stages of the cp.async ring that streams X (GEMM_XS).
-const GEMM_XS: usize = 3;
 /// Threads of a block: 8 warps (GEMM_THREADS).
 const GEMM_THREADS: u32 = 256;
 /// CUDA's limit on a grid's y dimension, which counts row tiles.
 const MAX_GRID_Y: usize = 65_535;
 
 /// Dynamic shared memory of a `bm × bn` block, as kernels/gemm.cu lays it out
-/// (`gemm_shared_bytes`): the f32 X ring, then two bf16 X tiles and two bf16 W tiles. The kernel
-/// traps when given less.
+/// (`gemm_shared_bytes`): two bf16 X tiles, then two bf16 W tiles. The kernel traps when given
+/// less.
 const fn shared_bytes(bm: usize, bn: usize) -> u32 {
-    (GEMM_XS * bm * GEMM_BK * 4 + 2 * (bm + bn) * GEMM_BK * 2) as u32
+    (2 * (bm + bn) * GEMM_BK * 2) as u32
 }
 
-/// Dense blocks: 80 KiB (two fit an SM's 228 KiB).
+/// Dense blocks: 32 KiB.
 const DENSE_SHARED: u32 = shared_bytes(GEMM_DENSE_BM, GEMM_DENSE_BN);
-/// Grouped blocks: 64 KiB.
+/// Grouped blocks: 40 KiB.
 const GROUPED_SHARED: u32 = shared_bytes(GEMM_GROUPED_BM, GEMM_GROUPED_BN);
 
-/// The GEMM kernels and the dynamic shared memory each launches with, for `Gpu::new` to raise
-/// their limit (above the default 48 KiB).
+/// The GEMM kernels and the dynamic shared memory each launches with, for `Gpu::new` to declare
+/// as their limit (needed once a block takes more than the default 48 KiB; 32 and 40 KiB now).
 pub fn dynamic_shared() -> Vec<(String, u32)> {
     [4, 8, 32]
         .iter()
