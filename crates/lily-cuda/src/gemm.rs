@@ -4,21 +4,52 @@
 use anyhow::{Result, ensure};
 
 use crate::compile::MOE_TILE;
-use crate::gpu::Gpu;
-use crate::launch;
+use crate::gpu::{Gpu, KArg, Shape};
 use crate::mat::DeviceMat;
 
-/// Rows of X (tokens, or sorted expert slots) one block computes (kernels/gemm.cu, GEMM_BM).
-pub const GEMM_BM: usize = 64;
-/// Weight rows (output columns) one block computes (GEMM_BN).
-pub const GEMM_BN: usize = 128;
+/// Rows of X (tokens) one block of the dense GEMM computes (kernels/gemm.cu, GEMM_DENSE_BM).
+pub const GEMM_DENSE_BM: usize = 128;
+/// Weight rows (output columns) one block of the dense GEMM computes (GEMM_DENSE_BN).
+pub const GEMM_DENSE_BN: usize = 128;
+/// Sorted expert slots one block of the grouped GEMM computes: one routing tile (GEMM_GROUPED_BM).
+pub const GEMM_GROUPED_BM: usize = 64;
+/// Expert weight rows (output columns) one block of the grouped GEMM computes (GEMM_GROUPED_BN).
+pub const GEMM_GROUPED_BN: usize = 256;
+/// K columns a step of the GEMM advances (GEMM_BK).
+const GEMM_BK: usize = 32;
 /// Threads of a block: 8 warps (GEMM_THREADS).
 const GEMM_THREADS: u32 = 256;
 /// CUDA's limit on a grid's y dimension, which counts row tiles.
 const MAX_GRID_Y: usize = 65_535;
 
+/// Dynamic shared memory of a `bm × bn` block, as kernels/gemm.cu lays it out
+/// (`gemm_shared_bytes`): two bf16 X tiles, then two bf16 W tiles. The kernel traps when given
+/// less.
+const fn shared_bytes(bm: usize, bn: usize) -> u32 {
+    (2 * (bm + bn) * GEMM_BK * 2) as u32
+}
+
+/// Dense blocks: 32 KiB.
+const DENSE_SHARED: u32 = shared_bytes(GEMM_DENSE_BM, GEMM_DENSE_BN);
+/// Grouped blocks: 40 KiB.
+const GROUPED_SHARED: u32 = shared_bytes(GEMM_GROUPED_BM, GEMM_GROUPED_BN);
+
+/// The GEMM kernels and the dynamic shared memory each launches with, for `Gpu::new` to declare
+/// as their limit (needed once a block takes more than the default 48 KiB; 32 and 40 KiB now).
+pub fn dynamic_shared() -> Vec<(String, u32)> {
+    [4, 8, 32]
+        .iter()
+        .flat_map(|bits| {
+            [
+                (format!("gemm_b{bits}"), DENSE_SHARED),
+                (format!("gemm_grouped_b{bits}"), GROUPED_SHARED),
+            ]
+        })
+        .collect()
+}
+
 const _: () = assert!(
-    GEMM_BM == MOE_TILE,
+    GEMM_GROUPED_BM == MOE_TILE,
     "a grouped tile must be one block's rows"
 );
 
@@ -72,15 +103,26 @@ pub fn gemm(
         "output columns {col0}..{} do not fit rows of {ldy}",
         col0 + w.rows
     );
-    let row_tiles = m.div_ceil(GEMM_BM);
+    let row_tiles = m.div_ceil(GEMM_DENSE_BM);
     ensure!(
         row_tiles <= MAX_GRID_Y,
         "{m} rows are too many for one GEMM launch"
     );
     let name = format!("gemm_b{}", w.bits);
-    let grid = (w.rows.div_ceil(GEMM_BN) as u32, row_tiles as u32, 1);
-    launch!(gpu, &name, grid, GEMM_THREADS;
-        w.arg(gpu), x, m as i32, y, ldy as i32, col0 as i32);
+    let grid = (w.rows.div_ceil(GEMM_DENSE_BN) as u32, row_tiles as u32, 1);
+    let args: [KArg; 6] = [
+        w.arg(gpu).into(),
+        x.into(),
+        (m as i32).into(),
+        y.into(),
+        (ldy as i32).into(),
+        (col0 as i32).into(),
+    ];
+    let shape = Shape {
+        grid,
+        block: GEMM_THREADS,
+    };
+    gpu.launch_shared(&name, shape, DENSE_SHARED, &args)?;
     Ok(())
 }
 
@@ -115,8 +157,20 @@ pub fn gemm_grouped(
         "{max_tiles} expert tiles are too many for one GEMM launch"
     );
     let name = format!("gemm_grouped_b{}", w.bits);
-    let grid = (n.div_ceil(GEMM_BN) as u32, max_tiles as u32, 1);
-    launch!(gpu, &name, grid, GEMM_THREADS;
-        w.arg(gpu), n as i32, x, gather, tiles, num_tiles, y);
+    let grid = (n.div_ceil(GEMM_GROUPED_BN) as u32, max_tiles as u32, 1);
+    let args: [KArg; 7] = [
+        w.arg(gpu).into(),
+        (n as i32).into(),
+        x.into(),
+        gather.into(),
+        tiles.into(),
+        num_tiles.into(),
+        y.into(),
+    ];
+    let shape = Shape {
+        grid,
+        block: GEMM_THREADS,
+    };
+    gpu.launch_shared(&name, shape, GROUPED_SHARED, &args)?;
     Ok(())
 }

@@ -76,6 +76,18 @@ impl Gpu {
                 functions.insert(entry.to_string(), f);
             }
         }
+        // Kernels that take more than the default 48 KiB of dynamic shared memory must say so
+        // once, before their first launch (cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES).
+        for (entry, bytes) in crate::gemm::dynamic_shared() {
+            let f = functions
+                .get(entry.as_str())
+                .with_context(|| format!("kernel {entry} is not compiled"))?;
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+            .map_err(|e| anyhow::anyhow!("kernel {entry}: {bytes} bytes of shared memory: {e:?}"))?;
+        }
         Ok(Gpu {
             ctx,
             stream,
@@ -150,7 +162,7 @@ impl From<MatArg> for KArg {
     }
 }
 
-/// A launch shape: grid and block dimensions (no dynamic shared memory is used).
+/// A launch shape: grid and block dimensions (dynamic shared memory: [`Gpu::launch_shared`]).
 pub struct Shape {
     pub grid: (u32, u32, u32),
     pub block: u32,
@@ -158,24 +170,36 @@ pub struct Shape {
 
 impl Gpu {
     /// Launches kernel `name` on the stream.
+    pub fn launch(&self, name: &str, shape: Shape, args: &[KArg]) -> Result<()> {
+        self.launch_shared(name, shape, 0, args)
+    }
+
+    /// Launches kernel `name` with `shared` bytes of dynamic shared memory (above 48 KiB only for
+    /// kernels that `Gpu::new` raised the limit of: `gemm::dynamic_shared`).
     ///
     /// On sm_90+ every launch may begin before the previous kernel ends (programmatic stream
     /// serialisation): each kernel calls `pdl_wait()` (kernels/common.cuh) before it touches
     /// anything an earlier kernel writes, and then lets its successor be scheduled. The successor's
     /// blocks are resident while this kernel runs, and the staged GEMVs use that time to request
     /// their weights, which no kernel writes. A decode step is ~300 short dependent kernels, so the
-    /// launch gap and the weight-load latency at each kernel's start are most of what it loses.
-    pub fn launch(&self, name: &str, shape: Shape, args: &[KArg]) -> Result<()> {
+    /// launch gap and the weight-load latency at each kernel's start are what it saves.
+    pub fn launch_shared(
+        &self,
+        name: &str,
+        shape: Shape,
+        shared: u32,
+        args: &[KArg],
+    ) -> Result<()> {
         let f = self.function(name)?;
         if self.pdl {
             return self
-                .launch_pdl(f, &shape, args)
+                .launch_pdl(f, &shape, shared, args)
                 .with_context(|| format!("kernel {name}"));
         }
         let cfg = LaunchConfig {
             grid_dim: shape.grid,
             block_dim: (shape.block, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: shared,
         };
         let mut builder = self.stream.launch_builder(f);
         for a in args {
@@ -192,7 +216,13 @@ impl Gpu {
         Ok(())
     }
 
-    fn launch_pdl(&self, f: &CudaFunction, shape: &Shape, args: &[KArg]) -> Result<()> {
+    fn launch_pdl(
+        &self,
+        f: &CudaFunction,
+        shape: &Shape,
+        shared: u32,
+        args: &[KArg],
+    ) -> Result<()> {
         use cudarc::driver::sys;
         use std::ffi::c_void;
         self.ctx.bind_to_thread()?;
@@ -221,7 +251,7 @@ impl Gpu {
             blockDimX: shape.block,
             blockDimY: 1,
             blockDimZ: 1,
-            sharedMemBytes: 0,
+            sharedMemBytes: shared,
             hStream: self.stream.cu_stream(),
             attrs: &mut attr,
             numAttrs: 1,

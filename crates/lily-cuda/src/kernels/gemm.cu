@@ -1,22 +1,45 @@
 // Y = X · Wᵀ on the tensor cores for prefill: X is f32 activations [rows, K], W a weight as stored
 // (4- or 8-bit MLX affine codes, or dense f32). Both are rounded to bf16 on their way into shared
-// memory (W dequantised there, w = scale·code + bias in f32, then rounded), so a bf16 copy of a
+// memory (W dequantised there, w = scale·code + bias rounded once to bf16), so a bf16 copy of a
 // weight never exists in global memory; products accumulate in f32 (mma m16n8k16, sm_80+).
 //
-// A block computes a GEMM_BM × GEMM_BN tile of Y: 8 warps as 2 (rows) × 4 (columns), each
-// 32 × 32 (2 × 4 mma tiles). K advances GEMM_BK at a time through two shared buffers: the global
-// loads of step k+1 are issued into registers before the mma work of step k and converted into
-// the other buffer after it, so their latency hides behind the arithmetic and one barrier per
-// step suffices. Shared tiles are rows of 64 bf16 (8 chunks of 16 bytes) with chunk c of row r
-// stored at c ^ (r % 8): the 8 rows an ldmatrix reads at one logical chunk, and the chunks a
-// quarter-warp stores, fall in 8 different bank groups.
+// A block computes a BM × BN tile of Y with 8 warps, each a 64 × 32 tile (4 × 4 mma tiles: per
+// 16 columns of K, 4 ldmatrix of X and 2 of W feed 16 mma). Dense: BM = BN = 128, warps 2 (rows)
+// × 4 (columns). Grouped: BM = MOE_TILE = 64 (routing cuts tiles of 64 rows), BN = 256, warps
+// 1 × 8. K advances GEMM_BK at a time through two shared buffers: the global loads of step k+1
+// are issued into registers before the mma work of step k and converted into the other buffer
+// after it, so their latency hides behind the arithmetic and one barrier per step suffices.
+//
+// What bounds this kernel is the SM's L1/shared data pipe (128 bytes a cycle; ncu had it 75 %
+// busy at 140 TFLOP/s), which ldmatrix, the tile stores and every global load share: a warp's
+// global load costs a wavefront per 128-byte line it touches, however few of its bytes it uses.
+// So a warp's X load is 4 rows × 128 contiguous bytes (whole lines), and the scales and biases of
+// a weight row, a line per row and array whatever their size, are loaded four groups at a time
+// (8 bytes) and only when the step enters a new window of groups, not every step.
+//
+// 4-bit codes become bf16 without float conversions: a byte permute and a masked OR put two codes
+// into the mantissas of a bf16 pair 128 + code, one bf16x2 fma subtracts 128 (exact), one more
+// computes scale·code + bias with a single rounding. That is the bf16 of the f32
+// fmaf(scale, code, bias) whenever the f32 result is exact, as it is for MLX's groups: the bias
+// is 0 or q0·scale with 1 ≤ |q0| ≤ 15, so scale·code + bias spans at most 20 bits. 8-bit codes
+// (byte permutes into 2^23 + code) keep the f32 fmaf.
+//
+// Shared tiles are rows of 32 bf16 (4 chunks of 16 bytes) with chunk c of row r stored at
+// c ^ ((r / 2) % 4): the 8 rows an ldmatrix reads at one logical chunk, the chunks a quarter-warp
+// stores and the 8-byte halves a half-warp stores fall in distinct banks. Shared memory is
+// dynamic: gemm.rs sizes it by the same formula as gemm_shared_bytes below.
 
-#define GEMM_BM 64
-#define GEMM_BN 128
-#define GEMM_BK 64
+#define GEMM_BK 32
 #define GEMM_THREADS 256
+#define GEMM_DENSE_BM 128
+#define GEMM_DENSE_BN 128
+#define GEMM_GROUPED_BM 64
+#define GEMM_GROUPED_BN 256
 
-static_assert(GEMM_BM == MOE_TILE, "a grouped tile (MOE_TILE rows) must be one block's rows");
+// Dynamic shared memory of a block: two bf16 X tiles, then two bf16 W tiles.
+__host__ __device__ constexpr int gemm_shared_bytes(int bm, int bn) { return 2 * (bm + bn) * GEMM_BK * 2; }
+
+static_assert(GEMM_GROUPED_BM == MOE_TILE, "a grouped tile (MOE_TILE rows) must be one block's rows");
 
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     u32 r;
@@ -25,19 +48,33 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return r;
 }
 
+// Bytes of {b, a} picked by the four selector nibbles (prmt: bytes 0-3 are a's, 4-7 b's).
+__device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// a · b + c on bf16 pairs, rounded once.
+__device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
 // Element offset of (row, 16-byte chunk) in a swizzled shared tile.
 __device__ __forceinline__ int swizzled(int row, int chunk) {
-    return row * GEMM_BK + ((chunk ^ (row & 7)) << 3);
+    return row * GEMM_BK + ((chunk ^ ((row >> 1) & 3)) << 3);
 }
 
 __device__ __forceinline__ u32 shared_address(const void* p) {
     return (u32)__cvta_generic_to_shared(p);
 }
 
-__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* p) {
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 address) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(p)));
+                 : "r"(address));
 }
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -48,92 +85,147 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// This thread's share of one X tile (GEMM_BM × GEMM_BK f32): two chunks of 8 values, rows
-// tid/8 and tid/8 + 32, columns (tid%8)·8 .. +8 of the step.
+// This thread's share of one X tile (BM × GEMM_BK f32): BM / 32 float4s; piece i is row
+// tid/8 + 32·i, columns 4·(tid%8) .. +4 of the step. A warp's load of one piece is 4 rows × 128
+// contiguous bytes: 4 whole lines, the fewest its 512 bytes can take.
+template <int BM>
 struct XLoad {
-    float v[2][8];
+    static constexpr int PIECES = BM * GEMM_BK / 4 / GEMM_THREADS;
+    float4 v[PIECES];
 };
 
-// The source rows of this thread's two X chunks (null: the row is past the block's rows).
-// Vector loads need 16-byte aligned rows: the caller checks x and K.
-__device__ __forceinline__ void load_x(XLoad& r, const float* const (&rows)[2], int k, int K, bool vec) {
+// Where this thread's X pieces come from: pieces i < live are rows of the block (the rest load
+// zeros). Gathered rows keep a pointer a piece; contiguous rows one pointer, piece i being 32·i
+// rows on.
+template <int BM, bool GATHER>
+struct XRows {
+    const float* row[GATHER ? XLoad<BM>::PIECES : 1];
+    int live;
+};
+
+// Loads this thread's pieces at column k (its own column of the step). vec: x rows are 16-byte
+// aligned and K % 4 == 0, so a float4 lies wholly inside the row or wholly past it; otherwise
+// scalar loads.
+template <int BM, bool GATHER>
+__device__ __forceinline__ void load_x(XLoad<BM>& r, const XRows<BM, GATHER>& rows, int k, int K, bool vec) {
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            int kk = k + 4 * h;
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (rows[i] != nullptr) {
-                if (vec) {
-                    // K % 4 == 0 here, so a float4 is wholly inside the row or wholly past it.
-                    if (kk < K) v = *(const float4*)(rows[i] + kk);
-                } else {
-                    if (kk < K) v.x = rows[i][kk];
-                    if (kk + 1 < K) v.y = rows[i][kk + 1];
-                    if (kk + 2 < K) v.z = rows[i][kk + 2];
-                    if (kk + 3 < K) v.w = rows[i][kk + 3];
-                }
+    for (int i = 0; i < XLoad<BM>::PIECES; i++) {
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (i < rows.live) {
+            const float* src = (GATHER ? rows.row[i] : rows.row[0] + (long)(32 * i) * K) + k;
+            if (vec) {
+                if (k < K) v = *(const float4*)src;
+            } else {
+                if (k < K) v.x = src[0];
+                if (k + 1 < K) v.y = src[1];
+                if (k + 2 < K) v.z = src[2];
+                if (k + 3 < K) v.w = src[3];
             }
-            r.v[i][4 * h] = v.x;
-            r.v[i][4 * h + 1] = v.y;
-            r.v[i][4 * h + 2] = v.z;
-            r.v[i][4 * h + 3] = v.w;
+        }
+        r.v[i] = v;
+    }
+}
+
+// Where store_x puts piece 0 in an X tile (elements): half (tid%8)%2 of chunk (tid%8)/2 of row
+// tid/8. Piece i goes 32·i rows on, which swizzle alike.
+__device__ __forceinline__ int x_slot(int tid) {
+    return swizzled(tid / 8, (tid % 8) / 2) + (tid % 2) * 4;
+}
+
+// Rounds this thread's pieces to bf16 into tile sx at its slot.
+template <int BM>
+__device__ __forceinline__ void store_x(const XLoad<BM>& r, u16* sx, int slot) {
+#pragma unroll
+    for (int i = 0; i < XLoad<BM>::PIECES; i++) {
+        const float4 v = r.v[i];
+        *(uint2*)(sx + slot + 32 * i * GEMM_BK) = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+    }
+}
+
+// This thread's share of one W tile (BN rows × GEMM_BK columns), as loaded from global memory:
+// SPAN = BN / 8 consecutive columns of one row (dense 16, grouped 32), row tid / (32 / SPAN),
+// columns (tid % (32 / SPAN))·SPAN .. +SPAN of the step. They arrive in LOADS loads of LK
+// columns: 4-bit LK = SPAN (8 or 16 bytes of codes; every 4-bit group is a multiple of 32
+// columns, so an aligned span of ≤ 32 lies in one group), 8-bit LK = 16 (16 bytes; groups are
+// multiples of 16), f32 LK = 8 (two float4).
+//
+// For codes, load l also keeps the bf16 scales and biases of a window of groups of its row:
+// four groups from group `base` (8-byte loads; `wide`: a row has a multiple of 4 groups and the
+// arrays are 8-byte aligned), else the one group `base`. `sub` is the group of this step's load
+// relative to base, `col` the load's column within its group: advancing a step adds GEMM_BK to
+// col, and the window reloads only when sub leaves it.
+template <int BITS, int BN>
+struct WLoad {
+    static constexpr int SPAN = BN * GEMM_BK / GEMM_THREADS;
+    static constexpr int LK = BITS == 4 ? SPAN : BITS == 8 ? 16 : 8;
+    static constexpr int LOADS = SPAN / LK;
+    static constexpr int WORDS = LK * BITS / 32;
+    static_assert(SPAN == 16 || SPAN == 32, "a thread's W span is 16 or 32 columns");
+    static_assert(WORDS == 2 || WORDS == 4 || WORDS == 8, "loads of 8, 16 or 32 bytes");
+    u32 q[LOADS][WORDS];
+    u32 scales[LOADS][2], biases[LOADS][2];
+    int base[LOADS], sub[LOADS], col[LOADS];
+};
+
+template <int BITS, int BN>
+__device__ __forceinline__ int w_row(int tid) {
+    return tid / (GEMM_BK / WLoad<BITS, BN>::SPAN);
+}
+
+template <int BITS, int BN>
+__device__ __forceinline__ int w_col(int tid) {
+    return (tid % (GEMM_BK / WLoad<BITS, BN>::SPAN)) * WLoad<BITS, BN>::SPAN;
+}
+
+// The group windows at step 0 (the only integer divisions, once per block).
+template <int BITS, int BN>
+__device__ __forceinline__ void init_groups(WLoad<BITS, BN>& r, int group, bool wide, int tid) {
+    using L = WLoad<BITS, BN>;
+#pragma unroll
+    for (int l = 0; l < L::LOADS; l++) {
+        const int kk = w_col<BITS, BN>(tid) + l * L::LK;
+        const int g = kk / group;
+        r.col[l] = kk % group;
+        r.base[l] = wide ? g & ~3 : g;
+        r.sub[l] = g - r.base[l];
+    }
+}
+
+// Moves the windows' positions on by a step: sub past the window (≥ 4 wide, ≥ 1 otherwise) makes
+// load_w reload.
+template <int BITS, int BN>
+__device__ __forceinline__ void next_groups(WLoad<BITS, BN>& r, int group) {
+    using L = WLoad<BITS, BN>;
+#pragma unroll
+    for (int l = 0; l < L::LOADS; l++) {
+        r.col[l] += GEMM_BK;
+        // A group has at least 16 columns (32 at 4 bits), so a step crosses at most 2 (1) ends.
+#pragma unroll
+        for (int t = 0; t < (BITS == 4 ? 1 : 2); t++) {
+            if (r.col[l] >= group) {
+                r.col[l] -= group;
+                r.sub[l]++;
+            }
         }
     }
 }
 
-__device__ __forceinline__ void store_x(const XLoad& r, u16* sx, int tid) {
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const float* v = r.v[i];
-        uint4 q = make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
-                             pack_bf16x2(v[6], v[7]));
-        *(uint4*)(sx + swizzled(tid / 8 + 32 * i, tid % 8)) = q;
-    }
-}
-
-// This thread's share of one W tile (GEMM_BN rows × GEMM_BK columns), as loaded from global
-// memory: 16-byte chunks of codes (or f32 values) with their group's scale and bias.
-//  4-bit: 1 chunk of 32 codes: row tid/2, columns (tid%2)·32 .. +32.
-//  8-bit: 2 chunks of 16 codes: chunk c = tid + 256·i is row c/4, columns (c%4)·16 .. +16.
-// 32-bit: 4 pieces of 8 values: piece c = tid + 256·i is row c/8, columns (c%8)·8 .. +8.
-template <int BITS>
-struct WLoad {
-    static constexpr int CHUNKS = BITS == 4 ? 1 : BITS == 8 ? 2 : 4;
-    uint4 q[BITS == 32 ? 2 * CHUNKS : CHUNKS];
-    float scale[CHUNKS], bias[CHUNKS];
-};
-
-template <int BITS>
-__device__ __forceinline__ void chunk_place(int tid, int i, int& row, int& col) {
-    if constexpr (BITS == 4) {
-        row = tid / 2;
-        col = (tid % 2) * 32;
-    } else if constexpr (BITS == 8) {
-        int c = tid + GEMM_THREADS * i;
-        row = c / 4;
-        col = (c % 4) * 16;
-    } else {
-        int c = tid + GEMM_THREADS * i;
-        row = c / 8;
-        col = (c % 8) * 8;
-    }
-}
-
 // Rows [row0, row0 + n_valid) of w feed this block; rows past n_valid and columns past K load
-// as zero. For codes, K is a multiple of the group (≥ 32 for 4-bit, ≥ 16 for 8-bit, checked by
-// the launcher), so a chunk never straddles a group or the end of a row.
-template <int BITS>
-__device__ __forceinline__ void load_w(WLoad<BITS>& r, const Mat& w, long row0, int n_valid, int k, bool vec,
-                                       int tid) {
+// as zero (codes, scales and biases all zero: w = 0). For codes, K is a multiple of the group
+// (≥ 32 for 4-bit, ≥ 16 for 8-bit, checked by the launcher), so a load never straddles a group or
+// the end of a row. groups: a row's groups (K / group). first: the windows load (step 0).
+template <int BITS, int BN>
+__device__ __forceinline__ void load_w(WLoad<BITS, BN>& r, const Mat& w, long row0, int n_valid, int k, bool vec,
+                                       bool wide, int groups, int tid, bool first) {
+    using L = WLoad<BITS, BN>;
     const int K = w.cols;
+    const int row = w_row<BITS, BN>(tid);
+    const int col = w_col<BITS, BN>(tid);
+    const long wr = row0 + row;
 #pragma unroll
-    for (int i = 0; i < WLoad<BITS>::CHUNKS; i++) {
-        int row, col;
-        chunk_place<BITS>(tid, i, row, col);
-        int kk = k + col;
+    for (int l = 0; l < L::LOADS; l++) {
+        int kk = k + col + l * L::LK;
         bool live = row < n_valid && kk < K;
-        long wr = row0 + row;
         if constexpr (BITS == 32) {
             const float* src = (const float*)w.w + wr * K;
             float v[8];
@@ -154,68 +246,102 @@ __device__ __forceinline__ void load_w(WLoad<BITS>& r, const Mat& w, long row0, 
                         if (kk + j < K) v[j] = src[kk + j];
                 }
             }
-            r.q[2 * i] = make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]),
-                                    __float_as_uint(v[3]));
-            r.q[2 * i + 1] = make_uint4(__float_as_uint(v[4]), __float_as_uint(v[5]), __float_as_uint(v[6]),
-                                        __float_as_uint(v[7]));
+#pragma unroll
+            for (int j = 0; j < 8; j++) r.q[l][j] = __float_as_uint(v[j]);
         } else {
-            r.q[i] = make_uint4(0u, 0u, 0u, 0u);
-            r.scale[i] = 0.f;
-            r.bias[i] = 0.f;
+#pragma unroll
+            for (int j = 0; j < L::WORDS; j++) r.q[l][j] = 0u;
             if (live) {
-                const char* codes = (const char*)w.w + wr * K * BITS / 8;
-                r.q[i] = *(const uint4*)(codes + (long)kk * BITS / 8);
-                long g = wr * (K / w.group) + kk / w.group;
-                r.scale[i] = bf16_to_f32(w.scales[g]);
-                r.bias[i] = bf16_to_f32(w.biases[g]);
+                const char* codes = (const char*)w.w + wr * K * BITS / 8 + (long)kk * BITS / 8;
+                if constexpr (L::WORDS == 4) {
+                    uint4 q = *(const uint4*)codes;
+                    r.q[l][0] = q.x; r.q[l][1] = q.y; r.q[l][2] = q.z; r.q[l][3] = q.w;
+                } else {
+                    uint2 q = *(const uint2*)codes;
+                    r.q[l][0] = q.x; r.q[l][1] = q.y;
+                }
+                // The window moves by whole windows: 4 groups wide, 1 otherwise.
+                const int move = r.sub[l] & (wide ? ~3 : ~0);
+                if (first || move != 0) {
+                    r.base[l] += move;
+                    r.sub[l] -= move;
+                    const long g = wr * groups + r.base[l];
+                    if (wide) {
+                        const uint2 s = *(const uint2*)(w.scales + g), b = *(const uint2*)(w.biases + g);
+                        r.scales[l][0] = s.x; r.scales[l][1] = s.y;
+                        r.biases[l][0] = b.x; r.biases[l][1] = b.y;
+                    } else {
+                        r.scales[l][0] = w.scales[g]; r.scales[l][1] = 0u;
+                        r.biases[l][0] = w.biases[g]; r.biases[l][1] = 0u;
+                    }
+                }
+            } else {
+                r.scales[l][0] = r.scales[l][1] = 0u;
+                r.biases[l][0] = r.biases[l][1] = 0u;
             }
         }
     }
 }
 
-// Two codes of a word (fields lo and lo + 1) dequantised and packed as bf16.
-template <int BITS>
-__device__ __forceinline__ u32 dequant_pair(u32 word, int lo, float s, float b) {
-    constexpr u32 MASK = (1u << BITS) - 1u;
-    float w0 = __fmaf_rn(s, code_to_f32((word >> (lo * BITS)) & MASK), b);
-    float w1 = __fmaf_rn(s, code_to_f32((word >> ((lo + 1) * BITS)) & MASK), b);
-    return pack_bf16x2(w0, w1);
+// The bf16 pair (v, v) of group sub (0-3) of a window of 4 bf16 in two words.
+__device__ __forceinline__ u32 window_pair(const u32 (&win)[2], int sub) {
+    return byte_perm(win[0], win[1], 0x1010u + 0x2222u * (u32)sub);
 }
 
-template <int BITS>
-__device__ __forceinline__ void store_w(const WLoad<BITS>& r, u16* sw, int tid) {
+// Where store_w puts this thread's first chunk in a W tile (elements). Its chunk t is at
+// slot ^ 8·t: a span of 2 or 4 chunks starts at a multiple of its size, so chunk0 + t =
+// chunk0 ^ t, and the swizzle is an XOR too.
+template <int BITS, int BN>
+__device__ __forceinline__ int w_slot(int tid) {
+    return swizzled(w_row<BITS, BN>(tid), w_col<BITS, BN>(tid) / 8);
+}
+
+template <int BITS, int BN>
+__device__ __forceinline__ void store_w(const WLoad<BITS, BN>& r, u16* sw, int slot) {
+    using L = WLoad<BITS, BN>;
 #pragma unroll
-    for (int i = 0; i < WLoad<BITS>::CHUNKS; i++) {
-        int row, col;
-        chunk_place<BITS>(tid, i, row, col);
+    for (int l = 0; l < L::LOADS; l++) {
+        const u32* words = r.q[l];
+        const int chunk = l * L::LK / 8;  // relative to the span's first
         if constexpr (BITS == 32) {
-            // A piece of 8 values (two f32 float4s) becomes one 16-byte bf16 chunk.
-            const uint4 a = r.q[2 * i], b = r.q[2 * i + 1];
-            uint4 out = make_uint4(pack_bf16x2(__uint_as_float(a.x), __uint_as_float(a.y)),
-                                   pack_bf16x2(__uint_as_float(a.z), __uint_as_float(a.w)),
-                                   pack_bf16x2(__uint_as_float(b.x), __uint_as_float(b.y)),
-                                   pack_bf16x2(__uint_as_float(b.z), __uint_as_float(b.w)));
-            *(uint4*)(sw + swizzled(row, col / 8)) = out;
+            // 8 values (as f32 bits) become one 16-byte bf16 chunk.
+            uint4 out = make_uint4(pack_bf16x2(__uint_as_float(words[0]), __uint_as_float(words[1])),
+                                   pack_bf16x2(__uint_as_float(words[2]), __uint_as_float(words[3])),
+                                   pack_bf16x2(__uint_as_float(words[4]), __uint_as_float(words[5])),
+                                   pack_bf16x2(__uint_as_float(words[6]), __uint_as_float(words[7])));
+            *(uint4*)(sw + (slot ^ (8 * chunk))) = out;
+        } else if constexpr (BITS == 4) {
+            const u32 s2 = window_pair(r.scales[l], r.sub[l]), b2 = window_pair(r.biases[l], r.sub[l]);
+            // A word holds 8 codes (code i in bits 4i..4i+3): one 16-byte chunk of bf16. Pair m
+            // (codes 2m, 2m+1) is byte m of the word and byte m of the word >> 4, low nibbles.
+#pragma unroll
+            for (int j = 0; j < L::WORDS; j++) {
+                const u32 q = words[j], q4 = q >> 4;
+                u32 out[4];
+#pragma unroll
+                for (int m = 0; m < 4; m++) {
+                    const u32 biased = (byte_perm(q, q4, (u32)m | ((u32)(4 + m) << 8)) & 0x000f000fu) | 0x43004300u;
+                    const u32 code = fma_bf16x2(biased, 0x3f803f80u, 0xc300c300u);  // (128 + c)·1 − 128
+                    out[m] = fma_bf16x2(code, s2, b2);
+                }
+                *(uint4*)(sw + (slot ^ (8 * (chunk + j)))) = make_uint4(out[0], out[1], out[2], out[3]);
+            }
         } else {
-            const u32 words[4] = {r.q[i].x, r.q[i].y, r.q[i].z, r.q[i].w};
-            const float s = r.scale[i], b = r.bias[i];
-            if constexpr (BITS == 4) {
-                // A word holds 8 codes: one 16-byte chunk of bf16.
+            const float s = __uint_as_float(window_pair(r.scales[l], r.sub[l]) & 0xffff0000u);
+            const float b = __uint_as_float(window_pair(r.biases[l], r.sub[l]) & 0xffff0000u);
+            // Two words hold 8 codes: one chunk. Code i of a word, as 2^23 + code in f32, is its
+            // byte i under 0x4B; subtracting 2^23 is exact.
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    uint4 out = make_uint4(dequant_pair<4>(words[j], 0, s, b), dequant_pair<4>(words[j], 2, s, b),
-                                           dequant_pair<4>(words[j], 4, s, b), dequant_pair<4>(words[j], 6, s, b));
-                    *(uint4*)(sw + swizzled(row, col / 8 + j)) = out;
-                }
-            } else {
-                // Two words hold 8 codes: one chunk.
+            for (int j = 0; j < L::WORDS / 2; j++) {
+                u32 out[4];
 #pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    uint4 out = make_uint4(dequant_pair<8>(words[2 * j], 0, s, b), dequant_pair<8>(words[2 * j], 2, s, b),
-                                           dequant_pair<8>(words[2 * j + 1], 0, s, b),
-                                           dequant_pair<8>(words[2 * j + 1], 2, s, b));
-                    *(uint4*)(sw + swizzled(row, col / 8 + j)) = out;
+                for (int m = 0; m < 4; m++) {
+                    const u32 word = words[2 * j + m / 2];
+                    const float c0 = __uint_as_float(byte_perm(word, 0x4b000000u, 0x7540u + 2 * (m % 2))) - 8388608.f;
+                    const float c1 = __uint_as_float(byte_perm(word, 0x4b000000u, 0x7541u + 2 * (m % 2))) - 8388608.f;
+                    out[m] = pack_bf16x2(__fmaf_rn(s, c0, b), __fmaf_rn(s, c1, b));
                 }
+                *(uint4*)(sw + (slot ^ (8 * (chunk + j)))) = make_uint4(out[0], out[1], out[2], out[3]);
             }
         }
     }
@@ -223,91 +349,115 @@ __device__ __forceinline__ void store_w(const WLoad<BITS>& r, u16* sw, int tid) 
 
 // One block's tile: Y[y_row0 + i, y_col0 + j] = Σ_k X[row i] · W[w_row0 + j] for i < m_valid,
 // j < n_valid. X row i is x_row0 + i, or gather[x_row0 + i] when gather is given; X rows have K
-// values (K = w.cols).
-template <int BITS>
+// values (K = w.cols). Warps are laid out (BM / 64) × (BN / 32), each computing 64 × 32.
+template <int BITS, int BM, int BN, bool GATHER>
 __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid, const float* __restrict__ x,
                                           const int* __restrict__ gather, long x_row0, int m_valid,
                                           float* __restrict__ y, long y_row0, long ldy, long y_col0) {
-    __shared__ __align__(16) u16 sx[2][GEMM_BM * GEMM_BK];
-    __shared__ __align__(16) u16 sw[2][GEMM_BN * GEMM_BK];
+    static_assert((BM / 64) * (BN / 32) * WARP == GEMM_THREADS, "one 64 x 32 warp tile per warp");
+    extern __shared__ __align__(16) unsigned char gemm_smem[];
+    u16* sx = (u16*)gemm_smem;      // [2][BM * GEMM_BK]
+    u16* sw = sx + 2 * BM * GEMM_BK;  // [2][BN * GEMM_BK]
 
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    {
+        // The launcher must give the block gemm_shared_bytes(BM, BN): trap rather than overrun.
+        u32 dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (dyn < (u32)gemm_shared_bytes(BM, BN)) __trap();
+    }
     const int K = w.cols;
     const bool x_vec = ((unsigned long long)x & 15) == 0 && K % 4 == 0;
     const bool w_vec = ((unsigned long long)w.w & 15) == 0 && K % 4 == 0;
+    // Windows of 4 groups: a row's groups are a multiple of 4 and both arrays 8-byte aligned.
+    const int groups = BITS == 32 ? 0 : K / w.group;
+    const bool wide = BITS != 32 && groups % 4 == 0 && ((unsigned long long)w.scales & 7) == 0 &&
+                      ((unsigned long long)w.biases & 7) == 0;
 
-    const float* x_rows[2];
+    constexpr int XP = XLoad<BM>::PIECES;
+    XRows<BM, GATHER> x_rows;
+    x_rows.live = 0;
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < XP; i++) {
         int r = tid / 8 + 32 * i;
-        long src = gather != nullptr ? (long)gather[x_row0 + min(r, m_valid - 1)] : x_row0 + r;
-        x_rows[i] = r < m_valid ? x + src * K : nullptr;
+        if (r < m_valid) x_rows.live = i + 1;
+        if (GATHER || i == 0) {
+            long src = gather != nullptr ? (long)gather[x_row0 + min(r, m_valid - 1)] : x_row0 + r;
+            x_rows.row[GATHER ? i : 0] = x + src * K;
+        }
     }
+    const int x_col = (tid % 8) * 4;
 
-    float acc[2][4][4];
+    float acc[4][4][4];
 #pragma unroll
-    for (int i = 0; i < 2; i++)
+    for (int i = 0; i < 4; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++)
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[i][j][c] = 0.f;
 
-    XLoad xl;
-    WLoad<BITS> wl;
+    XLoad<BM> xl;
+    WLoad<BITS, BN> wl;
+    if constexpr (BITS != 32) init_groups<BITS, BN>(wl, w.group, wide, tid);
     const int steps = (K + GEMM_BK - 1) / GEMM_BK;
-    load_x(xl, x_rows, (tid % 8) * 8, K, x_vec);
-    load_w<BITS>(wl, w, w_row0, n_valid, 0, w_vec, tid);
-    store_x(xl, sx[0], tid);
-    store_w<BITS>(wl, sw[0], tid);
+    load_x<BM, GATHER>(xl, x_rows, x_col, K, x_vec);
+    load_w<BITS, BN>(wl, w, w_row0, n_valid, 0, w_vec, wide, groups, tid, true);
+    const int xs = x_slot(tid), ws = w_slot<BITS, BN>(tid);
+    store_x<BM>(xl, sx, xs);
+    store_w<BITS, BN>(wl, sw, ws);
     __syncthreads();
 
-    const int wm = (warp / 4) * 32, wn = (warp % 4) * 32;
+    // This lane's ldmatrix offsets (bytes) in an X and a W tile at ks = 0. Rows 16 apart swizzle
+    // alike (the swizzle reads row bits 1-2), so mma tile i (j) is 16·i rows on; ks = 1 flips bit
+    // 1 of the chunk (byte offset bit 5).
+    const int wm = (warp / (BN / 32)) * 64, wn = (warp % (BN / 32)) * 32;
+    const u32 sx_addr = shared_address(sx), sw_addr = shared_address(sw);
+    const u32 a_off = 2 * swizzled(wm + (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
+    const u32 b_off = 2 * swizzled(wn + (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
     for (int step = 0; step < steps; step++) {
         const int buf = step & 1;
         const bool more = step + 1 < steps;
         if (more) {
-            int k = (step + 1) * GEMM_BK;
-            load_x(xl, x_rows, k + (tid % 8) * 8, K, x_vec);
-            load_w<BITS>(wl, w, w_row0, n_valid, k, w_vec, tid);
+            const int k = (step + 1) * GEMM_BK;
+            load_x<BM, GATHER>(xl, x_rows, k + x_col, K, x_vec);
+            if constexpr (BITS != 32) next_groups<BITS, BN>(wl, w.group);
+            load_w<BITS, BN>(wl, w, w_row0, n_valid, k, w_vec, wide, groups, tid, false);
         }
-        const u16* tx = sx[buf];
-        const u16* tw = sw[buf];
 #pragma unroll
         for (int ks = 0; ks < GEMM_BK / 16; ks++) {
-            u32 a[2][4], b[4][2];
-#pragma unroll
-            for (int i = 0; i < 2; i++) {
-                // Matrices: rows 0-7 / 8-15 at k 0-7, then the same at k 8-15 (a0..a3).
-                int row = wm + 16 * i + (lane % 8) + ((lane / 8) % 2) * 8;
-                ldmatrix_x4(a[i], tx + swizzled(row, 2 * ks + lane / 16));
-            }
+            const u32 ta = sx_addr + buf * BM * GEMM_BK * 2 + (a_off ^ (ks * 32));
+            const u32 tb = sw_addr + buf * BN * GEMM_BK * 2 + (b_off ^ (ks * 32));
+            u32 b[4][2];
 #pragma unroll
             for (int j = 0; j < 2; j++) {
                 // Matrices: n 0-7 at k 0-7 / k 8-15 (b0, b1 of one n8 tile), then n 8-15.
-                int row = wn + 16 * j + (lane % 8) + (lane / 16) * 8;
                 u32 r[4];
-                ldmatrix_x4(r, tw + swizzled(row, 2 * ks + (lane / 8) % 2));
+                ldmatrix_x4(r, tb + j * 16 * GEMM_BK * 2);
                 b[2 * j][0] = r[0];
                 b[2 * j][1] = r[1];
                 b[2 * j + 1][0] = r[2];
                 b[2 * j + 1][1] = r[3];
             }
 #pragma unroll
-            for (int i = 0; i < 2; i++)
+            for (int i = 0; i < 4; i++) {
+                // Matrices: rows 0-7 / 8-15 at k 0-7, then the same at k 8-15 (a0..a3).
+                u32 a[4];
+                ldmatrix_x4(a, ta + i * 16 * GEMM_BK * 2);
 #pragma unroll
-                for (int j = 0; j < 4; j++) mma_bf16(acc[i][j], a[i], b[j][0], b[j][1]);
+                for (int j = 0; j < 4; j++) mma_bf16(acc[i][j], a, b[j][0], b[j][1]);
+            }
         }
         if (more) {
-            // The other buffer was last read in the previous step, before its closing barrier.
-            store_x(xl, sx[buf ^ 1], tid);
-            store_w<BITS>(wl, sw[buf ^ 1], tid);
+            // The other buffers were last read in the previous step, before its closing barrier.
+            store_x<BM>(xl, sx + (buf ^ 1) * BM * GEMM_BK, xs);
+            store_w<BITS, BN>(wl, sw + (buf ^ 1) * BN * GEMM_BK, ws);
         }
         __syncthreads();
     }
 
     // Accumulator c of mma tile (i, j): row lane/4 (+8 for c ≥ 2), column 2·(lane%4) + c%2.
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 4; i++) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             int row = wm + 16 * i + lane / 4 + 8 * h;
@@ -323,32 +473,34 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
     }
 }
 
-// Dense: Y[r, col0 + n] = Σ_k X[r, k] · W[n, k] for r < m, n < w.rows. Grid (⌈w.rows/BN⌉, ⌈m/BM⌉).
+// Dense: Y[r, col0 + n] = Σ_k X[r, k] · W[n, k] for r < m, n < w.rows. Grid (⌈w.rows/128⌉, ⌈m/128⌉).
 #define GEMM_DENSE(BITS)                                                                             \
-    extern "C" __global__ void __launch_bounds__(GEMM_THREADS)                                       \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)                                     \
         gemm_b##BITS(Mat w, const float* x, int m, float* y, int ldy, int col0) {                    \
         pdl_wait();                                                                                  \
-        int n0 = blockIdx.x * GEMM_BN;                                                               \
-        long r0 = (long)blockIdx.y * GEMM_BM;                                                        \
-        gemm_tile<BITS>(w, n0, min(GEMM_BN, w.rows - n0), x, nullptr, r0, (int)min((long)GEMM_BM, m - r0), y, \
-                        r0, ldy, (long)col0 + n0);                                                   \
+        int n0 = blockIdx.x * GEMM_DENSE_BN;                                                         \
+        long r0 = (long)blockIdx.y * GEMM_DENSE_BM;                                                  \
+        gemm_tile<BITS, GEMM_DENSE_BM, GEMM_DENSE_BN, false>(w, n0, min(GEMM_DENSE_BN, w.rows - n0), x, nullptr, r0, \
+                                                      (int)min((long)GEMM_DENSE_BM, m - r0), y, r0, ldy,      \
+                                                      (long)col0 + n0);                                       \
     }
 
 // Grouped (MoE experts): w stacks experts of n rows each. Tile t = tiles[3t..3t+3] = {expert,
 // first sorted slot, rows}; blocks past *num_tiles return (the host sizes the grid for the worst
-// case). Slot s reads X row gather[s] (or s) and writes y[s, 0..n). Grid (⌈n/BN⌉, max tiles).
+// case). Slot s reads X row gather[s] (or s) and writes y[s, 0..n). Grid (⌈n/256⌉, max tiles).
 #define GEMM_GROUPED(BITS)                                                                           \
-    extern "C" __global__ void __launch_bounds__(GEMM_THREADS)                                       \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)                                     \
         gemm_grouped_b##BITS(Mat w, int n, const float* x, const int* gather, const int* tiles,      \
                              const int* num_tiles, float* y) {                                       \
         pdl_wait();                                                                                  \
         int t = blockIdx.y;                                                                          \
         if (t >= *num_tiles) return;                                                                 \
-        int expert = tiles[3 * t], slot0 = tiles[3 * t + 1], rows = min(tiles[3 * t + 2], GEMM_BM);  \
-        int n0 = blockIdx.x * GEMM_BN;                                                               \
+        int expert = tiles[3 * t], slot0 = tiles[3 * t + 1], rows = min(tiles[3 * t + 2], GEMM_GROUPED_BM); \
+        int n0 = blockIdx.x * GEMM_GROUPED_BN;                                                       \
         /* A tile naming an expert past the stack would read beyond the weight. */                  \
         if (expert < 0 || (long)(expert + 1) * n > w.rows || rows <= 0) return;                      \
-        gemm_tile<BITS>(w, (long)expert * n + n0, min(GEMM_BN, n - n0), x, gather, slot0, rows, y, slot0, n, n0); \
+        gemm_tile<BITS, GEMM_GROUPED_BM, GEMM_GROUPED_BN, true>(w, (long)expert * n + n0, min(GEMM_GROUPED_BN, n - n0), x, \
+                                                          gather, slot0, rows, y, slot0, n, n0);               \
     }
 
 GEMM_DENSE(4)
