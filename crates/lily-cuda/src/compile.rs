@@ -247,7 +247,7 @@ mod tests {
             for piece in pieces {
                 let body = &piece[piece.find('{').expect("a kernel body")..];
                 let first = body.split(';').next().unwrap_or_default();
-                let waits = first.contains("pdl_wait")
+                let waits = first.contains("pdl_wait()")
                     || WAITING_BODIES.iter().any(|b| first.contains(b));
                 let name: String = piece.chars().take(80).collect();
                 assert!(

@@ -42,15 +42,6 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// pdl_wait() for a long kernel with few warps an SM (the GDN scan): its successor is scheduled
-// only when it ends, because the successor's waiting blocks would share its SMs' issue slots the
-// whole time (measured: the GDN prefill family 64 -> 88 ms a 4K chunk with the early start).
-__device__ __forceinline__ void pdl_wait_alone() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // Asks L2 for the line holding p (weights a kernel will read after pdl_wait).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));

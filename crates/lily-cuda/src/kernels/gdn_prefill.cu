@@ -169,7 +169,7 @@ __device__ __forceinline__ void scan_step(float (&s)[SCAN_RPL], const ScanIn& in
 // Grid (ceil(DV / (SCAN_WARPS·SCAN_CPW)), NV), SCAN_WARPS·32 threads. No __syncthreads: warps
 // are independent, so a warp whose columns all lie past DV leaves at once.
 extern "C" __global__ void gdn_scan(const float* conv, const float* prep, int t, float* state, float* out) {
-    pdl_wait_alone();
+    pdl_wait();
     int j = blockIdx.y;                       // value head
     int kh = j / (NV / NK);
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
