@@ -158,7 +158,9 @@ impl CudaBackend {
             self.gpu
                 .stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let encoded = encode_step(&self.gpu, &self.config, &self.weights, scratch, state, None);
+            let encoded = self.gpu.programmatic(|| {
+                encode_step(&self.gpu, &self.config, &self.weights, scratch, state, None)
+            });
             let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0));
             encoded?;
             state.graph = Some(graph?.context("graph capture produced no graph")?);
@@ -183,14 +185,16 @@ impl CudaBackend {
         let scratch = self.lock()?;
         let mut timeline = Timeline::default();
         for _ in 0..steps {
-            encode_step(
-                &self.gpu,
-                &self.config,
-                &self.weights,
-                &scratch.decode,
-                state,
-                Some(&mut timeline),
-            )?;
+            self.gpu.programmatic(|| {
+                encode_step(
+                    &self.gpu,
+                    &self.config,
+                    &self.weights,
+                    &scratch.decode,
+                    state,
+                    Some(&mut timeline),
+                )
+            })?;
             state.len += 1;
         }
         state.device_token = None;
