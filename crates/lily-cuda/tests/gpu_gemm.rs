@@ -7,21 +7,21 @@
 //! Every output buffer is prefilled with a marked NaN, and the cells the kernel must not write
 //! are checked to keep it.
 
+mod support;
+
 use std::time::Instant;
 
 use half::bf16;
-use lily_core::quant::QuantMatrix;
 use lily_core::rng::uniform_at;
 use lily_core::synthetic::synthetic_config;
-use lily_core::weights::{Linear, Matrix};
+use lily_core::weights::Linear;
 use lily_cuda::KvPrecision;
 use lily_cuda::compile::MOE_TILE;
 use lily_cuda::gemm::{gemm, gemm_grouped};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
 use lily_cuda::moe_prefill::max_tiles;
-
-const NEEDS_GPU: &str = "needs a CUDA GPU";
+use support::{NEEDS_GPU, random_linear_grouped};
 
 /// A quiet NaN with a payload no arithmetic produces: a cell holding it was never written.
 const SENTINEL: u32 = 0x7fc0_dead;
@@ -35,20 +35,6 @@ const TOLERANCE: f64 = 1e-5;
 fn gpu() -> Gpu {
     let config = synthetic_config("tiny").unwrap();
     Gpu::new(&config, KvPrecision::Bf16).expect(NEEDS_GPU)
-}
-
-fn random_linear(rows: usize, cols: usize, bits: u32, group: usize, seed: u64) -> Linear {
-    let values: Vec<f32> = (0..rows * cols)
-        .map(|i| uniform_at(seed, i as u64))
-        .collect();
-    match bits {
-        32 => Linear::Dense(Matrix {
-            rows,
-            cols,
-            data: values,
-        }),
-        b => Linear::Affine(QuantMatrix::quantize(rows, cols, b, group, &values).unwrap()),
-    }
 }
 
 /// The weight as the kernel sees it: `scale·code + bias` by one fused multiply-add in f32, then
@@ -171,7 +157,7 @@ struct Dense {
 fn check_dense(gpu: &Gpu, c: &Dense) -> (f64, f64) {
     let (m, n, k) = (c.m, c.n, c.k);
     let seed = (c.bits as u64) << 40 | (m as u64) << 20 | (n as u64) << 8 | k as u64;
-    let l = random_linear(n, k, c.bits, c.group, seed);
+    let l = random_linear_grouped(n, k, c.bits, c.group, seed);
     let w = DeviceMat::upload(gpu, &l).unwrap();
     let x: Vec<f32> = (0..m * k).map(|i| uniform_at(seed + 1, i as u64)).collect();
     let mut xbuf = vec![0f32; c.offset];
@@ -298,7 +284,7 @@ fn check_grouped(gpu: &Gpu, c: &Grouped) -> (f64, f64) {
     let (n, k, experts) = (c.n, c.k, c.counts.len());
     let pairs: usize = c.counts.iter().sum();
     let seed = (c.bits as u64) << 40 | (pairs as u64) << 16 | n as u64;
-    let l = random_linear(experts * n, k, c.bits, 64, seed);
+    let l = random_linear_grouped(experts * n, k, c.bits, 64, seed);
     let w = DeviceMat::upload(gpu, &l).unwrap();
     let slot_expert: Vec<usize> = (0..experts)
         .flat_map(|e| std::iter::repeat_n(e, c.counts[e]))
@@ -475,7 +461,7 @@ fn gemm_speed_at_prefill_shapes() {
         (4, 2048, 4096),
         (8, 2048, 2048),
     ] {
-        let w = DeviceMat::upload(&gpu, &random_linear(n, k, bits, 64, 9)).unwrap();
+        let w = DeviceMat::upload(&gpu, &random_linear_grouped(n, k, bits, 64, 9)).unwrap();
         let dy = gpu.zeros::<f32>(t * n).unwrap();
         let yp = ptr(&dy, &gpu.stream);
         let ms = time_ms(&gpu, &|| gemm(&gpu, &w, xp, t, yp, n, 0).unwrap());
@@ -488,7 +474,7 @@ fn gemm_speed_at_prefill_shapes() {
     let per = pairs / experts;
     let gather: Vec<i32> = (0..pairs).map(|s| ((s * 7919) % t) as i32).collect();
     for (n, k) in [(512usize, 2048usize), (2048, 512)] {
-        let w = DeviceMat::upload(&gpu, &random_linear(experts * n, k, 4, 64, 11)).unwrap();
+        let w = DeviceMat::upload(&gpu, &random_linear_grouped(experts * n, k, 4, 64, 11)).unwrap();
         let mut tiles = Vec::new();
         for e in 0..experts {
             for start in (0..per).step_by(MOE_TILE) {

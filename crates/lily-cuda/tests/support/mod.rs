@@ -50,6 +50,17 @@ pub fn greedy<B: Backend>(b: &B, prompt: &[u32], n: usize) -> Vec<u32> {
 
 /// A `rows × cols` matrix of uniform values, dense (`bits` 32) or MLX-quantised with group 64.
 pub fn random_linear(rows: usize, cols: usize, bits: u32, seed: u64) -> Linear {
+    random_linear_grouped(rows, cols, bits, 64, seed)
+}
+
+/// As [`random_linear`] with quantisation groups of `group` inputs.
+pub fn random_linear_grouped(
+    rows: usize,
+    cols: usize,
+    bits: u32,
+    group: usize,
+    seed: u64,
+) -> Linear {
     let values: Vec<f32> = (0..rows * cols)
         .map(|i| uniform_at(seed, i as u64))
         .collect();
@@ -59,7 +70,7 @@ pub fn random_linear(rows: usize, cols: usize, bits: u32, seed: u64) -> Linear {
             cols,
             data: values,
         }),
-        b => Linear::Affine(QuantMatrix::quantize(rows, cols, b, 64, &values).unwrap()),
+        b => Linear::Affine(QuantMatrix::quantize(rows, cols, b, group, &values).unwrap()),
     }
 }
 
