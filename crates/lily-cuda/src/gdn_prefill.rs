@@ -55,17 +55,17 @@ fn chunk_columns(dv: usize) -> usize {
         .unwrap_or(8)
 }
 
-/// Floats `gdn_chunk_prep` leaves per (value head, chunk): W `[C, DK]`, Tβ and P `[C, C]`, γ `[C]`
-/// (GDNC_FLOATS).
+/// Floats `gdn_chunk_prep` leaves per (value head, chunk): W `[C, DK]`, Tβ and P `[C, C]`, e^γ
+/// and e^{γ_C − γ} `[C]` (GDNC_FLOATS).
 fn chunk_floats(dk: usize) -> usize {
-    CHUNK * dk + 2 * CHUNK * CHUNK + CHUNK
+    CHUNK * dk + 2 * CHUNK * CHUNK + 2 * CHUNK
 }
 
 /// Dynamic shared memory of `gdn_chunk_prep` and `gdn_chunk_scan` in bytes (GDNC_PREP_SHARED,
 /// GDNC_SCAN_SHARED): rows padded by 4 floats.
 fn chunk_shared_bytes(dk: usize, dv: usize) -> (usize, usize) {
     let (ldk, ldc, lds) = (dk + 4, CHUNK + 4, chunk_columns(dv) + 4);
-    let prep = 2 * CHUNK * ldk + 2 * CHUNK * ldc + 2 * CHUNK;
+    let prep = 2 * CHUNK * ldk + 2 * CHUNK * ldc + 3 * CHUNK;
     let scan = 3 * CHUNK * ldk + 2 * CHUNK * ldc + dk * lds + 2 * CHUNK * lds;
     (4 * prep, 4 * scan)
 }
@@ -108,7 +108,7 @@ fn prep_floats(c: &ModelConfig, t: usize) -> usize {
 
 /// Floats of the scratch a `route` needs for a chunk of `t` tokens: the prep output, and for
 /// [`GdnPrefillRoute::Chunked`] after it (from a 16-byte boundary) `gdn_chunk_prep`'s
-/// `[NV, ⌈t/64⌉, 64·DK + 2·64² + 64]` (33 MiB per 1,024 tokens at the production heads).
+/// `[NV, ⌈t/64⌉, 64·DK + 2·64² + 2·64]` (32 MiB per 1,024 tokens at the production heads).
 pub fn scratch_floats(c: &ModelConfig, t: usize, route: GdnPrefillRoute) -> usize {
     match route {
         GdnPrefillRoute::Scan => prep_floats(c, t),
@@ -305,7 +305,7 @@ mod tests {
     fn the_chunked_route_fits_the_production_heads_on_hopper() {
         let c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
         // GDNC_PREP_SHARED and GDNC_SCAN_SHARED at DK = DV = 128 (32 columns per block).
-        assert_eq!(chunk_shared_bytes(128, 128), (102_912, 173_056));
+        assert_eq!(chunk_shared_bytes(128, 128), (103_168, 173_056));
         assert_eq!(chunk_columns(128), 32);
         // H200: 227 KiB per block opted in; A100's 163 KiB is too little for the scan.
         chunked_fits(&c, 227 * 1024).unwrap();
@@ -322,7 +322,7 @@ mod tests {
             let chunks = t.div_ceil(64) * 32;
             assert_eq!(
                 scratch_floats(&c, t, GdnPrefillRoute::Chunked),
-                prep.next_multiple_of(4) + chunks * (64 * 128 + 2 * 64 * 64 + 64)
+                prep.next_multiple_of(4) + chunks * (64 * 128 + 2 * 64 * 64 + 2 * 64)
             );
             assert_eq!(scratch_floats(&c, t, GdnPrefillRoute::Scan), prep);
         }

@@ -222,8 +222,9 @@ extern "C" __global__ void gdn_gated_norm_rows(const float* o, const float* proj
 // The chunked (WY) route: the same delta rule as gdn_scan, reorganised over chunks of GDNC_C = 64
 // tokens (spec §4), from the same inputs (conv rows, gdn_scan_prep's prep) to the same outputs.
 // Per value head and chunk, with g = log α (clamped at −256, where α = exp(g) is 0 in f32 anyway),
-// γ the inclusive cumulative sum of g and D_ts = exp(γ_t − γ_s) for s ≤ t (never exp of a
-// positive number):
+// γ the inclusive cumulative sum of g (in f64: after a strong decay γ reaches the thousands, where
+// an f32 sum would leave the small differences that matter only ~1e-4 accurate) and
+// D_ts = exp(γ_t − γ_s) for s ≤ t (never exp of a positive number):
 //   A = strictly lower (β_t k_t·k_s D_ts), T = (I + A)⁻¹, Tβ = T diag(β), W = T diag(β e^γ) K,
 //   P = lower (q_t·k_s D_ts)                                         (gdn_chunk_prep, parallel)
 //   V' = Tβ V − W S, O = diag(e^γ) Q S + P V', S ← e^{γ_C} S + (diag(e^{γ_C − γ}) K)ᵀ V'
@@ -241,12 +242,14 @@ extern "C" __global__ void gdn_gated_norm_rows(const float* o, const float* proj
 #define GDNC_LDK (DK + 4)
 #define GDNC_LDC (GDNC_C + 4)
 #define GDNC_LDS (GDNC_COLS + 4)
-// Per (value head, chunk) in the scratch after prep: W [C][DK], Tβ [C][C], P [C][C], γ [C].
+// Per (value head, chunk) in the scratch after prep: W [C][DK], Tβ [C][C], P [C][C], e^γ [C],
+// e^{γ_C − γ} [C].
 #define GDNC_W 0
 #define GDNC_TB (GDNC_C * DK)
 #define GDNC_P (GDNC_TB + GDNC_C * GDNC_C)
-#define GDNC_GAM (GDNC_P + GDNC_C * GDNC_C)
-#define GDNC_FLOATS (GDNC_GAM + GDNC_C)
+#define GDNC_EG (GDNC_P + GDNC_C * GDNC_C)
+#define GDNC_EK (GDNC_EG + GDNC_C)
+#define GDNC_FLOATS (GDNC_EK + GDNC_C)
 // 3: each product as 3xTF32 (x = hi + lo, hi·hi + hi·lo + lo·hi), about f32 accuracy (an f64
 // model of this algebra puts the error near 4e-7 relative, against 1e-3 for plain TF32 at 1).
 #ifndef GDNC_TF32_PASSES
@@ -344,12 +347,12 @@ __device__ __forceinline__ void gdnc_load(float* dst, int ldd, const float* src,
     }
 }
 
-// Shared floats of gdn_chunk_prep: K and Q [C][LDK], A and T [C][LDC], γ and β [C].
-#define GDNC_PREP_SHARED (2 * GDNC_C * GDNC_LDK + 2 * GDNC_C * GDNC_LDC + 2 * GDNC_C)
+// Shared floats of gdn_chunk_prep: K and Q [C][LDK], A and T [C][LDC], γ [C] (doubles), β [C].
+#define GDNC_PREP_SHARED (2 * GDNC_C * GDNC_LDK + 2 * GDNC_C * GDNC_LDC + 3 * GDNC_C)
 // W's strips: 16 rows × GDNC_WNT tiles of 8 columns (a divisor of DK / 8, at most 8).
 #define GDNC_WNT ((DK / 8) % 8 == 0 ? 8 : (DK / 8) % 4 == 0 ? 4 : (DK / 8) % 2 == 0 ? 2 : 1)
 
-// The chunk-parallel part: per (chunk, value head) W, Tβ, P and γ into `scratch` (layout above,
+// The chunk-parallel part: per (chunk, value head) W, Tβ, P, e^γ, e^{γ_C − γ} into `scratch` (above,
 // [NV][chunks][GDNC_FLOATS]). Grid (chunks, NV), GDNC_WARPS·32 threads, GDNC_PREP_SHARED·4
 // bytes of dynamic shared memory.
 extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scratch) {
@@ -360,8 +363,8 @@ extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scrat
     float* Qs = Ks + GDNC_C * GDNC_LDK;
     float* As = Qs + GDNC_C * GDNC_LDK;
     float* Ts = As + GDNC_C * GDNC_LDC;
-    float* gam = Ts + GDNC_C * GDNC_LDC;
-    float* bet = gam + GDNC_C;
+    double* gam = (double*)(Ts + GDNC_C * GDNC_LDC);   // 8-byte aligned: an even float count
+    float* bet = (float*)(gam + GDNC_C);
     int chunk = blockIdx.x, j = blockIdx.y, kh = j / (NV / NK);
     int tok0 = chunk * GDNC_C, len = min(GDNC_C, t - tok0);
     int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
@@ -375,7 +378,7 @@ extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scrat
     if (warp == 0) {
         // g per token (padding: g = 0, β = 0), then γ by a serial sum in token order (lane 0).
         for (int s = lane; s < GDNC_C; s += WARP) {
-            gam[s] = s < len ? fmaxf(logf(gates[(long)s * NV * 2]), -256.f) : 0.f;
+            gam[s] = s < len ? fmaxf(logf(gates[(long)s * NV * 2]), -256.f) : 0.0;
             bet[s] = s < len ? gates[(long)s * NV * 2 + 1] : 0.f;
         }
         __syncwarp();
@@ -399,7 +402,7 @@ extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scrat
             for (int e = 0; e < 4; e++) {
                 int r = acc_row(m0, e), s = acc_col(8 * i, e);
                 // Mask before exp: only s ≤ r has a non-positive exponent.
-                float d = s <= r ? expf(gam[r] - gam[s]) : 0.f;
+                float d = s <= r ? expf((float)(gam[r] - gam[s])) : 0.f;
                 if (is_p) out[GDNC_P + r * GDNC_C + s] = c[i][e] * d;
                 else As[r * GDNC_LDC + s] = s < r ? bet[r] * c[i][e] * d : 0.f;
             }
@@ -426,7 +429,7 @@ extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scrat
     } else {
         for (int i = threadIdx.x - GDNC_C; i < GDNC_C * DK; i += blockDim.x - GDNC_C) {
             int r = i / DK, k = i % DK;
-            Ks[r * GDNC_LDK + k] *= bet[r] * expf(gam[r]);
+            Ks[r * GDNC_LDK + k] *= bet[r] * expf((float)gam[r]);
         }
     }
     __syncthreads();
@@ -449,7 +452,10 @@ extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scrat
         int r = i / GDNC_C, s = i % GDNC_C;
         out[GDNC_TB + i] = Ts[r * GDNC_LDC + s] * bet[s];
     }
-    for (int i = threadIdx.x; i < GDNC_C; i += blockDim.x) out[GDNC_GAM + i] = gam[i];
+    for (int i = threadIdx.x; i < GDNC_C; i += blockDim.x) {
+        out[GDNC_EG + i] = expf((float)gam[i]);
+        out[GDNC_EK + i] = expf((float)(gam[GDNC_C - 1] - gam[i]));   // padding: g = 0, so γ_C
+    }
 }
 
 // Shared floats of gdn_chunk_scan: W, Q, K [C][LDK]; Tβ, P [C][LDC]; S [DK][LDS]; V, V' [C][LDS].
@@ -490,14 +496,14 @@ extern "C" __global__ void gdn_chunk_scan(const float* conv, const float* prep, 
     for (int chunk = 0; chunk < chunks; chunk++) {
         int tok0 = chunk * GDNC_C, len = min(GDNC_C, t - tok0);
         const float* in = scratch + ((long)j * chunks + chunk) * GDNC_FLOATS;
-        const float* gam = in + GDNC_GAM;
-        float g_end = gam[GDNC_C - 1];   // padding has g = 0, so this is γ at the last token
+        const float* eg = in + GDNC_EG;
+        const float* ek = in + GDNC_EK;
         const float* qrow = prep + (long)tok0 * 2 * KEY_DIM + kh * DK;
         gdnc_load(Ws, GDNC_LDK, in + GDNC_W, DK, GDNC_C, DK, GDNC_C, one);
         gdnc_load(Qs, GDNC_LDK, qrow, 2 * KEY_DIM, GDNC_C, DK, len,
-                  [&](int r) { return expf(gam[r]); });
+                  [&](int r) { return eg[r]; });
         gdnc_load(Ks, GDNC_LDK, qrow + KEY_DIM, 2 * KEY_DIM, GDNC_C, DK, len,
-                  [&](int r) { return expf(g_end - gam[r]); });
+                  [&](int r) { return ek[r]; });
         gdnc_load(Tb, GDNC_LDC, in + GDNC_TB, GDNC_C, GDNC_C, GDNC_C, GDNC_C, one);
         gdnc_load(Ps, GDNC_LDC, in + GDNC_P, GDNC_C, GDNC_C, GDNC_C, GDNC_C, one);
         gdnc_load(Vs, GDNC_LDS, conv + (long)tok0 * CONV_DIM + 2 * KEY_DIM + j * DV + col0, CONV_DIM,
@@ -541,7 +547,7 @@ extern "C" __global__ void gdn_chunk_scan(const float* conv, const float* prep, 
         }
         // S ← e^{γ_C} S + (diag(e^{γ_C − γ}) K)ᵀ V': strips of 16 rows × COLS, each read and
         // rewritten by its own warp (every read of S above is behind the barrier).
-        float decay = expf(g_end);
+        float decay = eg[GDNC_C - 1];   // e^{γ_C}
         for (int m0 = warp * 16; m0 < DK; m0 += GDNC_WARPS * 16) {
             float c[GDNC_SNT][4];
 #pragma unroll
