@@ -679,3 +679,89 @@ fn the_chunked_algebra_matches_the_recurrence() {
         }
     }
 }
+
+/// Milliseconds per call of `f`, the mean of 10 after 2 warm-ups, on the GPU's clock.
+fn time_ms(gpu: &Gpu, f: &dyn Fn()) -> f64 {
+    for _ in 0..2 {
+        f();
+    }
+    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let (start, end) = (
+        gpu.ctx.new_event(timing).unwrap(),
+        gpu.ctx.new_event(timing).unwrap(),
+    );
+    start.record(&gpu.stream).unwrap();
+    for _ in 0..10 {
+        f();
+    }
+    end.record(&gpu.stream).unwrap();
+    start.elapsed_ms(&end).unwrap() as f64 / 10.0
+}
+
+/// One layer's GDN family over a 4,096-token chunk at the production heads, the delta rule by
+/// each route (each timing includes `gdn_scan_prep`), timed: a record, not a pass/fail (beyond
+/// finite outputs). The prefill table had the family at 2.2 ms per layer with the scan.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn delta_rule_speed_at_a_4k_chunk() {
+    let (nk, nv, dk, dv) = SHAPES[0];
+    let c = config(nk, nv, dk, dv);
+    let gpu = Gpu::new(&c, KvPrecision::F32).expect(NEEDS_GPU);
+    let t = 4096;
+    let w = Layer::random(&c, 160);
+    let d = DeviceLayer::upload(&gpu, &w, &Carried::random(&c, 170));
+    let (proj, ld) = proj_rows(&c, t, 180);
+    let s = &gpu.stream;
+    let p = |b: &CudaSlice<f32>| ptr(b, s);
+    let dproj = gpu.upload(&proj).unwrap();
+    let conv = gpu.zeros::<f32>(t * c.gdn_conv_dim()).unwrap();
+    let prep = gpu
+        .zeros::<f32>(scratch_floats(&c, t, GdnPrefillRoute::Chunked))
+        .unwrap();
+    let o = gpu.zeros::<f32>(t * c.gdn_value_dim()).unwrap();
+    let y = gpu.zeros::<f32>(t * c.gdn_value_dim()).unwrap();
+    let conv_ms = time_ms(&gpu, &|| {
+        conv_rows(
+            &gpu,
+            &c,
+            p(&dproj),
+            ld,
+            t,
+            p(&d.conv_w),
+            p(&d.window),
+            p(&conv),
+        )
+        .unwrap()
+    });
+    let norm_ms = time_ms(&gpu, &|| {
+        let eps = c.rms_norm_eps;
+        gated_norm_rows(&gpu, &c, p(&o), p(&dproj), ld, t, p(&d.norm), p(&y), eps).unwrap()
+    });
+    for route in [GdnPrefillRoute::Scan, GdnPrefillRoute::Chunked] {
+        let ms = time_ms(&gpu, &|| {
+            scan_with(
+                &gpu,
+                &c,
+                route,
+                p(&conv),
+                p(&dproj),
+                ld,
+                t,
+                p(&d.a_log),
+                p(&d.dt_bias),
+                p(&prep),
+                p(&d.state),
+                p(&o),
+            )
+            .unwrap()
+        });
+        gpu.sync().unwrap();
+        let finite = gpu.download(&o).unwrap().iter().all(|x| x.is_finite());
+        eprintln!(
+            "{route:?}: delta rule {ms:.3} ms, family (conv {conv_ms:.3} + this + norm \
+             {norm_ms:.3}) {:.3} ms per layer at T {t}",
+            conv_ms + ms + norm_ms
+        );
+        assert!(finite, "{route:?}: non-finite outputs");
+    }
+}
