@@ -95,6 +95,8 @@ pub const KERNEL_FILES: [KernelFile; 11] = [
             "gdn_conv_rows",
             "gdn_scan_prep",
             "gdn_scan",
+            "gdn_chunk_prep",
+            "gdn_chunk_scan",
             "gdn_gated_norm_rows",
         ],
     },

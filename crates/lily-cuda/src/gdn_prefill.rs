@@ -7,7 +7,7 @@
 use anyhow::{Result, ensure};
 use lily_core::config::ModelConfig;
 
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, Shape};
 use crate::launch;
 
 /// Tokens per conv thread (CONV_TT in the kernel file).
@@ -27,10 +27,102 @@ fn scan_lanes_per_column(dk: usize) -> usize {
     [16, 8, 4, 2].into_iter().find(|&l| dk >= l).unwrap_or(1)
 }
 
-/// Floats of the scratch [`scan`] needs for a chunk of `t` tokens: per token the normalised q and
-/// k of every key head, and α, β of every value head, `t·(2·NK·DK + 2·NV)`.
-pub fn scan_scratch_floats(c: &ModelConfig, t: usize) -> usize {
+/// Which kernels run the delta rule over a prefill chunk; both read the same conv rows and
+/// `gdn_scan_prep` output and leave the same `o` and state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GdnPrefillRoute {
+    /// `gdn_scan`: token by token, the state in registers (one launch, `t` dependent steps).
+    Scan,
+    /// `gdn_chunk_prep` + `gdn_chunk_scan`: the chunked (WY) form over 64-token chunks on tensor
+    /// cores (3xTF32, about f32 accuracy), `t / 64` dependent steps. Needs DK a multiple of 16,
+    /// DV of 8, and 169 KiB of shared memory per block at DK = DV = 128 (Hopper; not A100).
+    Chunked,
+}
+
+/// The route [`scan`] (and so the prefill) takes.
+pub const PREFILL_ROUTE: GdnPrefillRoute = GdnPrefillRoute::Scan;
+
+/// Tokens per chunk of the chunked route (GDNC_C in the kernel file).
+const CHUNK: usize = 64;
+/// Warps per block of both chunked kernels (GDNC_WARPS).
+const CHUNK_WARPS: usize = 8;
+
+/// State columns per `gdn_chunk_scan` block (GDNC_COLS).
+fn chunk_columns(dv: usize) -> usize {
+    [32, 16]
+        .into_iter()
+        .find(|&n| dv.is_multiple_of(n))
+        .unwrap_or(8)
+}
+
+/// Floats `gdn_chunk_prep` leaves per (value head, chunk): W `[C, DK]`, Tβ and P `[C, C]`, e^γ
+/// and e^{γ_C − γ} `[C]` (GDNC_FLOATS).
+fn chunk_floats(dk: usize) -> usize {
+    CHUNK * dk + 2 * CHUNK * CHUNK + 2 * CHUNK
+}
+
+/// Dynamic shared memory of `gdn_chunk_prep` and `gdn_chunk_scan` in bytes (GDNC_PREP_SHARED,
+/// GDNC_SCAN_SHARED): rows padded by 4 floats.
+fn chunk_shared_bytes(dk: usize, dv: usize) -> (usize, usize) {
+    let (ldk, ldc, lds) = (dk + 4, CHUNK + 4, chunk_columns(dv) + 4);
+    let prep = 2 * CHUNK * ldk + 2 * CHUNK * ldc + 3 * CHUNK;
+    let scan = 3 * CHUNK * ldk + 2 * CHUNK * ldc + dk * lds + 2 * CHUNK * lds;
+    (4 * prep, 4 * scan)
+}
+
+/// Whether the chunked route's kernels suit the model's GDN heads on a device allowing
+/// `max_shared` bytes of shared memory per block.
+fn chunked_fits(c: &ModelConfig, max_shared: usize) -> Result<()> {
+    let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+    ensure!(
+        dk.is_multiple_of(16) && dv.is_multiple_of(8),
+        "the chunked GDN route needs DK a multiple of 16 and DV of 8, not {dk} and {dv}"
+    );
+    let (prep, scan) = chunk_shared_bytes(dk, dv);
+    ensure!(
+        prep.max(scan) <= max_shared,
+        "the chunked GDN route needs {} bytes of shared memory per block, above {max_shared}",
+        prep.max(scan)
+    );
+    Ok(())
+}
+
+/// The chunked kernels and their dynamic shared memory, for `Gpu::new` to raise their limit
+/// (none where the route does not fit the model or the device's `max_shared`).
+pub fn dynamic_shared(c: &ModelConfig, max_shared: usize) -> Vec<(String, u32)> {
+    if chunked_fits(c, max_shared).is_err() {
+        return Vec::new();
+    }
+    let (prep, scan) = chunk_shared_bytes(c.linear_key_head_dim, c.linear_value_head_dim);
+    vec![
+        ("gdn_chunk_prep".to_string(), prep as u32),
+        ("gdn_chunk_scan".to_string(), scan as u32),
+    ]
+}
+
+/// Floats of `gdn_scan_prep`'s output for `t` tokens: per token the normalised q and k of every
+/// key head, and α, β of every value head, `t·(2·NK·DK + 2·NV)`.
+fn prep_floats(c: &ModelConfig, t: usize) -> usize {
     t * (2 * c.gdn_key_dim() + 2 * c.linear_num_value_heads)
+}
+
+/// Floats of the scratch a `route` needs for a chunk of `t` tokens: the prep output, and for
+/// [`GdnPrefillRoute::Chunked`] after it (from a 16-byte boundary) `gdn_chunk_prep`'s
+/// `[NV, ⌈t/64⌉, 64·DK + 2·64² + 2·64]` (32 MiB per 1,024 tokens at the production heads).
+pub fn scratch_floats(c: &ModelConfig, t: usize, route: GdnPrefillRoute) -> usize {
+    match route {
+        GdnPrefillRoute::Scan => prep_floats(c, t),
+        GdnPrefillRoute::Chunked => {
+            let chunks = t.div_ceil(CHUNK) * c.linear_num_value_heads;
+            prep_floats(c, t).next_multiple_of(4) + chunks * chunk_floats(c.linear_key_head_dim)
+        }
+    }
+}
+
+/// Floats of the scratch [`scan`] needs for a chunk of `t` tokens ([`scratch_floats`] of
+/// [`PREFILL_ROUTE`]).
+pub fn scan_scratch_floats(c: &ModelConfig, t: usize) -> usize {
+    scratch_floats(c, t, PREFILL_ROUTE)
 }
 
 fn check_chunk(t: usize, ld: usize, c: &ModelConfig) -> Result<()> {
@@ -74,15 +166,47 @@ pub fn conv_rows(
     Ok(())
 }
 
-/// The delta rule over the chunk: `out` (`[t, NV·DV]`) gets each token's read-out before the
-/// gated norm, and `state` (`[NV, DK, DV]`) ends as after the chunk. `conv` is [`conv_rows`]'
-/// output; `prep` is scratch of [`scan_scratch_floats`] floats, 16-byte aligned (any allocation
-/// start is), overwritten. Two launches: q/k norms and gates per token, then the scan itself.
-/// `t == 0` launches nothing.
+/// The delta rule over the chunk by [`PREFILL_ROUTE`]: [`scan_with`] that route.
 #[allow(clippy::too_many_arguments)]
 pub fn scan(
     gpu: &Gpu,
     c: &ModelConfig,
+    conv: u64,
+    proj: u64,
+    ld: usize,
+    t: usize,
+    a_log: u64,
+    dt_bias: u64,
+    prep: u64,
+    state: u64,
+    out: u64,
+) -> Result<()> {
+    scan_with(
+        gpu,
+        c,
+        PREFILL_ROUTE,
+        conv,
+        proj,
+        ld,
+        t,
+        a_log,
+        dt_bias,
+        prep,
+        state,
+        out,
+    )
+}
+
+/// The delta rule over the chunk: `out` (`[t, NV·DV]`) gets each token's read-out before the
+/// gated norm, and `state` (`[NV, DK, DV]`) ends as after the chunk. `conv` is [`conv_rows`]'
+/// output; `prep` is scratch of [`scratch_floats`] of `route` floats, 16-byte aligned (any
+/// allocation start is), overwritten. Launches q/k norms and gates per token, then the scan
+/// itself (one kernel, or the chunked route's two). `t == 0` launches nothing.
+#[allow(clippy::too_many_arguments)]
+pub fn scan_with(
+    gpu: &Gpu,
+    c: &ModelConfig,
+    route: GdnPrefillRoute,
     conv: u64,
     proj: u64,
     ld: usize,
@@ -101,9 +225,45 @@ pub fn scan(
     if t == 0 {
         return Ok(());
     }
+    if route == GdnPrefillRoute::Chunked {
+        chunked_fits(c, usize::MAX)?;
+    }
     launch!(gpu, "gdn_scan_prep", (t as u32, 1, 1), PREP_THREADS;
         conv, proj, ld as i32, t as i32, a_log, dt_bias, prep);
     let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
+    if route == GdnPrefillRoute::Chunked {
+        let scratch = prep + 4 * prep_floats(c, t).next_multiple_of(4) as u64;
+        let (prep_shared, scan_shared) = chunk_shared_bytes(c.linear_key_head_dim, dv);
+        let threads = (CHUNK_WARPS * 32) as u32;
+        let shape = Shape {
+            grid: (t.div_ceil(CHUNK) as u32, nv as u32, 1),
+            block: threads,
+        };
+        gpu.launch_shared(
+            "gdn_chunk_prep",
+            shape,
+            prep_shared as u32,
+            &[prep.into(), (t as i32).into(), scratch.into()],
+        )?;
+        let shape = Shape {
+            grid: ((dv / chunk_columns(dv)) as u32, nv as u32, 1),
+            block: threads,
+        };
+        gpu.launch_shared(
+            "gdn_chunk_scan",
+            shape,
+            scan_shared as u32,
+            &[
+                conv.into(),
+                prep.into(),
+                scratch.into(),
+                (t as i32).into(),
+                state.into(),
+                out.into(),
+            ],
+        )?;
+        return Ok(());
+    }
     let columns_per_block = SCAN_WARPS * 32 / scan_lanes_per_column(c.linear_key_head_dim);
     let grid = (dv.div_ceil(columns_per_block) as u32, nv as u32, 1);
     launch!(gpu, "gdn_scan", grid, (SCAN_WARPS * 32) as u32;
@@ -139,6 +299,34 @@ pub fn gated_norm_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lily_core::config::QWEN36_35B_A3B_CONFIG;
+
+    #[test]
+    fn the_chunked_route_fits_the_production_heads_on_hopper() {
+        let c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
+        // GDNC_PREP_SHARED and GDNC_SCAN_SHARED at DK = DV = 128 (32 columns per block).
+        assert_eq!(chunk_shared_bytes(128, 128), (103_168, 173_056));
+        assert_eq!(chunk_columns(128), 32);
+        // H200: 227 KiB per block opted in; A100's 163 KiB is too little for the scan.
+        chunked_fits(&c, 227 * 1024).unwrap();
+        assert!(chunked_fits(&c, 163 * 1024).is_err());
+        assert!(dynamic_shared(&c, 163 * 1024).is_empty());
+        assert_eq!(dynamic_shared(&c, 227 * 1024).len(), 2);
+        let mut odd = c.clone();
+        odd.linear_key_head_dim = 24;
+        assert!(chunked_fits(&odd, usize::MAX).is_err());
+        // The chunk scratch starts 16-byte aligned after the prep floats and holds
+        // ⌈t/64⌉·NV blocks of GDNC_FLOATS.
+        for t in [1, 63, 64, 65, 4096] {
+            let prep = prep_floats(&c, t);
+            let chunks = t.div_ceil(64) * 32;
+            assert_eq!(
+                scratch_floats(&c, t, GdnPrefillRoute::Chunked),
+                prep.next_multiple_of(4) + chunks * (64 * 128 + 2 * 64 * 64 + 2 * 64)
+            );
+            assert_eq!(scratch_floats(&c, t, GdnPrefillRoute::Scan), prep);
+        }
+    }
 
     #[test]
     fn scan_lanes_match_the_kernel_rule() {

@@ -81,7 +81,13 @@ impl Gpu {
         }
         // Kernels that take more than the default 48 KiB of dynamic shared memory must say so
         // once, before their first launch (cuFuncSetAttribute MAX_DYNAMIC_SHARED_SIZE_BYTES).
-        for (entry, bytes) in crate::gemm::dynamic_shared() {
+        let optin = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )? as usize;
+        let raised = crate::gemm::dynamic_shared()
+            .into_iter()
+            .chain(crate::gdn_prefill::dynamic_shared(config, optin));
+        for (entry, bytes) in raised {
             let f = functions
                 .get(entry.as_str())
                 .with_context(|| format!("kernel {entry} is not compiled"))?;

@@ -217,3 +217,355 @@ extern "C" __global__ void gdn_gated_norm_rows(const float* o, const float* proj
     float inv = rsqrtf(block_sum(ss, scratch) / DV + eps);
     for (int d = threadIdx.x; d < DV; d += blockDim.x) dst[d] = x[d] * inv * w[d] * siluf(z[d]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The chunked (WY) route: the same delta rule as gdn_scan, reorganised over chunks of GDNC_C = 64
+// tokens (spec §4), from the same inputs (conv rows, gdn_scan_prep's prep) to the same outputs.
+// Per value head and chunk, with g = log α (clamped at −256, where α = exp(g) is 0 in f32 anyway),
+// γ the inclusive cumulative sum of g (in f64: after a strong decay γ reaches the thousands, where
+// an f32 sum would leave the small differences that matter only ~1e-4 accurate) and
+// D_ts = exp(γ_t − γ_s) for s ≤ t (never exp of a positive number):
+//   A = strictly lower (β_t k_t·k_s D_ts), T = (I + A)⁻¹, Tβ = T diag(β), W = T diag(β e^γ) K,
+//   P = lower (q_t·k_s D_ts)                                         (gdn_chunk_prep, parallel)
+//   V' = Tβ V − W S, O = diag(e^γ) Q S + P V', S ← e^{γ_C} S + (diag(e^{γ_C − γ}) K)ᵀ V'
+//                                                           (gdn_chunk_scan, chunks in order)
+// A ragged last chunk is padded with q = k = v = 0, β = 0, g = 0: no update, no decay, padded
+// rows of O dropped. Everything stored is f32; products run on tensor cores as 3xTF32 (below).
+// gdn_prefill.rs mirrors GDNC_C, GDNC_COLS, the scratch layout and the shared-memory sizes.
+
+#define GDNC_C 64
+#define GDNC_WARPS 8
+// State columns per gdn_chunk_scan block: the columns of S evolve independently, so a value
+// head's DV columns split over DV / GDNC_COLS blocks (4 at DV 128: 128 blocks for 32 heads).
+#define GDNC_COLS (DV % 32 == 0 ? 32 : DV % 16 == 0 ? 16 : 8)
+// Shared row strides (floats): +4 puts the 8 rows × 4 columns of an mma fragment in 32 banks.
+#define GDNC_LDK (DK + 4)
+#define GDNC_LDC (GDNC_C + 4)
+#define GDNC_LDS (GDNC_COLS + 4)
+// Per (value head, chunk) in the scratch after prep: W [C][DK], Tβ [C][C], P [C][C], e^γ [C],
+// e^{γ_C − γ} [C].
+#define GDNC_W 0
+#define GDNC_TB (GDNC_C * DK)
+#define GDNC_P (GDNC_TB + GDNC_C * GDNC_C)
+#define GDNC_EG (GDNC_P + GDNC_C * GDNC_C)
+#define GDNC_EK (GDNC_EG + GDNC_C)
+#define GDNC_FLOATS (GDNC_EK + GDNC_C)
+// 3: each product as 3xTF32 (x = hi + lo, hi·hi + hi·lo + lo·hi), about f32 accuracy (an f64
+// model of this algebra puts the error near 4e-7 relative, against 1e-3 for plain TF32 at 1).
+#ifndef GDNC_TF32_PASSES
+#define GDNC_TF32_PASSES 3
+#endif
+
+// The route needs DK % 16 == 0 and DV % 8 == 0 (gdn_prefill.rs refuses other shapes; the
+// kernels still compile for them, as every model's kernels are built).
+
+// x rounded to TF32 (10 mantissa bits, to nearest, ties away): two integer ops, where
+// cvt.rna.tf32.f32 is a longer sequence before sm_90. (Finite inputs far below FLT_MAX only.)
+__device__ __forceinline__ float tf32_round(float x) {
+    return __uint_as_float((__float_as_uint(x) + 0x1000u) & 0xffffe000u);
+}
+
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const float (&a)[4], const float (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(__float_as_uint(a[0])), "r"(__float_as_uint(a[1])), "r"(__float_as_uint(a[2])),
+          "r"(__float_as_uint(a[3])), "r"(__float_as_uint(b[0])), "r"(__float_as_uint(b[1])));
+}
+
+// A warp's strip of NT 16 × 8 tiles, rows m0.., columns n0 + 8i..: c[i] += Σ_k a(m, k)·b(k, n)
+// over k < kdim (a multiple of 8), a and b reading shared memory. One A fragment feeds the NT
+// tiles, whose accumulators are independent chains (the 3xTF32 correction terms a third set).
+// Fragments (PTX m16n8k8 .tf32), g = lane/4, q = lane%4: a0 (g, q), a1 (g+8, q), a2 (g, q+4),
+// a3 (g+8, q+4); b0 (q, g), b1 (q+4, g); accumulator c0 (g, 2q), c1 (g, 2q+1), c2 (g+8, 2q),
+// c3 (g+8, 2q+1) (acc_row / acc_col).
+template <int NT, class FA, class FB>
+__device__ __forceinline__ void mma_strip(float (&c)[NT][4], int m0, int n0, int kdim, FA a, FB b) {
+    int g = (threadIdx.x % WARP) / 4, q = threadIdx.x % 4;
+    float lo[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) lo[i][e] = 0.f;
+    for (int k0 = 0; k0 < kdim; k0 += 8) {
+        float af[4] = {a(m0 + g, k0 + q), a(m0 + g + 8, k0 + q), a(m0 + g, k0 + q + 4),
+                       a(m0 + g + 8, k0 + q + 4)};
+        float ah[4], al[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            ah[e] = tf32_round(af[e]);
+            al[e] = tf32_round(af[e] - ah[e]);
+        }
+#pragma unroll
+        for (int i = 0; i < NT; i++) {
+            int n = n0 + 8 * i + g;
+            float bf[2] = {b(k0 + q, n), b(k0 + q + 4, n)};
+            float bh[2] = {tf32_round(bf[0]), tf32_round(bf[1])};
+            if constexpr (GDNC_TF32_PASSES == 3) {
+                float bl[2] = {tf32_round(bf[0] - bh[0]), tf32_round(bf[1] - bh[1])};
+                mma_tf32(lo[i], al, bh);
+                mma_tf32(lo[i], ah, bl);
+            }
+            mma_tf32(c[i], ah, bh);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) c[i][e] += lo[i][e];
+}
+
+template <int NT>
+__device__ __forceinline__ void zero_acc(float (&c)[NT][4]) {
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) c[i][e] = 0.f;
+}
+
+// The (row, column) of accumulator element e of a tile at (m0, n0).
+__device__ __forceinline__ int acc_row(int m0, int e) { return m0 + (threadIdx.x % WARP) / 4 + (e >= 2 ? 8 : 0); }
+__device__ __forceinline__ int acc_col(int n0, int e) { return n0 + 2 * (threadIdx.x % 4) + (e & 1); }
+
+// Copies `rows` × `cols` floats (cols % 4 == 0, 16-byte aligned rows) from global `src` (row
+// stride `lds`) into shared `dst` (stride `ldd`), row r scaled by scale(r); rows at or past
+// `valid` become 0. The whole block takes part.
+template <class F>
+__device__ __forceinline__ void gdnc_load(float* dst, int ldd, const float* src, long lds, int rows,
+                                          int cols, int valid, F scale) {
+    int per_row = cols / 4;
+    for (int i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
+        int r = i / per_row, c4 = (i % per_row) * 4;
+        float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (r < valid) {
+            x = *(const float4*)(src + r * lds + c4);
+            float s = scale(r);
+            x.x *= s; x.y *= s; x.z *= s; x.w *= s;
+        }
+        *(float4*)(dst + r * ldd + c4) = x;
+    }
+}
+
+// Shared floats of gdn_chunk_prep: K and Q [C][LDK], A and T [C][LDC], γ [C] (doubles), β [C].
+#define GDNC_PREP_SHARED (2 * GDNC_C * GDNC_LDK + 2 * GDNC_C * GDNC_LDC + 3 * GDNC_C)
+// W's strips: 16 rows × GDNC_WNT tiles of 8 columns (a divisor of DK / 8, at most 8).
+#define GDNC_WNT ((DK / 8) % 8 == 0 ? 8 : (DK / 8) % 4 == 0 ? 4 : (DK / 8) % 2 == 0 ? 2 : 1)
+
+// The chunk-parallel part: per (chunk, value head) W, Tβ, P, e^γ, e^{γ_C − γ} into `scratch` (above,
+// [NV][chunks][GDNC_FLOATS]). Grid (chunks, NV), GDNC_WARPS·32 threads, GDNC_PREP_SHARED·4
+// bytes of dynamic shared memory.
+extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scratch) {
+    pdl_wait();
+    extern __shared__ float4 gdnc_shared4[];
+    float* sh = (float*)gdnc_shared4;
+    float* Ks = sh;
+    float* Qs = Ks + GDNC_C * GDNC_LDK;
+    float* As = Qs + GDNC_C * GDNC_LDK;
+    float* Ts = As + GDNC_C * GDNC_LDC;
+    double* gam = (double*)(Ts + GDNC_C * GDNC_LDC);   // 8-byte aligned: an even float count
+    float* bet = (float*)(gam + GDNC_C);
+    int chunk = blockIdx.x, j = blockIdx.y, kh = j / (NV / NK);
+    int tok0 = chunk * GDNC_C, len = min(GDNC_C, t - tok0);
+    int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+    float* out = scratch + ((long)j * gridDim.x + chunk) * GDNC_FLOATS;
+
+    const float* qrow = prep + (long)tok0 * 2 * KEY_DIM + kh * DK;
+    auto one = [](int) { return 1.f; };
+    gdnc_load(Qs, GDNC_LDK, qrow, 2 * KEY_DIM, GDNC_C, DK, len, one);
+    gdnc_load(Ks, GDNC_LDK, qrow + KEY_DIM, 2 * KEY_DIM, GDNC_C, DK, len, one);
+    const float* gates = prep + (long)t * 2 * KEY_DIM + ((long)tok0 * NV + j) * 2;
+    if (warp == 0) {
+        // g per token (padding: g = 0, β = 0), then γ by a serial sum in token order (lane 0).
+        for (int s = lane; s < GDNC_C; s += WARP) {
+            gam[s] = s < len ? fmaxf(logf(gates[(long)s * NV * 2]), -256.f) : 0.0;
+            bet[s] = s < len ? gates[(long)s * NV * 2 + 1] : 0.f;
+        }
+        __syncwarp();
+        if (lane == 0)
+            for (int s = 1; s < GDNC_C; s++) gam[s] += gam[s - 1];
+    }
+    __syncthreads();
+
+    // K Kᵀ → A (warps 0-3) and Q Kᵀ → P (warps 4-7), each warp a strip of 16 rows × 64.
+    {
+        bool is_p = warp >= 4;
+        int m0 = (warp % 4) * 16;
+        const float* L = is_p ? Qs : Ks;
+        float c[GDNC_C / 8][4];
+        zero_acc(c);
+        mma_strip(c, m0, 0, DK, [&](int r, int k) { return L[r * GDNC_LDK + k]; },
+                  [&](int k, int n) { return Ks[n * GDNC_LDK + k]; });
+#pragma unroll
+        for (int i = 0; i < GDNC_C / 8; i++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int r = acc_row(m0, e), s = acc_col(8 * i, e);
+                // Mask before exp: only s ≤ r has a non-positive exponent.
+                float d = s <= r ? expf((float)(gam[r] - gam[s])) : 0.f;
+                if (is_p) out[GDNC_P + r * GDNC_C + s] = c[i][e] * d;
+                else As[r * GDNC_LDC + s] = s < r ? bet[r] * c[i][e] * d : 0.f;
+            }
+    }
+    __syncthreads();
+
+    // T = (I + A)⁻¹ by forward substitution, one column per thread of the first two warps:
+    // T_rj = δ_rj − Σ_{j ≤ s < r} A_rs T_sj (T is unit lower triangular). Meanwhile the other
+    // warps scale K's rows by β e^γ for W (A no longer needs K).
+    if (threadIdx.x < GDNC_C) {
+        int col = threadIdx.x;
+        for (int r = 0; r < col; r++) Ts[r * GDNC_LDC + col] = 0.f;
+        Ts[col * GDNC_LDC + col] = 1.f;
+        for (int r = col + 1; r < GDNC_C; r++) {
+            float x0 = 0.f, x1 = 0.f;    // two chains
+            int s = col;
+            for (; s + 1 < r; s += 2) {
+                x0 += As[r * GDNC_LDC + s] * Ts[s * GDNC_LDC + col];
+                x1 += As[r * GDNC_LDC + s + 1] * Ts[(s + 1) * GDNC_LDC + col];
+            }
+            if (s < r) x0 += As[r * GDNC_LDC + s] * Ts[s * GDNC_LDC + col];
+            Ts[r * GDNC_LDC + col] = -(x0 + x1);
+        }
+    } else {
+        for (int i = threadIdx.x - GDNC_C; i < GDNC_C * DK; i += blockDim.x - GDNC_C) {
+            int r = i / DK, k = i % DK;
+            Ks[r * GDNC_LDK + k] *= bet[r] * expf((float)gam[r]);
+        }
+    }
+    __syncthreads();
+
+    // W = T · (diag(β e^γ) K), T's zeros above the diagonal included: strips of 16 rows ×
+    // GDNC_WNT tiles, (C/16)·(DK/8)/GDNC_WNT of them (8 at DK 128).
+    for (int strip = warp; strip < (GDNC_C / 16) * (DK / 8) / GDNC_WNT; strip += GDNC_WARPS) {
+        int m0 = (strip % (GDNC_C / 16)) * 16, n0 = (strip / (GDNC_C / 16)) * 8 * GDNC_WNT;
+        float c[GDNC_WNT][4];
+        zero_acc(c);
+        mma_strip(c, m0, n0, GDNC_C, [&](int r, int k) { return Ts[r * GDNC_LDC + k]; },
+                  [&](int k, int n) { return Ks[k * GDNC_LDK + n]; });
+#pragma unroll
+        for (int i = 0; i < GDNC_WNT; i++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                out[GDNC_W + acc_row(m0, e) * DK + acc_col(n0 + 8 * i, e)] = c[i][e];
+    }
+    for (int i = threadIdx.x; i < GDNC_C * GDNC_C; i += blockDim.x) {
+        int r = i / GDNC_C, s = i % GDNC_C;
+        out[GDNC_TB + i] = Ts[r * GDNC_LDC + s] * bet[s];
+    }
+    for (int i = threadIdx.x; i < GDNC_C; i += blockDim.x) {
+        out[GDNC_EG + i] = expf((float)gam[i]);
+        out[GDNC_EK + i] = expf((float)(gam[GDNC_C - 1] - gam[i]));   // padding: g = 0, so γ_C
+    }
+}
+
+// Shared floats of gdn_chunk_scan: W, Q, K [C][LDK]; Tβ, P [C][LDC]; S [DK][LDS]; V, V' [C][LDS].
+#define GDNC_SCAN_SHARED (3 * GDNC_C * GDNC_LDK + 2 * GDNC_C * GDNC_LDC + DK * GDNC_LDS + 2 * GDNC_C * GDNC_LDS)
+// Output strips (C × COLS, V' and O): 16 rows × GDNC_ONT tiles; at most 8 strips, a warp each.
+#define GDNC_ONT (GDNC_COLS == 32 ? 2 : 1)
+#define GDNC_OSTRIPS ((GDNC_C / 16) * (GDNC_COLS / 8) / GDNC_ONT)
+// State strips (DK × COLS): 16 rows × the whole COLS width.
+#define GDNC_SNT (GDNC_COLS / 8)
+
+// The sequential part: GDNC_COLS state columns of one value head through every chunk in order,
+// from gdn_chunk_prep's scratch; writes o[t, NV·DV] (before the gated norm) and the final state.
+// Grid (DV / GDNC_COLS, NV), GDNC_WARPS·32 threads, GDNC_SCAN_SHARED·4 bytes of dynamic shared
+// memory.
+extern "C" __global__ void gdn_chunk_scan(const float* conv, const float* prep, const float* scratch,
+                                          int t, float* state, float* out) {
+    pdl_wait();
+    extern __shared__ float4 gdnc_shared4[];
+    float* sh = (float*)gdnc_shared4;
+    float* Ws = sh;
+    float* Qs = Ws + GDNC_C * GDNC_LDK;
+    float* Ks = Qs + GDNC_C * GDNC_LDK;
+    float* Tb = Ks + GDNC_C * GDNC_LDK;
+    float* Ps = Tb + GDNC_C * GDNC_LDC;
+    float* Ss = Ps + GDNC_C * GDNC_LDC;
+    float* Vs = Ss + DK * GDNC_LDS;
+    float* Vp = Vs + GDNC_C * GDNC_LDS;
+    int j = blockIdx.y, kh = j / (NV / NK), col0 = blockIdx.x * GDNC_COLS;
+    int warp = threadIdx.x / WARP;
+    int chunks = (t + GDNC_C - 1) / GDNC_C;
+    float* S = state + (long)j * DK * DV + col0;
+    auto one = [](int) { return 1.f; };
+    gdnc_load(Ss, GDNC_LDS, S, DV, DK, GDNC_COLS, DK, one);
+    static_assert(GDNC_OSTRIPS <= GDNC_WARPS, "one output strip per warp");
+    bool has_strip = warp < GDNC_OSTRIPS;
+    int om0 = (warp % (GDNC_C / 16)) * 16, on0 = (warp / (GDNC_C / 16)) * 8 * GDNC_ONT;
+
+    for (int chunk = 0; chunk < chunks; chunk++) {
+        int tok0 = chunk * GDNC_C, len = min(GDNC_C, t - tok0);
+        const float* in = scratch + ((long)j * chunks + chunk) * GDNC_FLOATS;
+        const float* eg = in + GDNC_EG;
+        const float* ek = in + GDNC_EK;
+        const float* qrow = prep + (long)tok0 * 2 * KEY_DIM + kh * DK;
+        gdnc_load(Ws, GDNC_LDK, in + GDNC_W, DK, GDNC_C, DK, GDNC_C, one);
+        gdnc_load(Qs, GDNC_LDK, qrow, 2 * KEY_DIM, GDNC_C, DK, len,
+                  [&](int r) { return eg[r]; });
+        gdnc_load(Ks, GDNC_LDK, qrow + KEY_DIM, 2 * KEY_DIM, GDNC_C, DK, len,
+                  [&](int r) { return ek[r]; });
+        gdnc_load(Tb, GDNC_LDC, in + GDNC_TB, GDNC_C, GDNC_C, GDNC_C, GDNC_C, one);
+        gdnc_load(Ps, GDNC_LDC, in + GDNC_P, GDNC_C, GDNC_C, GDNC_C, GDNC_C, one);
+        gdnc_load(Vs, GDNC_LDS, conv + (long)tok0 * CONV_DIM + 2 * KEY_DIM + j * DV + col0, CONV_DIM,
+                  GDNC_C, GDNC_COLS, len, one);
+        __syncthreads();
+
+        // V' = Tβ V − W S into shared, and the first half of O = (e^γ Q) S in registers, over
+        // the same strip per warp.
+        float o[GDNC_ONT][4];
+        if (has_strip) {
+            float u[GDNC_ONT][4], ws[GDNC_ONT][4];
+            zero_acc(u);
+            zero_acc(ws);
+            zero_acc(o);
+            mma_strip(u, om0, on0, GDNC_C, [&](int r, int k) { return Tb[r * GDNC_LDC + k]; },
+                      [&](int k, int n) { return Vs[k * GDNC_LDS + n]; });
+            mma_strip(ws, om0, on0, DK, [&](int r, int k) { return Ws[r * GDNC_LDK + k]; },
+                      [&](int k, int n) { return Ss[k * GDNC_LDS + n]; });
+#pragma unroll
+            for (int i = 0; i < GDNC_ONT; i++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    Vp[acc_row(om0, e) * GDNC_LDS + acc_col(on0 + 8 * i, e)] = u[i][e] - ws[i][e];
+            mma_strip(o, om0, on0, DK, [&](int r, int k) { return Qs[r * GDNC_LDK + k]; },
+                      [&](int k, int n) { return Ss[k * GDNC_LDS + n]; });
+        }
+        __syncthreads();
+
+        // O += P V', stored for the chunk's real tokens.
+        if (has_strip) {
+            mma_strip(o, om0, on0, GDNC_C, [&](int r, int k) { return Ps[r * GDNC_LDC + k]; },
+                      [&](int k, int n) { return Vp[k * GDNC_LDS + n]; });
+#pragma unroll
+            for (int i = 0; i < GDNC_ONT; i++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int r = acc_row(om0, e);
+                    if (r < len)
+                        out[(long)(tok0 + r) * NV * DV + j * DV + col0 + acc_col(on0 + 8 * i, e)] = o[i][e];
+                }
+        }
+        // S ← e^{γ_C} S + (diag(e^{γ_C − γ}) K)ᵀ V': strips of 16 rows × COLS, each read and
+        // rewritten by its own warp (every read of S above is behind the barrier).
+        float decay = eg[GDNC_C - 1];   // e^{γ_C}
+        for (int m0 = warp * 16; m0 < DK; m0 += GDNC_WARPS * 16) {
+            float c[GDNC_SNT][4];
+#pragma unroll
+            for (int i = 0; i < GDNC_SNT; i++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    c[i][e] = decay * Ss[acc_row(m0, e) * GDNC_LDS + acc_col(8 * i, e)];
+            mma_strip(c, m0, 0, GDNC_C, [&](int r, int k) { return Ks[k * GDNC_LDK + r]; },
+                      [&](int k, int n) { return Vp[k * GDNC_LDS + n]; });
+#pragma unroll
+            for (int i = 0; i < GDNC_SNT; i++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) Ss[acc_row(m0, e) * GDNC_LDS + acc_col(8 * i, e)] = c[i][e];
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < DK * GDNC_COLS; i += blockDim.x) {
+        int r = i / GDNC_COLS, c = i % GDNC_COLS;
+        S[(long)r * DV + c] = Ss[r * GDNC_LDS + c];
+    }
+}
