@@ -4,7 +4,8 @@
 Compiles crates/lily-cuda/src/kernels/FILE.cu as the backend does (common.cuh prepended, the
 model's -D constants) but to an sm_90 CUBIN through NVRTC, prints ptxas -v (registers, spills,
 shared memory) per kernel, and, with cuobjdump, each kernel's main loop (the backward branch
-around the most HMMA) as an opcode histogram.
+around the most HMMA; without HMMA, the innermost one with 16-byte global loads and 32+ FFMAs) as an
+opcode histogram with its load instructions.
 
     pip install --target /tmp/nvrtc13 "nvidia-cuda-nvrtc==13.0.*"
     pip install --target /tmp/cudatools nvidia-cuda-cuobjdump
@@ -63,9 +64,10 @@ def ptxas_summary(log):
         m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
         if m:
             spills = f"spill stores {m.group(1)} B, loads {m.group(2)} B"
-        m = re.search(r"Used (\d+) registers.*?(\d+ bytes smem)?$", line)
+        m = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", line) or re.search(r"Used (\d+) registers", line)
         if m and name:
-            print(f"{name:20s} {m.group(1):>3s} registers, {spills}")
+            smem = f", {m.group(2)} B shared" if m.lastindex == 2 else ""
+            print(f"{name:20s} {m.group(1):>3s} registers, {spills}{smem}")
 
 
 def loops(sass):
@@ -78,14 +80,22 @@ def loops(sass):
             t = re.search(r"0x([0-9a-f]+)", rest)
             if op.startswith("BRA") and t and int(t.group(1), 16) < a and int(t.group(1), 16) in where:
                 j = where[int(t.group(1), 16)]
-                n = sum(1 for x in ins[j:i + 1] if x[1].startswith("HMMA"))
-                if best is None or n > best[0]:
-                    best = (n, j, i)
+                body = ins[j:i + 1]
+                n = sum(1 for x in body if x[1].startswith("HMMA"))
+                # Without HMMA (the GEMVs), the innermost loop with 16-byte loads and a
+                # dequantisation's worth of FFMAs (not the staging or RMS loops).
+                wide = any(x[1].startswith(("LDG.E.128", "LD.E.128")) for x in body)
+                ffma = sum(1 for x in body if x[1].startswith("FFMA"))
+                key = (n, wide and ffma >= 32, -len(body))
+                if best is None or key > best[0]:
+                    best = (key, j, i)
         if best is None:
             continue
         loop = ins[best[1]:best[2] + 1]
         hist = collections.Counter(op.split(".")[0] for _, op, _ in loop)
-        print(f"{name}: loop of {len(loop)} instructions, {best[0]} HMMA")
+        loads = collections.Counter(op for _, op, _ in loop if op.startswith(("LDG", "LD.", "LDS", "LDL")))
+        print(f"{name}: loop of {len(loop)} instructions, {best[0][0]} HMMA, "
+              + ", ".join(f"{k} {v}" for k, v in sorted(loads.items())))
         print("   " + ", ".join(f"{k} {v}" for k, v in hist.most_common()))
 
 

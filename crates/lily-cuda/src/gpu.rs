@@ -21,6 +21,10 @@ pub struct Gpu {
     pub name: String,
     pub arch: String,
     pub kv: KvPrecision,
+    /// Streaming multiprocessors, for launches sized to one wave ([`Gpu::resident_blocks_256`]).
+    pub sms: u32,
+    /// Blocks of 256 threads of each kernel one SM holds at once.
+    resident_256: HashMap<String, u32>,
     /// Whether the GPU and the environment allow programmatic dependent launch (sm_90+).
     pdl: bool,
     /// Set while [`Gpu::programmatic`] runs: launches then use it.
@@ -65,6 +69,9 @@ impl Gpu {
         }
         let arch = format!("sm_{major}{minor}");
         let name = ctx.name()?;
+        let sms = ctx.attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+        )? as u32;
         let defines = model_defines(config, kv);
         let mut functions = HashMap::new();
         for file in &KERNEL_FILES {
@@ -97,6 +104,13 @@ impl Gpu {
             )
             .map_err(|e| anyhow::anyhow!("kernel {entry}: {bytes} bytes of shared memory: {e:?}"))?;
         }
+        // Kernels written for other block sizes (or more dynamic shared memory) get no entry.
+        let mut resident_256 = HashMap::new();
+        for (entry, f) in &functions {
+            if let Ok(blocks) = f.occupancy_max_active_blocks_per_multiprocessor(256, 0, None) {
+                resident_256.insert(entry.clone(), blocks);
+            }
+        }
         Ok(Gpu {
             ctx,
             stream,
@@ -104,6 +118,8 @@ impl Gpu {
             name,
             arch,
             kv,
+            sms,
+            resident_256,
             pdl: major >= 9 && pdl_allowed()?,
             pdl_now: AtomicBool::new(false),
         })
@@ -129,6 +145,16 @@ impl Gpu {
 
     pub fn sync(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
+    }
+
+    /// Blocks of 256 threads of kernel `name` that the whole GPU holds at once (one wave),
+    /// from the occupancy queried when the kernels were loaded (not during a graph capture).
+    pub fn resident_blocks_256(&self, name: &str) -> Result<u32> {
+        let per_sm = self
+            .resident_256
+            .get(name)
+            .with_context(|| format!("no occupancy for kernel {name} at 256 threads"))?;
+        Ok((*per_sm).max(1) * self.sms)
     }
 
     /// Free and total device memory in bytes.

@@ -168,6 +168,20 @@ pub fn staged_shape(units: usize) -> Shape {
     }
 }
 
+/// A launch of `units` warps of work in blocks of `warps` warps, at most `resident` blocks (one
+/// wave: warps then take further units in turn instead of a second wave of blocks staging
+/// their input again).
+pub fn wave_shape(units: usize, warps: usize, resident: u32) -> Shape {
+    Shape {
+        grid: (
+            units.div_ceil(warps).clamp(1, resident.max(1) as usize) as u32,
+            1,
+            1,
+        ),
+        block: warps as u32 * 32,
+    }
+}
+
 /// The launch shape of `gemv_b*` over matrices with these row counts: whole warps per matrix.
 pub fn gemv_shape(rows: &[usize]) -> Shape {
     staged_shape(rows.iter().map(|r| r.div_ceil(GEMV_ROWS)).sum())

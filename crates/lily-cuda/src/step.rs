@@ -11,7 +11,7 @@ use lily_core::config::ModelConfig;
 use crate::compile::MAX_ATTN_SPLITS;
 use crate::gpu::{Gpu, KArg, ptr};
 use crate::launch;
-use crate::mat::{DeviceMat, MatArg, XS_COLS, gemv_shape, staged_shape};
+use crate::mat::{DeviceMat, MatArg, XS_COLS, gemv_shape, staged_shape, wave_shape};
 use crate::state::{CudaState, LayerState};
 use crate::weights::{DeviceAttention, DeviceGdn, DeviceMixer, DeviceMoe, DeviceWeights};
 
@@ -38,6 +38,11 @@ pub struct Scratch {
     pub arg_v: CudaSlice<f32>,
     pub arg_i: CudaSlice<i32>,
 }
+
+/// Rows one warp of the router GEMV in `moe_route_b*` computes (kernels/moe.cu, ROUTE_ROWS).
+const ROUTE_ROWS: usize = 2;
+/// Output rows one warp of `moe_down_b*` computes at a time (kernels/moe.cu, DOWN_ROWS).
+const DOWN_ROWS: usize = 2;
 
 /// Blocks of the first argmax stage (kernels/sample.cu, ARGMAX_BLOCKS).
 const ARGMAX_BLOCKS: u32 = 128;
@@ -162,7 +167,9 @@ fn experts(gpu: &Gpu, c: &ModelConfig, m: &DeviceMoe, post_norm: u64, s: &Scratc
         "the CUDA expert kernels stage at most {XS_COLS} inputs"
     );
     let name = format!("moe_route_b{}", m.router.bits);
-    let shape = gemv_shape(&[m.router.rows, m.shared_gate.rows]);
+    // ROUTE_ROWS rows per warp (moe.cu), whole units per matrix as the kernel counts them.
+    let units = m.router.rows.div_ceil(ROUTE_ROWS) + m.shared_gate.rows.div_ceil(ROUTE_ROWS);
+    let shape = staged_shape(units);
     let (r, sg) = (m.router.arg(gpu), m.shared_gate.arg(gpu));
     gpu.launch(
         &name,
@@ -186,7 +193,8 @@ fn experts(gpu: &Gpu, c: &ModelConfig, m: &DeviceMoe, post_norm: u64, s: &Scratc
             .all(|x| x.bits == bits),
         "routed and shared experts must share a format"
     );
-    // Two (gate, up) row pairs per warp (moe.cu, PAIRS).
+    // One (gate, up) row pair per warp and unit (moe.cu, PAIRS), eight warps a block, one wave
+    // (three blocks an SM on the H200: __launch_bounds__(256, 3)).
     let pairs = c.experts_per_token * inter + shared;
     let (g, u, sg, su) = (
         m.gate.arg(gpu),
@@ -195,9 +203,10 @@ fn experts(gpu: &Gpu, c: &ModelConfig, m: &DeviceMoe, post_norm: u64, s: &Scratc
         m.shared[1].arg(gpu),
     );
     let name = format!("moe_gate_up_b{bits}");
+    let shape = wave_shape(pairs, 8, gpu.resident_blocks_256(&name)?);
     gpu.launch(
         &name,
-        staged_shape(pairs.div_ceil(2)),
+        shape,
         &[
             KArg::Mat(g),
             KArg::Mat(u),
@@ -211,12 +220,13 @@ fn experts(gpu: &Gpu, c: &ModelConfig, m: &DeviceMoe, post_norm: u64, s: &Scratc
             KArg::Ptr(p(&s.act)),
         ],
     )?;
-    // One warp per output row.
+    // DOWN_ROWS (moe.cu) output rows per warp and unit, eight warps a block.
     let name = format!("moe_down_b{bits}");
     let (d, sd) = (m.down.arg(gpu), m.shared[2].arg(gpu));
+    let shape = wave_shape(h.div_ceil(DOWN_ROWS), 8, gpu.resident_blocks_256(&name)?);
     gpu.launch(
         &name,
-        staged_shape(h),
+        shape,
         &[
             KArg::Mat(d),
             KArg::Mat(sd),

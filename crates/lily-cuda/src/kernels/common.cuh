@@ -324,6 +324,22 @@ __device__ __forceinline__ void load_batch(Batch<BITS, R, NB>& b, const RowRef (
     }
 }
 
+// (v & mask) | magic as one LOP3. Written as C, ptxas emits two: a LOP3 takes one immediate, and
+// both mask and magic are constants. magic comes from magic_reg() (a register), mask stays the
+// immediate; that is one instruction less per code in the dequantisation loops below.
+__device__ __forceinline__ u32 mask_or(u32 v, u32 mask, u32 magic) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(v), "r"(mask), "r"(magic));
+    return r;
+}
+
+// 0x4B000000 (the bits of 2^23) in a register the compiler cannot fold back into an immediate.
+__device__ __forceinline__ u32 magic_reg() {
+    u32 r;
+    asm("mov.b32 %0, 0x4B000000;" : "=r"(r));
+    return r;
+}
+
 // acc[r] += this lane's share of row r · x for the batch's chunks. Row r reads x from chunk
 // xoff[r] on (0 for a plain GEMV; the slot's segment for the expert down projection). SHARED_X:
 // every row reads the same x, loaded once per chunk.
@@ -333,6 +349,7 @@ __device__ __forceinline__ void dot_batch(const Batch<BITS, R, NB>& b, int base,
                                           int lane, float (&acc)[R]) {
     constexpr int PER = 128 / BITS, HALF = 16 / BITS, WORD = 32 / BITS;
     constexpr u32 MASK = (1u << BITS) - 1u;
+    const u32 magic = magic_reg();
 #pragma unroll
     for (int j = 0; j < NB; j++) {
         int ch = base + lane + j * WARP;
@@ -358,7 +375,7 @@ __device__ __forceinline__ void dot_batch(const Batch<BITS, R, NB>& b, int base,
                 int p = i % WORD;
                 u32 v = p >= HALF ? words[i / WORD] >> 16 : words[i / WORD];
                 // code · 2^(BITS·(p % HALF)), exactly; xf carries the inverse power of two.
-                float code = __uint_as_float((v & (MASK << (BITS * (p % HALF)))) | 0x4B000000u) - 8388608.f;
+                float code = __uint_as_float(mask_or(v, MASK << (BITS * (p % HALF)), magic)) - 8388608.f;
                 dq += code * xf[i];
             }
             acc[r] += bf16_to_f32(b.scale[r][j]) * dq + bf16_to_f32(b.bias[r][j]) * sx;
@@ -384,7 +401,10 @@ __device__ void staged_units(long units, int cols, int group, RowsOf rows_of, St
                              Store store, const float* xs, const float* xsum) {
     int lane = threadIdx.x % WARP;
     long stride = (long)gridDim.x * (blockDim.x / WARP);
-    long u = (long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
+    // Block-fastest numbering: when the units do not divide evenly among the warps, the extra
+    // ones (u ≥ stride) spread over every block, so over every SM, instead of piling onto the
+    // first blocks' SMs.
+    long u = (long)(threadIdx.x / WARP) * gridDim.x + blockIdx.x;
     RowRef rows[R];
     int xoff[R];
     if constexpr (BITS == 32) {
@@ -423,6 +443,13 @@ __device__ void staged_units(long units, int cols, int group, RowsOf rows_of, St
             if (u < units) {
                 rows_of(u, rows, xoff);
                 load_batch<BITS, R, NB>(b, rows, 0, chunks, group, lane);
+                // The warp's next unit into L2 now, so DRAM streams it while this one computes.
+                if (u + stride < units) {
+                    RowRef next[R];
+                    int next_off[R];
+                    rows_of(u + stride, next, next_off);
+                    prefetch_rows<BITS, R>(next, cols, lane);
+                }
             }
         }
         stage();
@@ -446,11 +473,12 @@ __device__ void staged_units(long units, int cols, int group, RowsOf rows_of, St
 // Chunks per lane per row whose loads are issued together (2 covers a 2,048-wide 4-bit row).
 #define GEMV_BATCH 2
 
-// y = [m0 | m1 | m2 | m3] · x, outputs end to end; unused matrices have no rows, and all share x
+// y = [m0 | m1 | m2 | m3] · x, outputs end to end, ROWS rows per warp and unit, NB chunks per lane
+// and row loaded together; unused matrices have no rows, and all share x
 // (so their columns). With norm_w, x is the residual stream and the rows see RMSNorm(x) · norm_w,
 // computed by every block while staging. With add, y += W · x (the residual add of the mixer
 // output and expert projections, each element owned by one lane: no race).
-template <int BITS>
+template <int BITS, int ROWS = GEMV_ROWS, int NB = GEMV_BATCH>
 __device__ void gemv_staged(Mat m0, Mat m1, Mat m2, Mat m3, const float* x, const float* norm_w,
                             float eps, float* y, bool add) {
     __shared__ __align__(16) float xs[XS_FLOATS(BITS)];
@@ -458,25 +486,25 @@ __device__ void gemv_staged(Mat m0, Mat m1, Mat m2, Mat m3, const float* x, cons
     __shared__ float scratch[32];
     const Mat ms[4] = {m0, m1, m2, m3};
     long units = 0;
-    for (int i = 0; i < 4; i++) units += (ms[i].rows + GEMV_ROWS - 1) / GEMV_ROWS;
+    for (int i = 0; i < 4; i++) units += (ms[i].rows + ROWS - 1) / ROWS;
     // Unit u → its matrix, first row and output offset. Each matrix gets whole units.
     auto locate = [&](long u, int& which, long& r0, long& base) {
         base = 0;
         which = 3;
         for (int i = 0; i < 4; i++) {
-            long n = (ms[i].rows + GEMV_ROWS - 1) / GEMV_ROWS;
+            long n = (ms[i].rows + ROWS - 1) / ROWS;
             if (u < n) { which = i; break; }
             u -= n;
             base += ms[i].rows;
         }
-        r0 = u * GEMV_ROWS;
+        r0 = u * ROWS;
     };
-    auto rows_of = [&](long u, RowRef (&rows)[GEMV_ROWS], int (&xoff)[GEMV_ROWS]) {
+    auto rows_of = [&](long u, RowRef (&rows)[ROWS], int (&xoff)[ROWS]) {
         int which; long r0, base;
         locate(u, which, r0, base);
         const Mat& m = ms[which];
 #pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++) {
+        for (int r = 0; r < ROWS; r++) {
             rows[r] = row_ref(m, min(r0 + r, (long)m.rows - 1), BITS);
             xoff[r] = 0;
         }
@@ -485,11 +513,11 @@ __device__ void gemv_staged(Mat m0, Mat m1, Mat m2, Mat m3, const float* x, cons
         float inv = norm_w ? block_inv_rms(x, m0.cols, eps, scratch) : 1.f;
         stage_x<BITS>(m0.cols, x, norm_w, inv, xs, xsum);
     };
-    auto store = [&](long u, float (&acc)[GEMV_ROWS]) {
+    auto store = [&](long u, float (&acc)[ROWS]) {
         int which; long r0, base;
         locate(u, which, r0, base);
 #pragma unroll
-        for (int r = 0; r < GEMV_ROWS; r++) {
+        for (int r = 0; r < ROWS; r++) {
             float v = warp_sum(acc[r]);
             if (threadIdx.x % WARP == 0 && r0 + r < ms[which].rows) {
                 float* out = y + base + r0 + r;
@@ -497,5 +525,5 @@ __device__ void gemv_staged(Mat m0, Mat m1, Mat m2, Mat m3, const float* x, cons
             }
         }
     };
-    staged_units<BITS, GEMV_ROWS, GEMV_BATCH, true, true>(units, m0.cols, m0.group, rows_of, stage, store, xs, xsum);
+    staged_units<BITS, ROWS, NB, true, true>(units, m0.cols, m0.group, rows_of, stage, store, xs, xsum);
 }
