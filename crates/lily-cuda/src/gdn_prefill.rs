@@ -39,8 +39,34 @@ pub enum GdnPrefillRoute {
     Chunked,
 }
 
-/// The route [`scan`] (and so the prefill) takes.
-pub const PREFILL_ROUTE: GdnPrefillRoute = GdnPrefillRoute::Scan;
+/// Chunks shorter than this take the scan even where the chunked route fits: below one 64-token
+/// chunk the WY form does the work of a whole chunk for fewer tokens. Measured on the H200 in
+/// `delta_rule_speed_by_length` (docs/BENCHMARKS.md).
+const CHUNKED_FROM_TOKENS: usize = 64;
+
+/// `LILY_GDN_PREFILL=scan|chunked` forces a route for every chunk length (for measuring one
+/// against the other); unset, [`route_for`] chooses.
+pub fn forced_route() -> Result<Option<GdnPrefillRoute>> {
+    match std::env::var("LILY_GDN_PREFILL").as_deref() {
+        Err(_) => Ok(None),
+        Ok("scan") => Ok(Some(GdnPrefillRoute::Scan)),
+        Ok("chunked") => Ok(Some(GdnPrefillRoute::Chunked)),
+        Ok(other) => anyhow::bail!("LILY_GDN_PREFILL must be scan or chunked, not {other:?}"),
+    }
+}
+
+/// The route for a chunk of `t` tokens on `gpu`: the chunked form where the device and the
+/// heads allow it and the chunk is long enough to gain from it, else the scan.
+pub fn route_for(gpu: &Gpu, c: &ModelConfig, t: usize) -> GdnPrefillRoute {
+    if let Some(forced) = gpu.gdn_prefill_route {
+        return forced;
+    }
+    if t >= CHUNKED_FROM_TOKENS && chunked_fits(c, gpu.shared_optin).is_ok() {
+        GdnPrefillRoute::Chunked
+    } else {
+        GdnPrefillRoute::Scan
+    }
+}
 
 /// Tokens per chunk of the chunked route (GDNC_C in the kernel file).
 const CHUNK: usize = 64;
@@ -119,10 +145,15 @@ pub fn scratch_floats(c: &ModelConfig, t: usize, route: GdnPrefillRoute) -> usiz
     }
 }
 
-/// Floats of the scratch [`scan`] needs for a chunk of `t` tokens ([`scratch_floats`] of
-/// [`PREFILL_ROUTE`]).
+/// Floats of the scratch [`scan`] needs for a chunk of `t` tokens on any device: the larger
+/// route's where the heads suit the chunked kernels (the memory plan is made before a device
+/// is chosen).
 pub fn scan_scratch_floats(c: &ModelConfig, t: usize) -> usize {
-    scratch_floats(c, t, PREFILL_ROUTE)
+    if chunked_fits(c, usize::MAX).is_ok() {
+        scratch_floats(c, t, GdnPrefillRoute::Chunked)
+    } else {
+        scratch_floats(c, t, GdnPrefillRoute::Scan)
+    }
 }
 
 fn check_chunk(t: usize, ld: usize, c: &ModelConfig) -> Result<()> {
@@ -166,7 +197,7 @@ pub fn conv_rows(
     Ok(())
 }
 
-/// The delta rule over the chunk by [`PREFILL_ROUTE`]: [`scan_with`] that route.
+/// The delta rule over the chunk by the route [`route_for`] chooses: [`scan_with`] that route.
 #[allow(clippy::too_many_arguments)]
 pub fn scan(
     gpu: &Gpu,
@@ -184,7 +215,7 @@ pub fn scan(
     scan_with(
         gpu,
         c,
-        PREFILL_ROUTE,
+        route_for(gpu, c, t),
         conv,
         proj,
         ld,
@@ -226,7 +257,7 @@ pub fn scan_with(
         return Ok(());
     }
     if route == GdnPrefillRoute::Chunked {
-        chunked_fits(c, usize::MAX)?;
+        chunked_fits(c, gpu.shared_optin)?;
     }
     launch!(gpu, "gdn_scan_prep", (t as u32, 1, 1), PREP_THREADS;
         conv, proj, ld as i32, t as i32, a_log, dt_bias, prep);

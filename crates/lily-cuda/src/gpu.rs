@@ -29,6 +29,10 @@ pub struct Gpu {
     pdl: bool,
     /// Set while [`Gpu::programmatic`] runs: launches then use it.
     pdl_now: AtomicBool,
+    /// Bytes of shared memory one block may opt in to.
+    pub shared_optin: usize,
+    /// The GDN prefill route `LILY_GDN_PREFILL` forces, if any ([`crate::gdn_prefill::route_for`]).
+    pub gdn_prefill_route: Option<crate::gdn_prefill::GdnPrefillRoute>,
 }
 
 /// `LILY_PDL=0` turns programmatic dependent launch off (for measuring what it gives, and as a
@@ -122,6 +126,8 @@ impl Gpu {
             resident_256,
             pdl: major >= 9 && pdl_allowed()?,
             pdl_now: AtomicBool::new(false),
+            shared_optin: optin,
+            gdn_prefill_route: crate::gdn_prefill::forced_route()?,
         })
     }
 

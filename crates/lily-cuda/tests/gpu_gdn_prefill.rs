@@ -698,32 +698,37 @@ fn time_ms(gpu: &Gpu, f: &dyn Fn()) -> f64 {
     start.elapsed_ms(&end).unwrap() as f64 / 10.0
 }
 
-/// One layer's GDN family over a 4,096-token chunk at the production heads, the delta rule by
-/// each route (each timing includes `gdn_scan_prep`), timed: a record, not a pass/fail (beyond
-/// finite outputs). The prefill table had the family at 2.2 ms per layer with the scan.
+/// One layer's GDN family at the production heads over chunks of 16 … 4,096 tokens, the delta
+/// rule by each route (each timing includes `gdn_scan_prep`), timed: a record for choosing the
+/// route by length (`CHUNKED_FROM_TOKENS`), not a pass/fail (beyond finite outputs).
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn delta_rule_speed_at_a_4k_chunk() {
+fn delta_rule_speed_by_length() {
     let (nk, nv, dk, dv) = SHAPES[0];
     let c = config(nk, nv, dk, dv);
     let gpu = Gpu::new(&c, KvPrecision::F32).expect(NEEDS_GPU);
-    let t = 4096;
-    let w = Layer::random(&c, 160);
-    let d = DeviceLayer::upload(&gpu, &w, &Carried::random(&c, 170));
-    let (proj, ld) = proj_rows(&c, t, 180);
+    for t in [16, 32, 64, 128, 256, 1024, 4096] {
+        delta_rule_speed_at(&gpu, &c, t);
+    }
+}
+
+fn delta_rule_speed_at(gpu: &Gpu, c: &ModelConfig, t: usize) {
+    let w = Layer::random(c, 160);
+    let d = DeviceLayer::upload(gpu, &w, &Carried::random(c, 170));
+    let (proj, ld) = proj_rows(c, t, 180);
     let s = &gpu.stream;
     let p = |b: &CudaSlice<f32>| ptr(b, s);
     let dproj = gpu.upload(&proj).unwrap();
     let conv = gpu.zeros::<f32>(t * c.gdn_conv_dim()).unwrap();
     let prep = gpu
-        .zeros::<f32>(scratch_floats(&c, t, GdnPrefillRoute::Chunked))
+        .zeros::<f32>(scratch_floats(c, t, GdnPrefillRoute::Chunked))
         .unwrap();
     let o = gpu.zeros::<f32>(t * c.gdn_value_dim()).unwrap();
     let y = gpu.zeros::<f32>(t * c.gdn_value_dim()).unwrap();
-    let conv_ms = time_ms(&gpu, &|| {
+    let conv_ms = time_ms(gpu, &|| {
         conv_rows(
-            &gpu,
-            &c,
+            gpu,
+            c,
             p(&dproj),
             ld,
             t,
@@ -733,15 +738,15 @@ fn delta_rule_speed_at_a_4k_chunk() {
         )
         .unwrap()
     });
-    let norm_ms = time_ms(&gpu, &|| {
+    let norm_ms = time_ms(gpu, &|| {
         let eps = c.rms_norm_eps;
-        gated_norm_rows(&gpu, &c, p(&o), p(&dproj), ld, t, p(&d.norm), p(&y), eps).unwrap()
+        gated_norm_rows(gpu, c, p(&o), p(&dproj), ld, t, p(&d.norm), p(&y), eps).unwrap()
     });
     for route in [GdnPrefillRoute::Scan, GdnPrefillRoute::Chunked] {
-        let ms = time_ms(&gpu, &|| {
+        let ms = time_ms(gpu, &|| {
             scan_with(
-                &gpu,
-                &c,
+                gpu,
+                c,
                 route,
                 p(&conv),
                 p(&dproj),
