@@ -39,11 +39,6 @@ pub enum GdnPrefillRoute {
     Chunked,
 }
 
-/// Chunks shorter than this take the scan even where the chunked route fits: below one 64-token
-/// chunk the WY form does the work of a whole chunk for fewer tokens. Measured on the H200 in
-/// `delta_rule_speed_by_length` (docs/BENCHMARKS.md).
-const CHUNKED_FROM_TOKENS: usize = 64;
-
 /// `LILY_GDN_PREFILL=scan|chunked` forces a route for every chunk length (for measuring one
 /// against the other); unset, [`route_for`] chooses.
 pub fn forced_route() -> Result<Option<GdnPrefillRoute>> {
@@ -55,17 +50,13 @@ pub fn forced_route() -> Result<Option<GdnPrefillRoute>> {
     }
 }
 
-/// The route for a chunk of `t` tokens on `gpu`: the chunked form where the device and the
-/// heads allow it and the chunk is long enough to gain from it, else the scan.
-pub fn route_for(gpu: &Gpu, c: &ModelConfig, t: usize) -> GdnPrefillRoute {
-    if let Some(forced) = gpu.gdn_prefill_route {
-        return forced;
-    }
-    if t >= CHUNKED_FROM_TOKENS && chunked_fits(c, gpu.shared_optin).is_ok() {
-        GdnPrefillRoute::Chunked
-    } else {
-        GdnPrefillRoute::Scan
-    }
+/// The route for every chunk on `gpu`: the scan unless `LILY_GDN_PREFILL` says
+/// otherwise. On the H200 (`delta_rule_speed_by_length`, docs/BENCHMARKS.md) the chunked route
+/// measured 3 % slower than the scan at 4,096 tokens, level at 256–1,024 and 2–4× slower below
+/// 128, so no length prefers it yet; it stays tested and selectable for the work of making it
+/// fast.
+pub fn route_for(gpu: &Gpu) -> GdnPrefillRoute {
+    gpu.gdn_prefill_route.unwrap_or(GdnPrefillRoute::Scan)
 }
 
 /// Tokens per chunk of the chunked route (GDNC_C in the kernel file).
@@ -145,15 +136,14 @@ pub fn scratch_floats(c: &ModelConfig, t: usize, route: GdnPrefillRoute) -> usiz
     }
 }
 
-/// Floats of the scratch [`scan`] needs for a chunk of `t` tokens on any device: the larger
-/// route's where the heads suit the chunked kernels (the memory plan is made before a device
-/// is chosen).
+/// Floats of the scratch [`scan`] needs for a chunk of `t` tokens: the route [`route_for`]
+/// takes (the chunked one's 128 MiB at a 4,096-token chunk only when it is forced).
 pub fn scan_scratch_floats(c: &ModelConfig, t: usize) -> usize {
-    if chunked_fits(c, usize::MAX).is_ok() {
-        scratch_floats(c, t, GdnPrefillRoute::Chunked)
-    } else {
-        scratch_floats(c, t, GdnPrefillRoute::Scan)
-    }
+    let route = forced_route()
+        .ok()
+        .flatten()
+        .unwrap_or(GdnPrefillRoute::Scan);
+    scratch_floats(c, t, route)
 }
 
 fn check_chunk(t: usize, ld: usize, c: &ModelConfig) -> Result<()> {
@@ -215,7 +205,7 @@ pub fn scan(
     scan_with(
         gpu,
         c,
-        route_for(gpu, c, t),
+        route_for(gpu),
         conv,
         proj,
         ld,

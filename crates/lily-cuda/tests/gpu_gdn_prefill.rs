@@ -700,7 +700,7 @@ fn time_ms(gpu: &Gpu, f: &dyn Fn()) -> f64 {
 
 /// One layer's GDN family at the production heads over chunks of 16 … 4,096 tokens, the delta
 /// rule by each route (each timing includes `gdn_scan_prep`), timed: a record for choosing the
-/// route by length (`CHUNKED_FROM_TOKENS`), not a pass/fail (beyond finite outputs).
+/// route by length (`gdn_prefill::route_for`), not a pass/fail (beyond finite outputs).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn delta_rule_speed_by_length() {
