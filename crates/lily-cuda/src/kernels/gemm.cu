@@ -3,12 +3,13 @@
 // memory (W dequantised there, w = scale·code + bias rounded once to bf16), so a bf16 copy of a
 // weight never exists in global memory; products accumulate in f32 (mma m16n8k16, sm_80+).
 //
-// A block computes a BM × BN tile of Y with 8 warps, each a 64 × 32 tile (4 × 4 mma tiles: per
-// 16 columns of K, 4 ldmatrix of X and 2 of W feed 16 mma). Dense: BM = BN = 128, warps 2 (rows)
-// × 4 (columns). Grouped: BM = MOE_TILE = 64 (routing cuts tiles of 64 rows), BN = 256, warps
-// 1 × 8. K advances GEMM_BK at a time through two shared buffers: the global loads of step k+1
-// are issued into registers before the mma work of step k and converted into the other buffer
-// after it, so their latency hides behind the arithmetic and one barrier per step suffices.
+// A block computes a BM × BN tile of Y with 8 warps, each a WM × 32 tile, WM = min(BM, 64): at
+// WM = 64, 4 × 4 mma tiles (per 16 columns of K, 4 ldmatrix of X and 2 of W feed 16 mma); at
+// WM = 16, 1 × 4. Dense: BM = BN = 128, warps 2 (rows) × 4 (columns). Grouped: BM = MOE_TILE = 64
+// (routing cuts tiles of 64 rows), BN = 256, warps 1 × 8. K advances GEMM_BK at a time through
+// two shared buffers: the global loads of step k+1 are issued into registers before the mma work
+// of step k and converted into the other buffer after it, so their latency hides behind the
+// arithmetic and one barrier per step suffices.
 //
 // What bounds this kernel is the SM's L1/shared data pipe (128 bytes a cycle; ncu had it 75 %
 // busy at 140 TFLOP/s), which ldmatrix, the tile stores and every global load share: a warp's
@@ -85,13 +86,20 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// This thread's share of one X tile (BM × GEMM_BK f32): BM / 32 float4s; piece i is row
+// This thread's share of one X tile (BM × GEMM_BK f32, BM · 8 float4s): piece i is row
 // tid/8 + 32·i, columns 4·(tid%8) .. +4 of the step. A warp's load of one piece is 4 rows × 128
-// contiguous bytes: 4 whole lines, the fewest its 512 bytes can take.
+// contiguous bytes: 4 whole lines, the fewest its 512 bytes can take. A tile of fewer than 32 rows
+// has fewer float4s than the block has threads, so only the first BM · 8 threads (whole warps)
+// own a piece; the others store no X (their rows, past BM, are never live, so they load none).
 template <int BM>
 struct XLoad {
-    static constexpr int PIECES = BM * GEMM_BK / 4 / GEMM_THREADS;
+    static constexpr int FLOAT4S = BM * GEMM_BK / 4;
+    static constexpr int PIECES = (FLOAT4S + GEMM_THREADS - 1) / GEMM_THREADS;
+    static_assert(FLOAT4S % GEMM_THREADS == 0 || (GEMM_THREADS % FLOAT4S == 0 && FLOAT4S % WARP == 0),
+                  "an X tile is whole pieces for every thread, or one piece for whole warps");
     float4 v[PIECES];
+
+    static __device__ __forceinline__ bool owned_by(int tid) { return FLOAT4S >= GEMM_THREADS || tid < FLOAT4S; }
 };
 
 // Where this thread's X pieces come from: pieces i < live are rows of the block (the rest load
@@ -132,9 +140,11 @@ __device__ __forceinline__ int x_slot(int tid) {
     return swizzled(tid / 8, (tid % 8) / 2) + (tid % 2) * 4;
 }
 
-// Rounds this thread's pieces to bf16 into tile sx at its slot.
+// Rounds this thread's pieces to bf16 into tile sx at its slot, if it owns any (owner:
+// XLoad<BM>::owned_by).
 template <int BM>
-__device__ __forceinline__ void store_x(const XLoad<BM>& r, u16* sx, int slot) {
+__device__ __forceinline__ void store_x(const XLoad<BM>& r, u16* sx, int slot, bool owner) {
+    if (!owner) return;
 #pragma unroll
     for (int i = 0; i < XLoad<BM>::PIECES; i++) {
         const float4 v = r.v[i];
@@ -349,12 +359,15 @@ __device__ __forceinline__ void store_w(const WLoad<BITS, BN>& r, u16* sw, int s
 
 // One block's tile: Y[y_row0 + i, y_col0 + j] = Σ_k X[row i] · W[w_row0 + j] for i < m_valid,
 // j < n_valid. X row i is x_row0 + i, or gather[x_row0 + i] when gather is given; X rows have K
-// values (K = w.cols). Warps are laid out (BM / 64) × (BN / 32), each computing 64 × 32.
+// values (K = w.cols); m_valid ≤ BM. Warps are laid out (BM / WM) × (BN / 32), each computing
+// WM × 32 as MI × 4 mma tiles.
 template <int BITS, int BM, int BN, bool GATHER>
 __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid, const float* __restrict__ x,
                                           const int* __restrict__ gather, long x_row0, int m_valid,
                                           float* __restrict__ y, long y_row0, long ldy, long y_col0) {
-    static_assert((BM / 64) * (BN / 32) * WARP == GEMM_THREADS, "one 64 x 32 warp tile per warp");
+    constexpr int WM = BM < 64 ? BM : 64, MI = WM / 16;
+    static_assert(WM % 16 == 0 && BM % WM == 0, "warp tiles of whole mma tiles cover the block's rows");
+    static_assert((BM / WM) * (BN / 32) * WARP == GEMM_THREADS, "one WM x 32 warp tile per warp");
     extern __shared__ __align__(16) unsigned char gemm_smem[];
     u16* sx = (u16*)gemm_smem;      // [2][BM * GEMM_BK]
     u16* sw = sx + 2 * BM * GEMM_BK;  // [2][BN * GEMM_BK]
@@ -387,10 +400,11 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
         }
     }
     const int x_col = (tid % 8) * 4;
+    const bool x_owner = XLoad<BM>::owned_by(tid);
 
-    float acc[4][4][4];
+    float acc[MI][4][4];
 #pragma unroll
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < MI; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++)
 #pragma unroll
@@ -403,14 +417,14 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
     load_x<BM, GATHER>(xl, x_rows, x_col, K, x_vec);
     load_w<BITS, BN>(wl, w, w_row0, n_valid, 0, w_vec, wide, groups, tid, true);
     const int xs = x_slot(tid), ws = w_slot<BITS, BN>(tid);
-    store_x<BM>(xl, sx, xs);
+    store_x<BM>(xl, sx, xs, x_owner);
     store_w<BITS, BN>(wl, sw, ws);
     __syncthreads();
 
     // This lane's ldmatrix offsets (bytes) in an X and a W tile at ks = 0. Rows 16 apart swizzle
     // alike (the swizzle reads row bits 1-2), so mma tile i (j) is 16·i rows on; ks = 1 flips bit
     // 1 of the chunk (byte offset bit 5).
-    const int wm = (warp / (BN / 32)) * 64, wn = (warp % (BN / 32)) * 32;
+    const int wm = (warp / (BN / 32)) * WM, wn = (warp % (BN / 32)) * 32;
     const u32 sx_addr = shared_address(sx), sw_addr = shared_address(sw);
     const u32 a_off = 2 * swizzled(wm + (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
     const u32 b_off = 2 * swizzled(wn + (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
@@ -439,7 +453,7 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
                 b[2 * j + 1][1] = r[3];
             }
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < MI; i++) {
                 // Matrices: rows 0-7 / 8-15 at k 0-7, then the same at k 8-15 (a0..a3).
                 u32 a[4];
                 ldmatrix_x4(a, ta + i * 16 * GEMM_BK * 2);
@@ -449,7 +463,7 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
         }
         if (more) {
             // The other buffers were last read in the previous step, before its closing barrier.
-            store_x<BM>(xl, sx + (buf ^ 1) * BM * GEMM_BK, xs);
+            store_x<BM>(xl, sx + (buf ^ 1) * BM * GEMM_BK, xs, x_owner);
             store_w<BITS, BN>(wl, sw + (buf ^ 1) * BN * GEMM_BK, ws);
         }
         __syncthreads();
@@ -457,7 +471,7 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
 
     // Accumulator c of mma tile (i, j): row lane/4 (+8 for c ≥ 2), column 2·(lane%4) + c%2.
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < MI; i++) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             int row = wm + 16 * i + lane / 4 + 8 * h;
