@@ -13,7 +13,7 @@ opcode histogram with its load instructions.
 
 --hot compiles with the 16-byte-aligned paths taken (x_vec / w_vec true), so the loop is the one
 aligned prefill inputs run. The defines are qwen3.6-35b-a3b's, as compile.rs model_defines gives
-them; only gemm.cu's MOE_TILE matters to the GEMM.
+them; the GEMM uses none of them.
 """
 
 import argparse
@@ -29,7 +29,7 @@ import tempfile
 DEFINES = {
     "NH": "16", "NKV": "2", "HD": "256", "ROT": "64", "ROPE_THETA": "10000000.0f", "NK": "16",
     "NV": "32", "DK": "128", "DV": "128", "CONV_K": "4", "NE": "256", "TOPK": "8",
-    "NORM_TOPK": "1", "KV_F32": "0", "MOE_TILE": "64",
+    "NORM_TOPK": "1", "KV_F32": "0",
 }
 KERNELS = os.path.join(os.path.dirname(__file__), "..", "crates", "lily-cuda", "src", "kernels")
 

@@ -78,9 +78,12 @@ pub const KERNEL_FILES: [KernelFile; 11] = [
             "gemm_b4",
             "gemm_b8",
             "gemm_b32",
-            "gemm_grouped_b4",
-            "gemm_grouped_b8",
-            "gemm_grouped_b32",
+            "gemm_grouped16_b4",
+            "gemm_grouped16_b8",
+            "gemm_grouped16_b32",
+            "gemm_grouped64_b4",
+            "gemm_grouped64_b8",
+            "gemm_grouped64_b32",
         ],
     },
     KernelFile {
@@ -124,10 +127,6 @@ pub fn attn_splits(max_seq: usize) -> usize {
     max_seq.div_ceil(256).clamp(64, MAX_ATTN_SPLITS)
 }
 
-/// Rows of one grouped-GEMM tile: routing (moe_prefill.cu) cuts each expert's rows into tiles of
-/// this height and the expert GEMM (gemm.cu) computes one tile per block row.
-pub const MOE_TILE: usize = 64;
-
 /// How the KV cache stores keys and values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KvPrecision {
@@ -164,7 +163,6 @@ pub fn model_defines(c: &ModelConfig, kv: KvPrecision) -> Vec<(String, String)> 
         d("TOPK", c.experts_per_token.to_string()),
         d("NORM_TOPK", (c.norm_topk_prob as u8).to_string()),
         d("KV_F32", ((kv == KvPrecision::F32) as u8).to_string()),
-        d("MOE_TILE", MOE_TILE.to_string()),
     ]
 }
 

@@ -3,16 +3,14 @@
 
 use anyhow::{Result, ensure};
 
-use crate::compile::MOE_TILE;
 use crate::gpu::{Gpu, KArg, Shape};
 use crate::mat::DeviceMat;
+use crate::moe_prefill::{MoeTile, TileMap};
 
 /// Rows of X (tokens) one block of the dense GEMM computes (kernels/gemm.cu, GEMM_DENSE_BM).
 pub const GEMM_DENSE_BM: usize = 128;
 /// Weight rows (output columns) one block of the dense GEMM computes (GEMM_DENSE_BN).
 pub const GEMM_DENSE_BN: usize = 128;
-/// Sorted expert slots one block of the grouped GEMM computes: one routing tile (GEMM_GROUPED_BM).
-pub const GEMM_GROUPED_BM: usize = 64;
 /// Expert weight rows (output columns) one block of the grouped GEMM computes (GEMM_GROUPED_BN).
 pub const GEMM_GROUPED_BN: usize = 256;
 /// K columns a step of the GEMM advances (GEMM_BK).
@@ -31,27 +29,28 @@ const fn shared_bytes(bm: usize, bn: usize) -> u32 {
 
 /// Dense blocks: 32 KiB.
 const DENSE_SHARED: u32 = shared_bytes(GEMM_DENSE_BM, GEMM_DENSE_BN);
-/// Grouped blocks: 40 KiB.
-const GROUPED_SHARED: u32 = shared_bytes(GEMM_GROUPED_BM, GEMM_GROUPED_BN);
+
+/// Grouped blocks, one tile high: 34 KiB at 16 rows, 40 KiB at 64.
+const fn grouped_shared(height: MoeTile) -> u32 {
+    shared_bytes(height.rows(), GEMM_GROUPED_BN)
+}
+
+/// The grouped entry for tiles of `height` and `bits`-bit weights (gemm.cu's GEMM_GROUPED).
+fn grouped_entry(height: MoeTile, bits: u32) -> String {
+    format!("gemm_grouped{}_b{bits}", height.rows())
+}
 
 /// The GEMM kernels and the dynamic shared memory each launches with, for `Gpu::new` to declare
-/// as their limit (needed once a block takes more than the default 48 KiB; 32 and 40 KiB now).
+/// as their limit (needed once a block takes more than the default 48 KiB; 32 to 40 KiB now).
 pub fn dynamic_shared() -> Vec<(String, u32)> {
     [4, 8, 32]
-        .iter()
+        .into_iter()
         .flat_map(|bits| {
-            [
-                (format!("gemm_b{bits}"), DENSE_SHARED),
-                (format!("gemm_grouped_b{bits}"), GROUPED_SHARED),
-            ]
+            let grouped = MoeTile::ALL.map(|h| (grouped_entry(h, bits), grouped_shared(h)));
+            std::iter::once((format!("gemm_b{bits}"), DENSE_SHARED)).chain(grouped)
         })
         .collect()
 }
-
-const _: () = assert!(
-    GEMM_GROUPED_BM == MOE_TILE,
-    "a grouped tile must be one block's rows"
-);
 
 /// Checks the weight suits the kernels: their 16-byte code chunks (32 codes at 4 bits, 16 at 8)
 /// must not straddle a quantisation group, and rows must hold whole groups.
@@ -126,21 +125,17 @@ pub fn gemm(
     Ok(())
 }
 
-/// The grouped GEMM over experts stacked in `w` (`n` rows each). `tiles` holds
-/// `{expert, first sorted slot, rows (1..=MOE_TILE)}` triples of i32 and `num_tiles` (device i32)
-/// how many are live; the grid covers `max_tiles` of them, and blocks past the live count return.
-/// Sorted slot `s` reads x row `gather[s]` (or `s` when `gather` is 0) of `w.cols` values and
-/// writes `y[s, 0..n)`.
-#[allow(clippy::too_many_arguments)]
+/// The grouped GEMM over experts stacked in `w` (`n` rows each), one block row per tile of
+/// `map`, by the entry of the map's height; the grid covers `map.max_tiles` tiles, and blocks
+/// past the live count return. Sorted slot `s` reads x row `gather[s]` (or `s` when `gather` is
+/// 0) of `w.cols` values and writes `y[s, 0..n)`.
 pub fn gemm_grouped(
     gpu: &Gpu,
     w: &DeviceMat,
     n: usize,
     x: u64,
     gather: u64,
-    tiles: u64,
-    num_tiles: u64,
-    max_tiles: usize,
+    map: &TileMap,
     y: u64,
 ) -> Result<()> {
     check_weight(w)?;
@@ -149,6 +144,7 @@ pub fn gemm_grouped(
         "{} stacked rows do not divide into experts of {n} rows",
         w.rows
     );
+    let max_tiles = map.max_tiles;
     if max_tiles == 0 {
         return Ok(());
     }
@@ -156,21 +152,46 @@ pub fn gemm_grouped(
         max_tiles <= MAX_GRID_Y,
         "{max_tiles} expert tiles are too many for one GEMM launch"
     );
-    let name = format!("gemm_grouped_b{}", w.bits);
+    let name = grouped_entry(map.height, w.bits);
     let grid = (n.div_ceil(GEMM_GROUPED_BN) as u32, max_tiles as u32, 1);
     let args: [KArg; 7] = [
         w.arg(gpu).into(),
         (n as i32).into(),
         x.into(),
         gather.into(),
-        tiles.into(),
-        num_tiles.into(),
+        map.tiles.into(),
+        map.num_tiles.into(),
         y.into(),
     ];
     let shape = Shape {
         grid,
         block: GEMM_THREADS,
     };
-    gpu.launch_shared(&name, shape, GROUPED_SHARED, &args)?;
+    gpu.launch_shared(&name, shape, grouped_shared(map.height), &args)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compile::KERNEL_FILES;
+
+    /// The launchers name, at every tile height and weight format, exactly the entries gemm.cu
+    /// instantiates and compile.rs loads.
+    #[test]
+    fn every_launched_entry_is_compiled() {
+        let gemm = KERNEL_FILES.iter().find(|f| f.name == "gemm").unwrap();
+        let mut launched: Vec<String> = dynamic_shared().into_iter().map(|(e, _)| e).collect();
+        let mut loaded: Vec<String> = gemm.entries.iter().map(|e| e.to_string()).collect();
+        launched.sort();
+        loaded.sort();
+        assert_eq!(launched, loaded);
+        for bits in [4, 8, 32] {
+            let mut made = vec![format!("GEMM_DENSE({bits})")];
+            made.extend(MoeTile::ALL.map(|h| format!("GEMM_GROUPED({}, {bits})", h.rows())));
+            for m in made {
+                assert!(gemm.source.contains(&m), "gemm.cu does not instantiate {m}");
+            }
+        }
+    }
 }

@@ -1,12 +1,11 @@
 //! Launchers for kernels/moe_prefill.cu: the mixture of experts of a prefill chunk around the
 //! grouped expert GEMMs. Routing picks TOPK experts per token (pair p = t·TOPK + k), the sort
-//! orders the pairs by expert into "slots" and cuts them into tiles of at most `MOE_TILE` rows,
-//! and the combine sums each token's weighted expert rows with its gated shared expert.
+//! orders the pairs by expert into "slots" and cuts them into tiles of at most one `MoeTile`
+//! height, and the combine sums each token's weighted expert rows with its gated shared expert.
 //! Buffers are raw device addresses; the caller sizes them as each launcher says.
 
 use anyhow::{Context, Result};
 
-use crate::compile::MOE_TILE;
 use crate::gpu::Gpu;
 use crate::launch;
 
@@ -19,11 +18,63 @@ const ELEMENTWISE_BLOCK: usize = 256;
 const SWIGLU_MAX_BLOCKS: usize = 8192;
 const COMBINE_BLOCK: u32 = 256;
 
-/// An upper bound on the tiles `sort` writes for `pairs` pairs over `experts` experts:
-/// Σ_e ceil(count_e / MOE_TILE) ≤ Σ_e (floor(count_e / MOE_TILE) + 1) ≤ pairs / MOE_TILE + experts.
-/// The tile buffer holds 3 ints per tile.
-pub fn max_tiles(pairs: usize, experts: usize) -> usize {
-    pairs / MOE_TILE + experts
+/// The average rows per expert (`tokens · top_k / experts`) from which a chunk's experts are cut
+/// into 64-row tiles rather than 16-row ones. Provisional until measured: a guess at where the
+/// 64-row tile's wasted mma work on padding (most of it at 8 rows an expert, a 256-token chunk)
+/// starts to cost less than the 16-row tiles' repeated weight loads and dequantisation (one per
+/// 16 rows of an expert). `grouped_gemm_speed_by_tokens` in tests/gpu_gemm.rs times both heights
+/// at the production shapes from 128 to 4,096 tokens, to set it from.
+pub const ROWS64_FROM_ROWS_PER_EXPERT: usize = 16;
+
+/// The height of an expert tile: `sort` cuts each expert's slots into tiles of this many rows at
+/// most, and the grouped GEMM (gemm.cu) runs the entry of the same height, one tile per block row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeTile {
+    Rows16,
+    Rows64,
+}
+
+impl MoeTile {
+    pub const ALL: [MoeTile; 2] = [MoeTile::Rows16, MoeTile::Rows64];
+
+    pub const fn rows(self) -> usize {
+        match self {
+            MoeTile::Rows16 => 16,
+            MoeTile::Rows64 => 64,
+        }
+    }
+
+    /// The height for a chunk of `tokens` tokens that each choose `top_k` of `experts` experts.
+    /// Only the average rows per expert decides: the counts themselves are known only on the
+    /// device, after routing, and the host enqueues the whole chunk before any of it runs.
+    pub fn for_chunk(tokens: usize, top_k: usize, experts: usize) -> MoeTile {
+        if tokens * top_k < ROWS64_FROM_ROWS_PER_EXPERT * experts {
+            MoeTile::Rows16
+        } else {
+            MoeTile::Rows64
+        }
+    }
+}
+
+/// An upper bound on the tiles `sort` writes for `pairs` pairs over `experts` experts at
+/// `height` (h rows): Σ_e ceil(count_e / h) ≤ Σ_e (floor(count_e / h) + 1) ≤ pairs / h + experts.
+/// The shorter the tiles, the more of them. The tile buffer holds 3 ints per tile.
+pub fn max_tiles(pairs: usize, experts: usize, height: MoeTile) -> usize {
+    pairs / height.rows() + experts
+}
+
+/// The expert tiles of a chunk on the device, as `sort` writes them and the grouped GEMMs
+/// (`gemm::gemm_grouped`) read them: `tiles` i32 [3 · max_tiles] holds `{expert, first slot,
+/// rows (1..=height)}` per tile and `num_tiles` (one i32) how many are live. Sorting and the
+/// GEMMs take the same map, so they cannot disagree on the height.
+#[derive(Clone, Copy, Debug)]
+pub struct TileMap {
+    pub tiles: u64,
+    pub num_tiles: u64,
+    pub height: MoeTile,
+    /// The tiles `tiles` has room for, and the rows of the grouped GEMMs' grid: at least
+    /// `max_tiles(pairs, experts, height)`.
+    pub max_tiles: usize,
 }
 
 fn int(v: usize, what: &str) -> Result<i32> {
@@ -44,20 +95,20 @@ pub fn topk_rows(gpu: &Gpu, logits: u64, t: usize, ids: u64, weights: u64) -> Re
 }
 
 /// Sorts `pairs` (= t·TOPK) routed pairs by expert. `ids` i32 [pairs] → `gather` i32 [pairs]
-/// (the token of each slot), `slot_of` i32 [pairs] (the slot of each pair), `tiles` i32
-/// [3 · max_tiles(pairs, NE)] ({expert, first slot, rows} per tile) and `num_tiles` (one i32).
+/// (the token of each slot), `slot_of` i32 [pairs] (the slot of each pair) and the tiles of
+/// `map`, cut at its height (its `max_tiles` at least `max_tiles(pairs, NE, map.height)`).
 pub fn sort(
     gpu: &Gpu,
     ids: u64,
     pairs: usize,
     gather: u64,
     slot_of: u64,
-    tiles: u64,
-    num_tiles: u64,
+    map: &TileMap,
 ) -> Result<()> {
+    let tile_rows = int(map.height.rows(), "tile rows")?;
     // Even with no pairs the kernel runs, so that num_tiles says 0.
     launch!(gpu, "moe_sort", (1, 1, 1), SORT_THREADS;
-        ids, int(pairs, "routed pairs")?, gather, slot_of, tiles, num_tiles);
+        ids, int(pairs, "routed pairs")?, tile_rows, gather, slot_of, map.tiles, map.num_tiles);
     Ok(())
 }
 
@@ -100,15 +151,52 @@ pub fn combine(
 mod tests {
     use super::*;
 
+    /// Tiles of each expert's count at `height`, as `sort` cuts them.
+    fn tiles(counts: &[usize], height: MoeTile) -> usize {
+        counts.iter().map(|c| c.div_ceil(height.rows())).sum()
+    }
+
     #[test]
     fn max_tiles_bounds_every_split_of_the_pairs() {
-        // Worst cases: every expert one row past a whole tile, or all pairs on one expert.
         let experts = 8;
-        let counts = [MOE_TILE + 1; 8];
-        let pairs: usize = counts.iter().sum();
-        let tiles: usize = counts.iter().map(|c| c.div_ceil(MOE_TILE)).sum();
-        assert!(tiles <= max_tiles(pairs, experts));
-        assert_eq!(tiles, max_tiles(pairs, experts));
-        assert!(1000usize.div_ceil(MOE_TILE) <= max_tiles(1000, experts));
+        for height in MoeTile::ALL {
+            let h = height.rows();
+            // Worst case: every expert one row past a whole tile, where the bound is reached.
+            let past = [h + 1; 8];
+            let pairs: usize = past.iter().sum();
+            assert_eq!(tiles(&past, height), max_tiles(pairs, experts, height));
+            // Empty experts, every pair on one expert, whole tiles, ragged counts.
+            let splits: [&[usize]; 5] = [
+                &[0, 0, 0, 0, 0, 0, 0, 1],
+                &[1000, 0, 0, 0, 0, 0, 0, 0],
+                &[h, 2 * h, 0, 3 * h, 0, 0, h, 0],
+                &[h - 1, h, h + 1, 1, 0, 7, 2 * h + 3, 33],
+                &[0; 8],
+            ];
+            for counts in splits {
+                let pairs: usize = counts.iter().sum();
+                assert!(
+                    tiles(counts, height) <= max_tiles(pairs, experts, height),
+                    "{height:?}: {counts:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_height_follows_the_average_rows_per_expert() {
+        for (top_k, experts) in [(8, 256), (4, 16)] {
+            // The fewest tokens whose pairs average the threshold's rows per expert.
+            let first_tall = ROWS64_FROM_ROWS_PER_EXPERT * experts / top_k;
+            let height = |tokens| MoeTile::for_chunk(tokens, top_k, experts);
+            assert_eq!(height(1), MoeTile::Rows16);
+            assert_eq!(
+                height(first_tall - 1),
+                MoeTile::Rows16,
+                "{top_k} of {experts}"
+            );
+            assert_eq!(height(first_tall), MoeTile::Rows64, "{top_k} of {experts}");
+            assert_eq!(height(4096), MoeTile::Rows64);
+        }
     }
 }

@@ -12,6 +12,7 @@ use lily_core::config::ModelConfig;
 use crate::attention_prefill::{self, AttnChunk};
 use crate::gpu::{Gpu, ptr};
 use crate::launch;
+use crate::moe_prefill::{MoeTile, TileMap};
 use crate::state::{CudaState, LayerState};
 use crate::step::Timeline;
 use crate::weights::{DeviceAttention, DeviceGdn, DeviceMixer, DeviceWeights};
@@ -70,7 +71,11 @@ impl PrefillScratch {
         let (gdn, attn) = proj_widths(c);
         let (h, t) = (c.hidden_size, chunk);
         let pairs = t * c.experts_per_token;
-        let tiles = moe_prefill::max_tiles(pairs, c.num_experts);
+        // Each chunk's tile height is chosen as it is enqueued: room for the height with the most.
+        let tiles = MoeTile::ALL
+            .map(|height| moe_prefill::max_tiles(pairs, c.num_experts, height))
+            .into_iter()
+            .fold(0, usize::max);
         let heads = c.num_attention_heads * c.head_dim;
         let (inter, shared) = (c.moe_intermediate_size, c.shared_intermediate_size);
         [
@@ -284,8 +289,8 @@ pub fn encode_chunk(
 }
 
 /// The MoE block over the chunk: router and shared gate as one `[T, NE+1]` GEMM output, top-k,
-/// the pairs sorted by expert into tiles, gate/up/down as grouped GEMMs over the tiles, the shared
-/// expert as dense GEMMs, and the weighted combine.
+/// the pairs sorted by expert into tiles of the height the chunk's length calls for, gate/up/down
+/// as grouped GEMMs over the tiles, the shared expert as dense GEMMs, and the weighted combine.
 fn encode_moe(
     gpu: &Gpu,
     c: &ModelConfig,
@@ -303,30 +308,16 @@ fn encode_moe(
     gemm::gemm(gpu, &m.router, p(&s.x), t, p(&s.router), ne + 1, 0)?;
     gemm::gemm(gpu, &m.shared_gate, p(&s.x), t, p(&s.router), ne + 1, ne)?;
     moe_prefill::topk_rows(gpu, p(&s.router), t, pi(&s.ids), p(&s.weights))?;
-    moe_prefill::sort(
-        gpu,
-        pi(&s.ids),
-        pairs,
-        pi(&s.gather),
-        pi(&s.slot_of),
-        pi(&s.tiles),
-        pi(&s.num_tiles),
-    )?;
-    mark("router + sort")?;
-    let max_tiles = moe_prefill::max_tiles(pairs, ne);
-    let grouped = |w, n, x, gather, y| {
-        gemm::gemm_grouped(
-            gpu,
-            w,
-            n,
-            x,
-            gather,
-            pi(&s.tiles),
-            pi(&s.num_tiles),
-            max_tiles,
-            y,
-        )
+    let height = MoeTile::for_chunk(t, c.experts_per_token, ne);
+    let map = TileMap {
+        tiles: pi(&s.tiles),
+        num_tiles: pi(&s.num_tiles),
+        height,
+        max_tiles: moe_prefill::max_tiles(pairs, ne, height),
     };
+    moe_prefill::sort(gpu, pi(&s.ids), pairs, pi(&s.gather), pi(&s.slot_of), &map)?;
+    mark("router + sort")?;
+    let grouped = |w, n, x, gather, y| gemm::gemm_grouped(gpu, w, n, x, gather, &map, y);
     grouped(&m.gate, inter, p(&s.x), pi(&s.gather), p(&s.gate))?;
     grouped(&m.up, inter, p(&s.x), pi(&s.gather), p(&s.up))?;
     moe_prefill::swiglu(gpu, p(&s.gate), p(&s.up), pairs * inter, p(&s.gate))?;

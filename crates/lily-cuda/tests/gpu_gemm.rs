@@ -12,15 +12,14 @@ mod support;
 use std::time::Instant;
 
 use half::bf16;
-use lily_core::rng::uniform_at;
+use lily_core::rng::{mix64, uniform_at};
 use lily_core::synthetic::synthetic_config;
 use lily_core::weights::Linear;
 use lily_cuda::KvPrecision;
-use lily_cuda::compile::MOE_TILE;
 use lily_cuda::gemm::{gemm, gemm_grouped};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
-use lily_cuda::moe_prefill::max_tiles;
+use lily_cuda::moe_prefill::{MoeTile, TileMap, max_tiles};
 use support::{NEEDS_GPU, random_linear_grouped};
 
 /// A quiet NaN with a payload no arithmetic produces: a cell holding it was never written.
@@ -132,13 +131,15 @@ fn rel_diff(got: &[Vec<f32>], want: &[Vec<f64>]) -> f64 {
 }
 
 /// Which output rows to compare: all of them up to a few hundred, else every 29th plus the first
-/// and last tiles (the CPU reference of a 4096-row product would dominate the test's time).
+/// and last two 64-row tiles (the CPU reference of a 4096-row product would dominate the test's
+/// time).
 fn rows_to_check(m: usize) -> Vec<usize> {
     if m <= 300 {
         return (0..m).collect();
     }
+    let edge = 2 * MoeTile::Rows64.rows() + 3;
     (0..m)
-        .filter(|&r| r < 2 * MOE_TILE + 3 || r + 2 * MOE_TILE + 3 >= m || r % 29 == 0)
+        .filter(|&r| r < edge || r + edge >= m || r % 29 == 0)
         .collect()
 }
 
@@ -278,9 +279,84 @@ struct Grouped<'a> {
     gather_tokens: Option<usize>,
 }
 
-/// Runs one grouped product with tiles built as routing builds them, plus decoy tiles past the
-/// live count that would overwrite slot 0 if a block read them; returns the errors.
-fn check_grouped(gpu: &Gpu, c: &Grouped) -> (f64, f64) {
+/// The tiles routing cuts `counts` (slots in expert order) into at `height`: `{expert, first
+/// slot, rows}` triples.
+fn cut_tiles(counts: &[usize], height: MoeTile) -> Vec<i32> {
+    let mut tiles = Vec::new();
+    let mut slot = 0;
+    for (e, &count) in counts.iter().enumerate() {
+        for start in (0..count).step_by(height.rows()) {
+            tiles.extend([e, slot + start, height.rows().min(count - start)].map(|v| v as i32));
+        }
+        slot += count;
+    }
+    tiles
+}
+
+/// Runs one grouped product at `height` with tiles cut as routing cuts them, plus decoy tiles
+/// past the live count that would overwrite slot 0 if a block read them; checks that exactly the
+/// slots' rows were written and returns y.
+fn run_grouped(
+    gpu: &Gpu,
+    c: &Grouped,
+    w: &DeviceMat,
+    x: u64,
+    gather: u64,
+    height: MoeTile,
+) -> Vec<f32> {
+    let (n, experts) = (c.n, c.counts.len());
+    let pairs: usize = c.counts.iter().sum();
+    let mut tiles = cut_tiles(c.counts, height);
+    let live = tiles.len() / 3;
+    let grid = max_tiles(pairs, experts, height);
+    assert!(
+        live <= grid,
+        "max_tiles {grid} below the {live} tiles built"
+    );
+    let first = c.counts.iter().position(|&count| count > 0).unwrap();
+    let decoy = [
+        ((first + 1) % experts) as i32,
+        0,
+        height.rows().min(pairs) as i32,
+    ];
+    while tiles.len() < 3 * grid {
+        tiles.extend(decoy);
+    }
+    let dt = gpu.upload(&tiles).unwrap();
+    let dn = gpu.upload(&[live as i32]).unwrap();
+    // One spare row after the last slot must keep the sentinel.
+    let dy = gpu
+        .upload(&vec![f32::from_bits(SENTINEL); (pairs + 1) * n])
+        .unwrap();
+    let map = TileMap {
+        tiles: ptr(&dt, &gpu.stream),
+        num_tiles: ptr(&dn, &gpu.stream),
+        height,
+        max_tiles: grid,
+    };
+    gemm_grouped(gpu, w, n, x, gather, &map, ptr(&dy, &gpu.stream)).unwrap();
+    let y = gpu.download(&dy).unwrap();
+    for (i, v) in y.iter().enumerate() {
+        assert_eq!(
+            v.to_bits() == SENTINEL,
+            i >= pairs * n,
+            "grouped {height:?} counts {:?}: cell ({}, {}) wrongly {}",
+            c.counts,
+            i / n,
+            i % n,
+            if i >= pairs * n {
+                "written"
+            } else {
+                "unwritten"
+            }
+        );
+    }
+    y
+}
+
+/// Runs one grouped product at every tile height; returns each height's errors against
+/// references (a) and (b), which do not depend on the height.
+fn check_grouped(gpu: &Gpu, c: &Grouped) -> [(MoeTile, f64, f64); 2] {
     let (n, k, experts) = (c.n, c.k, c.counts.len());
     let pairs: usize = c.counts.iter().sum();
     let seed = (c.bits as u64) << 40 | (pairs as u64) << 16 | n as u64;
@@ -296,75 +372,13 @@ fn check_grouped(gpu: &Gpu, c: &Grouped) -> (f64, f64) {
     let x: Vec<f32> = (0..x_rows * k)
         .map(|i| uniform_at(seed + 1, i as u64))
         .collect();
-    let mut tiles = Vec::new();
-    let mut slot = 0;
-    for &count in c.counts {
-        let e = slot_expert.get(slot).copied().unwrap_or(0);
-        for start in (0..count).step_by(MOE_TILE) {
-            tiles.extend([e, slot + start, MOE_TILE.min(count - start)].map(|v| v as i32));
-        }
-        slot += count;
-    }
-    let live = tiles.len() / 3;
-    let grid = max_tiles(pairs, experts);
-    assert!(
-        live <= grid,
-        "max_tiles {grid} below the {live} tiles built"
-    );
-    let decoy = [
-        ((slot_expert[0] + 1) % experts) as i32,
-        0,
-        MOE_TILE.min(pairs) as i32,
-    ];
-    while tiles.len() < 3 * grid {
-        tiles.extend(decoy);
-    }
-    let dx = gpu.upload(&x).unwrap();
-    let dg = gpu.upload(&gather).unwrap();
-    let dt = gpu.upload(&tiles).unwrap();
-    let dn = gpu.upload(&[live as i32]).unwrap();
-    // One spare row after the last slot must keep the sentinel.
-    let dy = gpu
-        .upload(&vec![f32::from_bits(SENTINEL); (pairs + 1) * n])
-        .unwrap();
+    let (dx, dg) = (gpu.upload(&x).unwrap(), gpu.upload(&gather).unwrap());
     let gather_ptr = if c.gather_tokens.is_some() {
         ptr(&dg, &gpu.stream)
     } else {
         0
     };
-    gemm_grouped(
-        gpu,
-        &w,
-        n,
-        ptr(&dx, &gpu.stream),
-        gather_ptr,
-        ptr(&dt, &gpu.stream),
-        ptr(&dn, &gpu.stream),
-        grid,
-        ptr(&dy, &gpu.stream),
-    )
-    .unwrap();
-    let y = gpu.download(&dy).unwrap();
-    for (i, v) in y.iter().enumerate() {
-        assert_eq!(
-            v.to_bits() == SENTINEL,
-            i >= pairs * n,
-            "grouped counts {:?}: cell ({}, {}) wrongly {}",
-            c.counts,
-            i / n,
-            i % n,
-            if i >= pairs * n {
-                "written"
-            } else {
-                "unwritten"
-            }
-        );
-    }
-    let rows: Vec<usize> = (0..pairs).collect();
-    let got: Vec<Vec<f32>> = rows
-        .iter()
-        .map(|&s| y[s * n..(s + 1) * n].to_vec())
-        .collect();
+    let rows = rows_to_check(pairs);
     let x_row = |s: usize| {
         if c.gather_tokens.is_some() {
             gather[s] as usize
@@ -374,29 +388,45 @@ fn check_grouped(gpu: &Gpu, c: &Grouped) -> (f64, f64) {
     };
     let w_row0 = |s: usize| slot_expert[s] * n;
     let (wk, xk) = (kernel_weight(&l), bf16_round(&x));
-    let a = rel_diff(&got, &reference(&rows, n, k, &x_row, &w_row0, &xk, &wk));
-    let b = rel_diff(
-        &got,
-        &reference(&rows, n, k, &x_row, &w_row0, &x, &exact_weight(&l)),
-    );
-    (a, b)
+    let want_a = reference(&rows, n, k, &x_row, &w_row0, &xk, &wk);
+    let want_b = reference(&rows, n, k, &x_row, &w_row0, &x, &exact_weight(&l));
+    MoeTile::ALL.map(|height| {
+        let y = run_grouped(gpu, c, &w, ptr(&dx, &gpu.stream), gather_ptr, height);
+        let got: Vec<Vec<f32>> = rows
+            .iter()
+            .map(|&s| y[s * n..(s + 1) * n].to_vec())
+            .collect();
+        (height, rel_diff(&got, &want_a), rel_diff(&got, &want_b))
+    })
 }
 
-/// Empty experts, every row on one expert, ragged counts around the tile height, with and
-/// without a gather list, in every format, with fewer live tiles than the grid.
+/// `m` rows spread at random over `experts` experts, every third one (from expert 1) left empty.
+fn spread(m: usize, experts: usize, seed: u64) -> Vec<usize> {
+    let routed: Vec<usize> = (0..experts).filter(|e| e % 3 != 1).collect();
+    let mut counts = vec![0; experts];
+    for r in 0..m {
+        counts[routed[(mix64(seed ^ mix64(r as u64)) % routed.len() as u64) as usize]] += 1;
+    }
+    counts
+}
+
+/// At both tile heights, in every format, with and without a gather list, with fewer live tiles
+/// than the grid: m rows spread over experts with empty ones among them, and all on one expert,
+/// for the m of the list; then counts at and either side of both heights.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn grouped_gemm_matches_bf16_products() {
     let gpu = gpu();
-    let routings: [&[usize]; 4] = [
-        &[0, 1, 64, 65, 0, 130, 7, 0],
-        &[0, 0, 300, 0],
-        &[63, 0, 129],
-        &[1],
-    ];
+    let mut routings: Vec<Vec<usize>> = Vec::new();
+    for m in [1usize, 7, 16, 33, 200, 2048, 4096] {
+        routings.push(spread(m, 12, m as u64));
+        routings.push(vec![0, 0, m, 0]);
+    }
+    routings.push(vec![0, 1, 15, 16, 17, 0, 63, 64, 65, 0, 130, 7]);
+    routings.push(vec![31, 0, 33, 48, 129]);
     let mut failures = Vec::new();
     for bits in [4u32, 8, 32] {
-        for counts in routings {
+        for counts in &routings {
             for (n, k) in [(192usize, 512usize), (64, 2048), (72, 48)] {
                 if bits != 32 && k % 64 != 0 {
                     continue;
@@ -409,15 +439,16 @@ fn grouped_gemm_matches_bf16_products() {
                         counts,
                         gather_tokens,
                     };
-                    let (a, b) = check_grouped(&gpu, &c);
-                    let what = format!(
-                        "{bits}-bit n {n} k {k} counts {counts:?} gather {gather_tokens:?}"
-                    );
-                    eprintln!(
-                        "grouped gemm {what}: vs bf16 operands {a:.2e}, vs exact f32 operands {b:.2e}"
-                    );
-                    if a > TOLERANCE {
-                        failures.push(format!("{what}: {a:e}"));
+                    for (height, a, b) in check_grouped(&gpu, &c) {
+                        let what = format!(
+                            "{bits}-bit {height:?} n {n} k {k} counts {counts:?} gather {gather_tokens:?}"
+                        );
+                        eprintln!(
+                            "grouped gemm {what}: vs bf16 operands {a:.2e}, vs exact f32 operands {b:.2e}"
+                        );
+                        if a > TOLERANCE {
+                            failures.push(format!("{what}: {a:e}"));
+                        }
                     }
                 }
             }
@@ -475,22 +506,23 @@ fn gemm_speed_at_prefill_shapes() {
     let gather: Vec<i32> = (0..pairs).map(|s| ((s * 7919) % t) as i32).collect();
     for (n, k) in [(512usize, 2048usize), (2048, 512)] {
         let w = DeviceMat::upload(&gpu, &random_linear_grouped(experts * n, k, 4, 64, 11)).unwrap();
-        let mut tiles = Vec::new();
-        for e in 0..experts {
-            for start in (0..per).step_by(MOE_TILE) {
-                tiles.extend([e, e * per + start, MOE_TILE.min(per - start)].map(|v| v as i32));
-            }
-        }
+        let height = MoeTile::Rows64;
+        let mut tiles = cut_tiles(&vec![per; experts], height);
         let live = tiles.len() / 3;
-        let grid = max_tiles(pairs, experts);
+        let grid = max_tiles(pairs, experts, height);
         tiles.resize(3 * grid, 0);
         let (dg, dt) = (gpu.upload(&gather).unwrap(), gpu.upload(&tiles).unwrap());
         let dn = gpu.upload(&[live as i32]).unwrap();
         let dy = gpu.zeros::<f32>(pairs * n).unwrap();
-        let args = [&dg, &dt, &dn].map(|b| ptr(b, &gpu.stream));
-        let yp = ptr(&dy, &gpu.stream);
+        let map = TileMap {
+            tiles: ptr(&dt, &gpu.stream),
+            num_tiles: ptr(&dn, &gpu.stream),
+            height,
+            max_tiles: grid,
+        };
+        let (gp, yp) = (ptr(&dg, &gpu.stream), ptr(&dy, &gpu.stream));
         let ms = time_ms(&gpu, &|| {
-            gemm_grouped(&gpu, &w, n, xp, args[0], args[1], args[2], grid, yp).unwrap()
+            gemm_grouped(&gpu, &w, n, xp, gp, &map, yp).unwrap()
         });
         let tflops = 2.0 * (pairs * n * k) as f64 / (ms * 1e-3) / 1e12;
         eprintln!(

@@ -6,15 +6,18 @@ use cudarc::driver::CudaSlice;
 use lily_core::config::{ModelConfig, QWEN36_35B_A3B_CONFIG};
 use lily_core::rng::{Rng, mix64, uniform_at};
 use lily_cuda::KvPrecision;
-use lily_cuda::compile::MOE_TILE;
 use lily_cuda::gpu::{Gpu, ptr};
-use lily_cuda::moe_prefill::{combine, max_tiles, sort, swiglu, topk_rows};
+use lily_cuda::moe_prefill::{MoeTile, TileMap, combine, max_tiles, sort, swiglu, topk_rows};
 
 const NEEDS_GPU: &str = "needs a CUDA GPU";
 
 /// The production expert count (256, top 8, renormalised) and a small one (16, top 4, not
 /// renormalised, so both NORM_TOPK branches run).
 const ROUTINGS: [(usize, usize, bool); 2] = [(256, 8, true), (16, 4, false)];
+
+/// Chunk lengths (tokens) the routing and sorting tests run: the list, from one token to
+/// a whole default chunk.
+const TOKENS: [usize; 7] = [1, 7, 16, 33, 200, 2048, 4096];
 
 fn config(experts: usize, top_k: usize, norm: bool) -> ModelConfig {
     let mut c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
@@ -83,7 +86,7 @@ fn topk_rows_match_the_cpu_router_with_ties() {
     for (ne, top_k, norm) in ROUTINGS {
         let c = config(ne, top_k, norm);
         let gpu = Gpu::new(&c, KvPrecision::Bf16).expect(NEEDS_GPU);
-        for t in [1usize, 7, 33, 200, 4096] {
+        for t in TOKENS {
             let logits = grid_logits(t, ne, t as u64 + ne as u64);
             let (ids, weights) = gpu_route(&gpu, &logits, t, top_k);
             let (ids, weights) = (&ids[..t * top_k], &weights[..t * top_k]);
@@ -133,24 +136,31 @@ struct Sorted {
     num_tiles: i32,
 }
 
-/// Runs moe_sort on `ids`; every output starts as a sentinel so unwritten entries show.
-fn gpu_sort(gpu: &Gpu, ids: &[i32], ne: usize) -> Sorted {
+/// Runs moe_sort on `ids` at `height`; every output starts as a sentinel so unwritten entries
+/// show.
+fn gpu_sort(gpu: &Gpu, ids: &[i32], ne: usize, height: MoeTile) -> Sorted {
     let pairs = ids.len();
     let s = &gpu.stream;
     let d_ids = dev(gpu, &ids.iter().copied().chain([0]).collect::<Vec<_>>());
     let gather = dev(gpu, &vec![-1i32; pairs + 1]);
     let slot_of = dev(gpu, &vec![-1i32; pairs + 1]);
-    let tile_ints = 3 * max_tiles(pairs, ne);
+    let max = max_tiles(pairs, ne, height);
+    let tile_ints = 3 * max;
     let tiles = dev(gpu, &vec![-1i32; tile_ints + 1]);
     let num_tiles = dev(gpu, &[-7i32]);
+    let map = TileMap {
+        tiles: ptr(&tiles, s),
+        num_tiles: ptr(&num_tiles, s),
+        height,
+        max_tiles: max,
+    };
     sort(
         gpu,
         ptr(&d_ids, s),
         pairs,
         ptr(&gather, s),
         ptr(&slot_of, s),
-        ptr(&tiles, s),
-        ptr(&num_tiles, s),
+        &map,
     )
     .unwrap();
     let mut tiles = gpu.download(&tiles).unwrap();
@@ -164,8 +174,9 @@ fn gpu_sort(gpu: &Gpu, ids: &[i32], ne: usize) -> Sorted {
     }
 }
 
-/// Panics unless `out` is a sort of `ids` by expert with a valid tile map.
-fn check_sort(ids: &[i32], ne: usize, top_k: usize, out: &Sorted, case: &str) {
+/// Panics unless `out` is a sort of `ids` by expert with a valid tile map at `height`.
+fn check_sort(ids: &[i32], ne: usize, top_k: usize, height: MoeTile, out: &Sorted, case: &str) {
+    let h = height.rows();
     let pairs = ids.len();
     // slot_of is a permutation, and gather agrees with it.
     let mut pair_of = vec![usize::MAX; pairs];
@@ -192,14 +203,14 @@ fn check_sort(ids: &[i32], ne: usize, top_k: usize, out: &Sorted, case: &str) {
         expert_of.windows(2).all(|w| w[0] <= w[1]),
         "{case}: slots not sorted by expert"
     );
-    // Tiles cover the slots in order, each within one expert, as many as ceil(count / MOE_TILE)
-    // per expert (so only an expert's last tile is short).
+    // Tiles cover the slots in order, each within one expert, as many as ceil(count / h) per
+    // expert (so only an expert's last tile is short).
     let mut counts = vec![0usize; ne];
     ids.iter().for_each(|&e| counts[e as usize] += 1);
-    let want_tiles: usize = counts.iter().map(|c| c.div_ceil(MOE_TILE)).sum();
+    let want_tiles: usize = counts.iter().map(|c| c.div_ceil(h)).sum();
     assert_eq!(out.num_tiles as usize, want_tiles, "{case}: num_tiles");
     assert!(
-        want_tiles <= max_tiles(pairs, ne),
+        want_tiles <= max_tiles(pairs, ne, height),
         "{case}: max_tiles bound"
     );
     let mut tiles_of = vec![0usize; ne];
@@ -212,7 +223,7 @@ fn check_sort(ids: &[i32], ne: usize, top_k: usize, out: &Sorted, case: &str) {
             "{case}: tile {i} does not start where the last ended"
         );
         assert!(
-            rows >= 1 && rows as usize <= MOE_TILE,
+            rows >= 1 && rows as usize <= h,
             "{case}: tile {i} rows {rows}"
         );
         let slots = first as usize..(first + rows) as usize;
@@ -228,7 +239,7 @@ fn check_sort(ids: &[i32], ne: usize, top_k: usize, out: &Sorted, case: &str) {
         "{case}: tiles do not reach the last slot"
     );
     for (e, (&tiles, &count)) in tiles_of.iter().zip(&counts).enumerate() {
-        assert_eq!(tiles, count.div_ceil(MOE_TILE), "{case}: expert {e} tiles");
+        assert_eq!(tiles, count.div_ceil(h), "{case}: expert {e} tiles");
     }
 }
 
@@ -245,7 +256,7 @@ fn sort_orders_pairs_by_expert_in_tiles() {
     for (ne, top_k, norm) in ROUTINGS {
         let gpu = Gpu::new(&config(ne, top_k, norm), KvPrecision::Bf16).expect(NEEDS_GPU);
         let mut cases: Vec<(String, Vec<i32>)> = Vec::new();
-        for t in [1usize, 7, 33, 200, 4096] {
+        for t in TOKENS {
             cases.push((
                 format!("random t {t}"),
                 random_ids(t * top_k, ne, t as u64, |x| x as usize),
@@ -267,8 +278,17 @@ fn sort_orders_pairs_by_expert_in_tiles() {
             vec![ne as i32 - 1; 4096 * top_k],
         ));
         cases.push(("all on expert 0".into(), vec![0; 4095 * top_k]));
-        // Counts at the tile height and either side of it, shuffled.
-        let mut edges: Vec<i32> = [(1, MOE_TILE - 1), (3, MOE_TILE), (5, MOE_TILE + 1), (9, 1)]
+        // Counts at both tile heights and either side of them, shuffled.
+        let counts = [
+            (1, 63),
+            (3, 64),
+            (5, 65),
+            (9, 1),
+            (10, 15),
+            (12, 16),
+            (13, 17),
+        ];
+        let mut edges: Vec<i32> = counts
             .iter()
             .flat_map(|&(e, n)| std::iter::repeat_n(e, n))
             .collect();
@@ -279,10 +299,12 @@ fn sort_orders_pairs_by_expert_in_tiles() {
         cases.push(("tile edges".into(), edges));
         cases.push(("no pairs".into(), Vec::new()));
         for (case, ids) in cases {
-            let out = gpu_sort(&gpu, &ids, ne);
-            let case = format!("{ne} experts, {case} ({} pairs)", ids.len());
-            check_sort(&ids, ne, top_k, &out, &case);
-            eprintln!("sort {case}: valid, {} tiles", out.num_tiles);
+            for height in MoeTile::ALL {
+                let out = gpu_sort(&gpu, &ids, ne, height);
+                let case = format!("{ne} experts, {height:?}, {case} ({} pairs)", ids.len());
+                check_sort(&ids, ne, top_k, height, &out, &case);
+                eprintln!("sort {case}: valid, {} tiles", out.num_tiles);
+            }
         }
     }
 }
@@ -418,7 +440,7 @@ fn expert_row(e: usize, tok: usize, h: usize) -> impl Iterator<Item = f32> {
 }
 
 /// Routing, sort and combine chained as prefill chains them, against the CPU router applied to
-/// the same logits: the launchers' buffers agree on layout.
+/// the same logits: the launchers' buffers agree on layout, at both tile heights.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn route_sort_combine_chain_matches_the_cpu_router() {
@@ -426,12 +448,16 @@ fn route_sort_combine_chain_matches_the_cpu_router() {
     let c = config(ne, top_k, norm);
     let gpu = Gpu::new(&c, KvPrecision::Bf16).expect(NEEDS_GPU);
     let h = 256;
-    for t in [33usize, 4096] {
+    for (t, height) in TOKENS
+        .into_iter()
+        .flat_map(|t| MoeTile::ALL.map(|height| (t, height)))
+    {
         let logits = grid_logits(t, ne, 77 + t as u64);
         let (ids, weights) = gpu_route(&gpu, &logits, t, top_k);
         let (ids, weights) = (&ids[..t * top_k], &weights[..t * top_k]);
-        let sorted = gpu_sort(&gpu, ids, ne);
-        check_sort(ids, ne, top_k, &sorted, &format!("chain t {t}"));
+        let sorted = gpu_sort(&gpu, ids, ne, height);
+        let case = format!("chain t {t} {height:?}");
+        check_sort(ids, ne, top_k, height, &sorted, &case);
         // down in slot order, each slot's row computed from the expert its tile names and the
         // token gather names.
         let mut down = vec![0f32; t * top_k * h];
@@ -471,9 +497,9 @@ fn route_sort_combine_chain_matches_the_cpu_router() {
             }
         }
         let d = rel_diff(&got, &want);
-        eprintln!("route → sort → combine, t {t}: max rel diff {d:e}");
+        eprintln!("route → sort → combine, {case}: max rel diff {d:e}");
         // The routing weights carry __expf's error (a few 1e-7, see the top-k test) into sums
         // of 8 rows of magnitude ≤ 1 and the sum's f32 rounding: 1e-5 of the largest output.
-        assert!(d <= 1e-5, "chain t {t}: {d:e}");
+        assert!(d <= 1e-5, "{case}: {d:e}");
     }
 }

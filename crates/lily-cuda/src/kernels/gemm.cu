@@ -5,11 +5,15 @@
 //
 // A block computes a BM × BN tile of Y with 8 warps, each a WM × 32 tile, WM = min(BM, 64): at
 // WM = 64, 4 × 4 mma tiles (per 16 columns of K, 4 ldmatrix of X and 2 of W feed 16 mma); at
-// WM = 16, 1 × 4. Dense: BM = BN = 128, warps 2 (rows) × 4 (columns). Grouped: BM = MOE_TILE = 64
-// (routing cuts tiles of 64 rows), BN = 256, warps 1 × 8. K advances GEMM_BK at a time through
-// two shared buffers: the global loads of step k+1 are issued into registers before the mma work
-// of step k and converted into the other buffer after it, so their latency hides behind the
-// arithmetic and one barrier per step suffices.
+// WM = 16, 1 × 4. Dense: BM = BN = 128, warps 2 (rows) × 4 (columns). Grouped: BN = 256, warps
+// 1 × 8, and BM the height moe_sort cut the experts' rows at, 16 or 64, one entry each. The host
+// picks the height from the average rows per expert: an expert with few rows in a 64-row tile
+// spends most of its mma work on padding, while one with many rows in 16-row tiles dequantises
+// its weight once per tile, four times as often.
+//
+// K advances GEMM_BK at a time through two shared buffers: the global loads of step k+1 are
+// issued into registers before the mma work of step k and converted into the other buffer after
+// it, so their latency hides behind the arithmetic and one barrier per step suffices.
 //
 // What bounds this kernel is the SM's L1/shared data pipe (128 bytes a cycle; ncu had it 75 %
 // busy at 140 TFLOP/s), which ldmatrix, the tile stores and every global load share: a warp's
@@ -34,13 +38,10 @@
 #define GEMM_THREADS 256
 #define GEMM_DENSE_BM 128
 #define GEMM_DENSE_BN 128
-#define GEMM_GROUPED_BM 64
 #define GEMM_GROUPED_BN 256
 
 // Dynamic shared memory of a block: two bf16 X tiles, then two bf16 W tiles.
 __host__ __device__ constexpr int gemm_shared_bytes(int bm, int bn) { return 2 * (bm + bn) * GEMM_BK * 2; }
-
-static_assert(GEMM_GROUPED_BM == MOE_TILE, "a grouped tile (MOE_TILE rows) must be one block's rows");
 
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     u32 r;
@@ -500,26 +501,30 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
     }
 
 // Grouped (MoE experts): w stacks experts of n rows each. Tile t = tiles[3t..3t+3] = {expert,
-// first sorted slot, rows}; blocks past *num_tiles return (the host sizes the grid for the worst
-// case). Slot s reads X row gather[s] (or s) and writes y[s, 0..n). Grid (⌈n/256⌉, max tiles).
-#define GEMM_GROUPED(BITS)                                                                           \
+// first sorted slot, rows}, cut by moe_sort at this entry's height BM (the host launches the entry
+// of the height it sorted with); blocks past *num_tiles return (the host sizes the grid for the
+// worst case). Slot s reads X row gather[s] (or s) and writes y[s, 0..n). Grid (⌈n/256⌉, max tiles).
+#define GEMM_GROUPED(BM, BITS)                                                                       \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)                                     \
-        gemm_grouped_b##BITS(Mat w, int n, const float* x, const int* gather, const int* tiles,      \
-                             const int* num_tiles, float* y) {                                       \
+        gemm_grouped##BM##_b##BITS(Mat w, int n, const float* x, const int* gather, const int* tiles, \
+                                   const int* num_tiles, float* y) {                                 \
         pdl_wait();                                                                                  \
         int t = blockIdx.y;                                                                          \
         if (t >= *num_tiles) return;                                                                 \
-        int expert = tiles[3 * t], slot0 = tiles[3 * t + 1], rows = min(tiles[3 * t + 2], GEMM_GROUPED_BM); \
+        int expert = tiles[3 * t], slot0 = tiles[3 * t + 1], rows = min(tiles[3 * t + 2], BM);      \
         int n0 = blockIdx.x * GEMM_GROUPED_BN;                                                       \
         /* A tile naming an expert past the stack would read beyond the weight. */                  \
         if (expert < 0 || (long)(expert + 1) * n > w.rows || rows <= 0) return;                      \
-        gemm_tile<BITS, GEMM_GROUPED_BM, GEMM_GROUPED_BN, true>(w, (long)expert * n + n0, min(GEMM_GROUPED_BN, n - n0), x, \
-                                                          gather, slot0, rows, y, slot0, n, n0);               \
+        gemm_tile<BITS, BM, GEMM_GROUPED_BN, true>(w, (long)expert * n + n0, min(GEMM_GROUPED_BN, n - n0), x, \
+                                                   gather, slot0, rows, y, slot0, n, n0);            \
     }
 
 GEMM_DENSE(4)
 GEMM_DENSE(8)
 GEMM_DENSE(32)
-GEMM_GROUPED(4)
-GEMM_GROUPED(8)
-GEMM_GROUPED(32)
+GEMM_GROUPED(16, 4)
+GEMM_GROUPED(16, 8)
+GEMM_GROUPED(16, 32)
+GEMM_GROUPED(64, 4)
+GEMM_GROUPED(64, 8)
+GEMM_GROUPED(64, 32)

@@ -1,10 +1,10 @@
 // Mixture of experts for a prefill chunk of T tokens: routing, sorting the (token, choice) pairs
 // by expert for the grouped expert GEMMs (gemm.cu), SwiGLU, and the weighted combine.
-// Constants: NE experts, TOPK chosen per token, NORM_TOPK (renormalise the chosen weights),
-// MOE_TILE (rows of one grouped-GEMM tile).
+// Constants: NE experts, TOPK chosen per token, NORM_TOPK (renormalise the chosen weights).
 //
 // Pair p = t·TOPK + k is token t's k-th choice. The expert GEMMs work on "slots": the pairs
-// sorted by expert, so each expert's rows are contiguous and cut into tiles of ≤ MOE_TILE rows.
+// sorted by expert, so each expert's rows are contiguous and cut into tiles of at most the grouped
+// GEMM's height, which the host chooses per chunk (16 or 64 rows) and passes to moe_sort.
 
 #define PER_LANE ((NE + WARP - 1) / WARP)
 // A logits row: [router (NE) | shared-expert gate (1)].
@@ -111,17 +111,18 @@ __device__ int block_exclusive_scan(int v, int* warp_sums, int* total) {
     return exclusive;
 }
 
-// Sorts the pairs by expert (a counting sort) and cuts each expert's slots into tiles:
+// Sorts the pairs by expert (a counting sort) and cuts each expert's slots into tiles of
+// tile_rows (> 0, the height of the grouped GEMM entry that reads them):
 //   gather[s] = the token of slot s, slot_of[p] = the slot of pair p,
-//   tiles[3i .. 3i+3] = {expert, first slot, rows ≤ MOE_TILE}, an expert's tiles consecutive and
-//   in expert order, *num_tiles = Σ_e ceil(count_e / MOE_TILE) ≤ pairs / MOE_TILE + NE.
+//   tiles[3i .. 3i+3] = {expert, first slot, rows ≤ tile_rows}, an expert's tiles consecutive and
+//   in expert order, *num_tiles = Σ_e ceil(count_e / tile_rows) ≤ pairs / tile_rows + NE.
 // One block of SORT_THREADS. Within an expert the slot order depends on atomic timing; that is
 // harmless, since every slot's GEMM row depends only on its own input and the combine reads the
 // slots back through slot_of in choice order. Pairs with the same expert in a warp take one
 // atomic between them: when every pair goes to one expert (32,768 pairs), per-pair shared
 // atomics on one address would serialise.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
-moe_sort(const int* ids, int pairs, int* gather, int* slot_of, int* tiles, int* num_tiles) {
+moe_sort(const int* ids, int pairs, int tile_rows, int* gather, int* slot_of, int* tiles, int* num_tiles) {
     pdl_wait();
     __shared__ int cursor[NE];          // pairs per expert, then the next free slot of each
     __shared__ int slot_start[NE + 1];  // an expert's first slot; [NE] = pairs
@@ -143,7 +144,7 @@ moe_sort(const int* ids, int pairs, int* gather, int* slot_of, int* tiles, int* 
     __syncthreads();
 
     int count = tid < NE ? cursor[tid] : 0;
-    int n_tiles = (count + MOE_TILE - 1) / MOE_TILE;
+    int n_tiles = (count + tile_rows - 1) / tile_rows;
     int total_pairs, total_tiles;
     int first_slot = block_exclusive_scan(count, warp_sums, &total_pairs);
     int first_tile = block_exclusive_scan(n_tiles, warp_sums, &total_tiles);
@@ -167,10 +168,10 @@ moe_sort(const int* ids, int pairs, int* gather, int* slot_of, int* tiles, int* 
             int mid = (lo + hi) / 2;
             if (tile_start[mid + 1] > i) hi = mid; else lo = mid + 1;
         }
-        int first = slot_start[lo] + (i - tile_start[lo]) * MOE_TILE;
+        int first = slot_start[lo] + (i - tile_start[lo]) * tile_rows;
         tiles[3 * i] = lo;
         tiles[3 * i + 1] = first;
-        tiles[3 * i + 2] = min(MOE_TILE, slot_start[lo + 1] - first);
+        tiles[3 * i + 2] = min(tile_rows, slot_start[lo + 1] - first);
     }
 
     for (int base = 0; base < pairs; base += SORT_THREADS) {
