@@ -11,7 +11,9 @@ mod support;
 
 use std::time::Instant;
 
+use cudarc::driver::CudaSlice;
 use half::bf16;
+use lily_core::config::{ModelConfig, QWEN36_35B_A3B_CONFIG};
 use lily_core::rng::{mix64, uniform_at};
 use lily_core::synthetic::synthetic_config;
 use lily_core::weights::Linear;
@@ -19,7 +21,7 @@ use lily_cuda::KvPrecision;
 use lily_cuda::gemm::{gemm, gemm_grouped};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
-use lily_cuda::moe_prefill::{MoeTile, TileMap, max_tiles};
+use lily_cuda::moe_prefill::{MoeTile, TileMap, max_tiles, sort};
 use support::{NEEDS_GPU, random_linear_grouped};
 
 /// A quiet NaN with a payload no arithmetic produces: a cell holding it was never written.
@@ -475,8 +477,8 @@ fn time_ms(gpu: &Gpu, f: &dyn Fn()) -> f64 {
     start.elapsed_ms(&end).unwrap() as f64 / 20.0
 }
 
-/// Prefill-sized products at the real model's shapes (4,096 tokens, hidden 2,048, 256 experts of
-/// 512, top 8), timed: a record of TFLOP/s, not a pass/fail (beyond finite outputs).
+/// Dense prefill-sized products at the real model's shapes (4,096 tokens, hidden 2,048), timed: a
+/// record of TFLOP/s, not a pass/fail (beyond finite outputs).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemm_speed_at_prefill_shapes() {
@@ -500,35 +502,100 @@ fn gemm_speed_at_prefill_shapes() {
         eprintln!("dense {bits}-bit {t}x{k} · {n}x{k}: {ms:.3} ms, {tflops:.0} TFLOP/s");
         assert!(gpu.download(&dy).unwrap().iter().all(|v| v.is_finite()));
     }
-    // Experts: 4,096 tokens × top 8 spread evenly over 256 experts (128 rows each), gathered.
-    let (experts, pairs) = (256usize, t * 8);
-    let per = pairs / experts;
-    let gather: Vec<i32> = (0..pairs).map(|s| ((s * 7919) % t) as i32).collect();
-    for (n, k) in [(512usize, 2048usize), (2048, 512)] {
-        let w = DeviceMat::upload(&gpu, &random_linear_grouped(experts * n, k, 4, 64, 11)).unwrap();
-        let height = MoeTile::Rows64;
-        let mut tiles = cut_tiles(&vec![per; experts], height);
-        let live = tiles.len() / 3;
-        let grid = max_tiles(pairs, experts, height);
-        tiles.resize(3 * grid, 0);
-        let (dg, dt) = (gpu.upload(&gather).unwrap(), gpu.upload(&tiles).unwrap());
-        let dn = gpu.upload(&[live as i32]).unwrap();
-        let dy = gpu.zeros::<f32>(pairs * n).unwrap();
-        let map = TileMap {
-            tiles: ptr(&dt, &gpu.stream),
-            num_tiles: ptr(&dn, &gpu.stream),
-            height,
-            max_tiles: grid,
-        };
-        let (gp, yp) = (ptr(&dg, &gpu.stream), ptr(&dy, &gpu.stream));
-        let ms = time_ms(&gpu, &|| {
-            gemm_grouped(&gpu, &w, n, xp, gp, &map, yp).unwrap()
-        });
-        let tflops = 2.0 * (pairs * n * k) as f64 / (ms * 1e-3) / 1e12;
-        eprintln!(
-            "grouped 4-bit {experts} experts x {per} rows, {k} -> {n}: {ms:.3} ms, {tflops:.0} TFLOP/s"
-        );
-        assert!(gpu.download(&dy).unwrap().iter().all(|v| v.is_finite()));
-    }
     eprintln!("speed test took {:.1} s", started.elapsed().as_secs_f64());
+}
+
+/// Expert ids for `t` tokens that each choose `top_k` distinct experts uniformly at random, laid
+/// out as routing lays them out (pair p = token · top_k + k).
+fn random_routing(t: usize, top_k: usize, experts: usize, seed: u64) -> Vec<i32> {
+    let mut ids = Vec::with_capacity(t * top_k);
+    for token in 0..t {
+        let mut chosen: Vec<i32> = Vec::with_capacity(top_k);
+        for draw in 0u64.. {
+            if chosen.len() == top_k {
+                break;
+            }
+            let e = (mix64(seed ^ mix64((token as u64) << 32 | draw)) % experts as u64) as i32;
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        ids.extend(chosen);
+    }
+    ids
+}
+
+/// The grouped expert GEMMs of one MoE layer at the production shapes (hidden 2,048, 256 experts
+/// of 512 rows, top 8, 4-bit weights in groups of 64), for chunks of 128 to 4,096 tokens routed
+/// at random and sorted by moe_sort, at both tile heights: the record to set
+/// ROWS64_FROM_ROWS_PER_EXPERT from. Gate and up are launches of one shape, so gate stands for
+/// both; a layer's expert GEMMs take two of it and one down. A record, not a pass/fail (beyond
+/// finite outputs). At 4,096 tokens and 64-row tiles it takes over from the evenly routed grouped
+/// timing that gemm_speed_at_prefill_shapes made before (docs/BENCHMARKS.md's grouped TFLOP/s).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grouped_gemm_speed_by_tokens() {
+    let c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
+    // moe_sort is compiled for the model's expert count and top-k.
+    let gpu = Gpu::new(&c, KvPrecision::Bf16).expect(NEEDS_GPU);
+    let (h, inter) = (c.hidden_size, c.moe_intermediate_size);
+    let (experts, top_k) = (c.num_experts, c.experts_per_token);
+    let upload = |rows, cols, seed| {
+        DeviceMat::upload(&gpu, &random_linear_grouped(rows, cols, 4, 64, seed)).unwrap()
+    };
+    let (gate, down) = (
+        upload(experts * inter, h, 21),
+        upload(experts * h, inter, 22),
+    );
+    let s = &gpu.stream;
+    let finite = |b: &CudaSlice<f32>| gpu.download(b).unwrap().iter().all(|v| v.is_finite());
+    for t in [128usize, 256, 512, 1024, 2048, 4096] {
+        let pairs = t * top_k;
+        let x: Vec<f32> = (0..t * h).map(|i| uniform_at(23, i as u64)).collect();
+        let dx = gpu.upload(&x).unwrap();
+        let ids = gpu
+            .upload(&random_routing(t, top_k, experts, t as u64))
+            .unwrap();
+        let gather = gpu.zeros::<i32>(pairs).unwrap();
+        let slot_of = gpu.zeros::<i32>(pairs).unwrap();
+        let tiles = gpu
+            .zeros::<i32>(3 * max_tiles(pairs, experts, MoeTile::Rows16))
+            .unwrap();
+        let num_tiles = gpu.zeros::<i32>(1).unwrap();
+        let act = gpu.zeros::<f32>(pairs * inter).unwrap();
+        let out = gpu.zeros::<f32>(pairs * h).unwrap();
+        let (xp, gp, ap, op) = (ptr(&dx, s), ptr(&gather, s), ptr(&act, s), ptr(&out, s));
+        let chosen = MoeTile::for_chunk(t, top_k, experts);
+        for height in MoeTile::ALL {
+            let map = TileMap {
+                tiles: ptr(&tiles, s),
+                num_tiles: ptr(&num_tiles, s),
+                height,
+                max_tiles: max_tiles(pairs, experts, height),
+            };
+            sort(&gpu, ptr(&ids, s), pairs, gp, ptr(&slot_of, s), &map).unwrap();
+            let live = gpu.download(&num_tiles).unwrap()[0];
+            let gate_ms = time_ms(&gpu, &|| {
+                gemm_grouped(&gpu, &gate, inter, xp, gp, &map, ap).unwrap()
+            });
+            let down_ms = time_ms(&gpu, &|| {
+                gemm_grouped(&gpu, &down, h, ap, 0, &map, op).unwrap()
+            });
+            let tflops = |ms: f64| 2.0 * (pairs * inter * h) as f64 / (ms * 1e-3) / 1e12;
+            eprintln!(
+                "grouped t {t} ({:.1} rows per expert), {height:?}{}: {live} tiles; gate|up \
+                 {gate_ms:.3} ms ({:.0} TFLOP/s), down {down_ms:.3} ms ({:.0} TFLOP/s); \
+                 a layer's 2 gate|up + down {:.3} ms",
+                pairs as f64 / experts as f64,
+                if height == chosen { " (chosen)" } else { "" },
+                tflops(gate_ms),
+                tflops(down_ms),
+                2.0 * gate_ms + down_ms
+            );
+            assert!(
+                finite(&act) && finite(&out),
+                "t {t} {height:?}: non-finite outputs"
+            );
+        }
+    }
 }
