@@ -16,6 +16,7 @@ use lily_core::model_ref::ModelRef;
 use lily_core::synthetic::SyntheticSource;
 use lily_core::weights::ModelWeights;
 use lily_cpu::CpuBackend;
+use lily_cuda::moe_prefill::ROWS64_FROM_ROWS_PER_EXPERT;
 use lily_cuda::{CudaBackend, KvPrecision};
 use support::{fixture, greedy, rel_diff};
 
@@ -248,7 +249,9 @@ fn chunked_prefill_equals_one_chunk() {
 
 /// The real model's head structure (GQA group 8, head dim 256, 64 rotary dims, GDN 16/32 heads of
 /// 128, 256 experts top 8) at a small width, so every prefill kernel runs at its production
-/// constants, with prompts that cross chunk boundaries at ragged lengths.
+/// constants, with prompts that cross chunk boundaries at ragged lengths. The expert tile height
+/// follows the chunk's length: the last prompt's first chunk is the shortest with 64-row tiles
+/// and its second takes 16-row ones.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn prefill_at_production_shapes_matches_the_cpu() {
@@ -269,9 +272,20 @@ fn prefill_at_production_shapes_matches_the_cpu() {
     t.insert("shared_expert_intermediate_size".into(), 128.into());
     let config = ModelConfig::from_json(&root.to_string()).unwrap();
     let weights = ModelWeights::load(&config, Box::new(SyntheticSource::new(7))).unwrap();
-    let gpu = CudaBackend::with_options(config.clone(), &weights, KvPrecision::F32, 200).unwrap();
+    let first_tall = ROWS64_FROM_ROWS_PER_EXPERT * config.num_experts / config.experts_per_token;
+    let backend = |chunk| {
+        CudaBackend::with_options(config.clone(), &weights, KvPrecision::F32, chunk).unwrap()
+    };
+    let (short, tall) = (backend(200), backend(first_tall));
     let cpu = CpuBackend::new(config.clone(), weights);
-    for len in [1, 7, 16, 33, 200, 301] {
+    let runs = [
+        (&short, vec![1, 7, 16, 33, 200, 301]),
+        (&tall, vec![first_tall + 37]),
+    ];
+    for (gpu, len) in runs
+        .iter()
+        .flat_map(|(g, lens)| lens.iter().map(move |&l| (*g, l)))
+    {
         let prompt = tokens(len, config.vocab_size, len as u32);
         let mut gs = gpu.new_state(len + 4).unwrap();
         let mut cs = cpu.new_state(len + 4).unwrap();
