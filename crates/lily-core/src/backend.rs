@@ -53,6 +53,18 @@ pub trait Backend: Send + Sync {
     fn prefill(&self, state: &mut Self::State, tokens: &[u32], rows: LogitRows)
     -> Result<Vec<f32>>;
 
+    /// Appends `tokens` as [`Backend::prefill`] does and picks the token that follows them.
+    /// Device backends override this to choose on the device without returning the logits.
+    fn prefill_sample(
+        &self,
+        state: &mut Self::State,
+        tokens: &[u32],
+        sampler: &mut Sampler,
+    ) -> Result<u32> {
+        let logits = self.prefill(state, tokens, LogitRows::Last)?;
+        Ok(sampler.sample(&logits))
+    }
+
     /// Appends one token and returns the logits that follow it.
     fn decode(&self, state: &mut Self::State, token: u32) -> Result<Vec<f32>> {
         self.prefill(state, &[token], LogitRows::Last)

@@ -48,6 +48,23 @@ pub fn prefill<B: Backend>(
     Ok(out)
 }
 
+/// Feeds `tokens` in chunks the backend accepts and picks the token that follows them, on the
+/// device where the backend can.
+pub fn prefill_sample<B: Backend>(
+    backend: &B,
+    state: &mut B::State,
+    tokens: &[u32],
+    sampler: &mut Sampler,
+) -> Result<u32> {
+    ensure!(!tokens.is_empty(), "prefill needs at least one token");
+    let chunk = backend.max_prefill_chunk().max(1);
+    let split = (tokens.len() - 1) / chunk * chunk;
+    if split > 0 {
+        prefill(backend, state, &tokens[..split], LogitRows::Last)?;
+    }
+    backend.prefill_sample(state, &tokens[split..], sampler)
+}
+
 /// Prefills `prompt`, then samples up to `max_tokens` tokens. `on_token` sees each token as it is
 /// chosen and may stop generation early.
 pub fn generate<B: Backend>(
@@ -66,8 +83,7 @@ pub fn generate<B: Backend>(
             finish: FinishReason::Length,
         });
     }
-    let logits = prefill(backend, state, prompt, LogitRows::Last)?;
-    let mut next = sampler.sample(&logits);
+    let mut next = prefill_sample(backend, state, prompt, sampler)?;
     loop {
         if stop_ids.contains(&next) {
             return Ok(Generation {
@@ -89,5 +105,103 @@ pub fn generate<B: Backend>(
             });
         }
         next = backend.decode_sample(state, next, sampler)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::config::{ModelConfig, QWEN36_35B_A3B_CONFIG};
+    use crate::sampling::SamplingParams;
+
+    /// Records the calls a front end makes; the logits favour the token after the last one fed.
+    struct Recorder {
+        config: ModelConfig,
+        chunk: usize,
+        calls: Mutex<Vec<(&'static str, usize)>>,
+    }
+
+    impl Backend for Recorder {
+        type State = Vec<u32>;
+
+        fn config(&self) -> &ModelConfig {
+            &self.config
+        }
+        fn device_name(&self) -> String {
+            "recorder".into()
+        }
+        fn max_prefill_chunk(&self) -> usize {
+            self.chunk
+        }
+        fn new_state(&self, _: usize) -> Result<Vec<u32>> {
+            Ok(Vec::new())
+        }
+        fn state_len(&self, state: &Vec<u32>) -> usize {
+            state.len()
+        }
+        fn fork(&self, state: &Vec<u32>) -> Result<Vec<u32>> {
+            Ok(state.clone())
+        }
+        fn prefill(&self, state: &mut Vec<u32>, tokens: &[u32], _: LogitRows) -> Result<Vec<f32>> {
+            Ok(self.feed("prefill", state, tokens))
+        }
+        fn prefill_sample(
+            &self,
+            state: &mut Vec<u32>,
+            tokens: &[u32],
+            s: &mut Sampler,
+        ) -> Result<u32> {
+            Ok(s.sample(&self.feed("prefill_sample", state, tokens)))
+        }
+    }
+
+    impl Recorder {
+        fn feed(&self, call: &'static str, state: &mut Vec<u32>, tokens: &[u32]) -> Vec<f32> {
+            self.calls.lock().unwrap().push((call, tokens.len()));
+            state.extend(tokens);
+            let mut logits = vec![0.0; 16];
+            logits[(*state.last().unwrap() as usize + 1) % 16] = 1.0;
+            logits
+        }
+    }
+
+    #[test]
+    fn prefill_sample_feeds_whole_chunks_then_samples_the_last() {
+        for (len, chunk, calls) in [
+            (
+                10,
+                4,
+                vec![("prefill", 4), ("prefill", 4), ("prefill_sample", 2)],
+            ),
+            (8, 4, vec![("prefill", 4), ("prefill_sample", 4)]),
+            (3, 4, vec![("prefill_sample", 3)]),
+            (1, 1, vec![("prefill_sample", 1)]),
+        ] {
+            let backend = Recorder {
+                config: ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap(),
+                chunk,
+                calls: Mutex::new(Vec::new()),
+            };
+            let tokens: Vec<u32> = (0..len as u32).collect();
+            let mut state = Vec::new();
+            let mut sampler = Sampler::new(SamplingParams::greedy());
+            let next = prefill_sample(&backend, &mut state, &tokens, &mut sampler).unwrap();
+            assert_eq!(next, len as u32 % 16, "{len} in chunks of {chunk}");
+            assert_eq!(state, tokens);
+            assert_eq!(
+                *backend.calls.lock().unwrap(),
+                calls,
+                "{len} in chunks of {chunk}"
+            );
+        }
+        let backend = Recorder {
+            config: ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap(),
+            chunk: 4,
+            calls: Mutex::new(Vec::new()),
+        };
+        let mut sampler = Sampler::new(SamplingParams::greedy());
+        assert!(prefill_sample(&backend, &mut Vec::new(), &[], &mut sampler).is_err());
     }
 }

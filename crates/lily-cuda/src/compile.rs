@@ -78,6 +78,7 @@ pub const KERNEL_FILES: [KernelFile; 11] = [
             "gemm_b4",
             "gemm_b8",
             "gemm_b32",
+            "gemm_reduce",
             "gemm_grouped16_b4",
             "gemm_grouped16_b8",
             "gemm_grouped16_b32",

@@ -33,6 +33,9 @@ pub struct Gpu {
     pub shared_optin: usize,
     /// The GDN prefill route `LILY_GDN_PREFILL` forces, if any ([`crate::gdn_prefill::route_for`]).
     pub gdn_prefill_route: Option<crate::gdn_prefill::GdnPrefillRoute>,
+    /// Partial sums of dense GEMMs split along K ([`crate::gemm::gemm`]); one launch at a time
+    /// uses it, in stream order.
+    pub(crate) gemm_partials: CudaSlice<f32>,
 }
 
 /// `LILY_PDL=0` turns programmatic dependent launch off (for measuring what it gives, and as a
@@ -115,6 +118,7 @@ impl Gpu {
                 resident_256.insert(entry.clone(), blocks);
             }
         }
+        let gemm_partials = stream.alloc_zeros(crate::gemm::partial_floats(sms))?;
         Ok(Gpu {
             ctx,
             stream,
@@ -127,6 +131,7 @@ impl Gpu {
             pdl: major >= 9 && pdl_allowed()?,
             pdl_now: AtomicBool::new(false),
             shared_optin: optin,
+            gemm_partials,
             gdn_prefill_route: crate::gdn_prefill::forced_route()?,
         })
     }

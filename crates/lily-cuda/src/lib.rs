@@ -152,22 +152,42 @@ impl CudaBackend {
     }
 
     /// Runs one step for `state` (its token slot already holds the input): replays the state's
-    /// graph, capturing it on first use.
-    fn step(&self, state: &mut CudaState, scratch: &Scratch) -> Result<()> {
-        if state.graph.is_none() {
+    /// graph, capturing it on first use or when its argmax must range over other `choices`
+    /// (`None`: the choice is not wanted, any graph will do).
+    fn step(&self, state: &mut CudaState, scratch: &Scratch, choices: Option<usize>) -> Result<()> {
+        let stale = match (&state.graph, choices) {
+            (None, _) => true,
+            (Some((_, had)), Some(want)) => *had != want,
+            (Some(_), None) => false,
+        };
+        if stale {
+            let choices = choices.unwrap_or(self.config.vocab_size);
+            state.graph = None;
             self.gpu
                 .stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
             let encoded = self.gpu.programmatic(|| {
-                encode_step(&self.gpu, &self.config, &self.weights, scratch, state, None)
+                let (gpu, c, w) = (&self.gpu, &self.config, &self.weights);
+                encode_step(gpu, c, w, scratch, state, choices, None)
             });
             let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0));
             encoded?;
-            state.graph = Some(graph?.context("graph capture produced no graph")?);
+            let graph = graph?.context("graph capture produced no graph")?;
+            state.graph = Some((graph, choices));
         }
-        state.graph.as_ref().map(|g| g.launch()).transpose()?;
+        state.graph.as_ref().map(|(g, _)| g.launch()).transpose()?;
         state.len += 1;
         Ok(())
+    }
+
+    /// The tokens a greedy choice on the device ranges over for `sampler`, or `None` when the
+    /// sampler needs the logits on the host (temperature, top-k/p, min-p).
+    fn device_choices(&self, sampler: &Sampler) -> Option<usize> {
+        let vocab = self.config.vocab_size;
+        sampler
+            .params()
+            .is_greedy()
+            .then(|| sampler.vocab_limit().map_or(vocab, |l| l.clamp(1, vocab)))
     }
 
     /// Runs `steps` decode steps of `state` without the graph, timing each kernel family on the
@@ -192,6 +212,7 @@ impl CudaBackend {
                     &self.weights,
                     &scratch.decode,
                     state,
+                    self.config.vocab_size,
                     Some(&mut timeline),
                 )
             })?;
@@ -255,6 +276,55 @@ impl CudaBackend {
             best = best.max(2.0 * n as f64 / (ms / 1e3));
         }
         Ok(best)
+    }
+
+    /// Runs `tokens` through the prefill chunks. `All` returns every row's logits; `Last` leaves
+    /// the last row's in the decode scratch's `logits`, on the device. The device position is
+    /// left stale ([`Self::set_position`]).
+    fn encode_prompt(
+        &self,
+        buffers: &mut Buffers,
+        state: &mut CudaState,
+        tokens: &[u32],
+        rows: LogitRows,
+    ) -> Result<Vec<f32>> {
+        let Buffers { decode, prefill } = buffers;
+        let (vocab, h) = (self.config.vocab_size, self.config.hidden_size);
+        let all = rows == LogitRows::All;
+        let chunks: Vec<&[u32]> = tokens.chunks(prefill.chunk).collect();
+        let mut out = Vec::new();
+        for (i, chunk) in chunks.iter().enumerate() {
+            let normed = encode_chunk(self.model(), prefill, state, chunk, all, None)?;
+            state.len += chunk.len();
+            if all {
+                for first in (0..chunk.len()).step_by(LOGIT_ROWS) {
+                    let n = LOGIT_ROWS.min(chunk.len() - first);
+                    let x = normed + (first * h * 4) as u64;
+                    let logits = self.gpu.zeros::<f32>(n * vocab)?;
+                    let y = ptr(&logits, &self.gpu.stream);
+                    gemm::gemm(&self.gpu, &self.weights.lm_head, x, n, y, vocab, 0)?;
+                    out.extend(self.gpu.download(&logits)?);
+                }
+            } else if i + 1 == chunks.len() {
+                let y = ptr(&decode.logits, &self.gpu.stream);
+                gemm::gemm(&self.gpu, &self.weights.lm_head, normed, 1, y, vocab, 0)?;
+            }
+        }
+        state.device_token = None;
+        Ok(out)
+    }
+
+    /// The decode graph reads the position from the device.
+    fn set_position(&self, state: &mut CudaState) -> Result<()> {
+        self.gpu
+            .stream
+            .memcpy_htod(&[state.len as i32], &mut state.pos)?;
+        Ok(())
+    }
+
+    fn check_prompt(&self, state: &CudaState, tokens: &[u32]) -> Result<()> {
+        ensure!(!tokens.is_empty(), "no tokens to run");
+        self.check_room(state, tokens)
     }
 
     fn set_token(&self, state: &mut CudaState, token: u32) -> Result<()> {
@@ -358,54 +428,40 @@ impl Backend for CudaBackend {
     }
 
     fn prefill(&self, state: &mut CudaState, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
-        ensure!(!tokens.is_empty(), "no tokens to run");
-        self.check_room(state, tokens)?;
+        self.check_prompt(state, tokens)?;
         let mut buffers = self.lock()?;
-        let Buffers { decode, prefill } = &mut *buffers;
-        let (vocab, h) = (self.config.vocab_size, self.config.hidden_size);
-        let chunks: Vec<&[u32]> = tokens.chunks(prefill.chunk).collect();
-        let mut out = Vec::new();
-        for (i, chunk) in chunks.iter().enumerate() {
-            let last = i + 1 == chunks.len();
-            let all = rows == LogitRows::All;
-            let normed = encode_chunk(self.model(), prefill, state, chunk, all, None)?;
-            state.len += chunk.len();
-            if all {
-                for first in (0..chunk.len()).step_by(LOGIT_ROWS) {
-                    let n = LOGIT_ROWS.min(chunk.len() - first);
-                    let x = normed + (first * h * 4) as u64;
-                    let logits = self.gpu.zeros::<f32>(n * vocab)?;
-                    gemm::gemm(
-                        &self.gpu,
-                        &self.weights.lm_head,
-                        x,
-                        n,
-                        ptr(&logits, &self.gpu.stream),
-                        vocab,
-                        0,
-                    )?;
-                    out.extend(self.gpu.download(&logits)?);
-                }
-            } else if last {
-                let logits = ptr(&decode.logits, &self.gpu.stream);
-                gemm::gemm(
-                    &self.gpu,
-                    &self.weights.lm_head,
-                    normed,
-                    1,
-                    logits,
-                    vocab,
-                    0,
-                )?;
-                out = self.gpu.download(&decode.logits)?;
-            }
+        let all = self.encode_prompt(&mut buffers, state, tokens, rows)?;
+        self.set_position(state)?;
+        match rows {
+            LogitRows::All => Ok(all),
+            LogitRows::Last => self.gpu.download(&buffers.decode.logits),
         }
-        // The decode graph reads the position from the device.
-        self.gpu
-            .stream
-            .memcpy_htod(&[state.len as i32], &mut state.pos)?;
-        state.device_token = None;
-        Ok(out)
+    }
+
+    /// A greedy first token is chosen on the device: only the token comes back, not the logits.
+    fn prefill_sample(
+        &self,
+        state: &mut CudaState,
+        tokens: &[u32],
+        sampler: &mut Sampler,
+    ) -> Result<u32> {
+        let Some(choices) = self.device_choices(sampler) else {
+            let logits = self.prefill(state, tokens, LogitRows::Last)?;
+            return Ok(sampler.sample(&logits));
+        };
+        self.check_prompt(state, tokens)?;
+        let mut buffers = self.lock()?;
+        self.encode_prompt(&mut buffers, state, tokens, LogitRows::Last)?;
+        let (token, pos) = (
+            ptr(&state.token, &self.gpu.stream),
+            ptr(&state.pos, &self.gpu.stream),
+        );
+        step::device_argmax(&self.gpu, &buffers.decode, choices, token, pos)?;
+        // After the argmax, which advances the position as a decode step does.
+        self.set_position(state)?;
+        let next = self.gpu.download(&state.token)?[0];
+        state.device_token = Some(next);
+        Ok(next)
     }
 
     /// One graph step (the f32 GEMV path), logits read back.
@@ -413,7 +469,7 @@ impl Backend for CudaBackend {
         self.check_room(state, &[token])?;
         let scratch = self.lock()?;
         self.set_token(state, token)?;
-        self.step(state, &scratch.decode)?;
+        self.step(state, &scratch.decode, None)?;
         // The step's argmax overwrote the slot with a token the host has not seen.
         state.device_token = None;
         self.gpu.download(&scratch.decode.logits)
@@ -425,19 +481,14 @@ impl Backend for CudaBackend {
         token: u32,
         sampler: &mut Sampler,
     ) -> Result<u32> {
-        // The device argmax ranges over every lm_head row; a masked vocabulary or real sampling
-        // is done on the host from the logits.
-        let masked = sampler
-            .vocab_limit()
-            .is_some_and(|l| l < self.config.vocab_size);
-        if !sampler.params().is_greedy() || masked {
+        let Some(choices) = self.device_choices(sampler) else {
             let logits = self.decode(state, token)?;
             return Ok(sampler.sample(&logits));
-        }
+        };
         self.check_room(state, &[token])?;
         let scratch = self.lock()?;
         self.set_token(state, token)?;
-        self.step(state, &scratch.decode)?;
+        self.step(state, &scratch.decode, Some(choices))?;
         let next = self.gpu.download(&state.token)?[0];
         state.device_token = Some(next);
         Ok(next)

@@ -20,7 +20,8 @@ pub struct CudaState {
     /// What the device's token slot holds, when the host knows it.
     pub(crate) device_token: Option<u32>,
     pub(crate) layers: Vec<LayerState>,
-    pub(crate) graph: Option<CudaGraph>,
+    /// The captured step and the number of tokens its argmax ranges over.
+    pub(crate) graph: Option<(CudaGraph, usize)>,
 }
 
 pub(crate) enum LayerState {

@@ -241,13 +241,15 @@ fn experts(gpu: &Gpu, c: &ModelConfig, m: &DeviceMoe, post_norm: u64, s: &Scratc
     )
 }
 
-/// Enqueues one whole decode step for `state`; with a timeline, marks each kernel family.
+/// Enqueues one whole decode step for `state`, its greedy choice ranging over the first
+/// `choices` tokens; with a timeline, marks each kernel family.
 pub fn encode_step(
     gpu: &Gpu,
     c: &ModelConfig,
     w: &DeviceWeights,
     s: &Scratch,
     state: &CudaState,
+    choices: usize,
     mut timeline: Option<&mut Timeline>,
 ) -> Result<()> {
     let mut mark = |family: &'static str| match timeline.as_deref_mut() {
@@ -342,10 +344,23 @@ pub fn encode_step(
         p(&s.logits),
     )?;
     mark("lm_head")?;
+    device_argmax(gpu, s, choices, token, pos)?;
+    mark("argmax")?;
+    Ok(())
+}
+
+/// The greedy choice among the first `choices` of `s.logits` into the token slot `token`, the
+/// lowest id on ties (as the host's `argmax`), and `pos` advanced by one.
+pub fn device_argmax(gpu: &Gpu, s: &Scratch, choices: usize, token: u64, pos: u64) -> Result<()> {
+    let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
+    ensure!(
+        choices >= 1 && choices <= s.logits.len(),
+        "the argmax ranges over 1 ..= {} logits, not {choices}",
+        s.logits.len()
+    );
     launch!(gpu, "argmax_partial", (ARGMAX_BLOCKS, 1, 1), 256;
-        p(&s.logits), c.vocab_size as i32, p(&s.arg_v), ptr(&s.arg_i, &gpu.stream));
+        p(&s.logits), choices as i32, p(&s.arg_v), ptr(&s.arg_i, &gpu.stream));
     launch!(gpu, "argmax_final", (1, 1, 1), 32;
         p(&s.arg_v), ptr(&s.arg_i, &gpu.stream), token, pos);
-    mark("argmax")?;
     Ok(())
 }

@@ -235,8 +235,8 @@ fn dense_gemm_matches_bf16_products() {
         }
     }
     // Dense weights as narrow as the tiny test models': K not a multiple of the 64-wide step,
-    // of 8 or of 4 (the scalar loads).
-    for k in [16usize, 48, 100, 37] {
+    // of 8 or of 4 (the scalar loads); 530 also splits along K, the last split ragged.
+    for k in [16usize, 48, 100, 37, 530] {
         for m in [1usize, 65] {
             cases.push(Dense {
                 bits: 32,

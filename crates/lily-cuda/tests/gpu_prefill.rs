@@ -13,6 +13,7 @@ mod support;
 use lily_core::backend::{Backend, LogitRows};
 use lily_core::config::ModelConfig;
 use lily_core::model_ref::ModelRef;
+use lily_core::sampling::{Sampler, SamplingParams};
 use lily_core::synthetic::SyntheticSource;
 use lily_core::weights::ModelWeights;
 use lily_cpu::CpuBackend;
@@ -95,6 +96,62 @@ fn prefill_matches_the_cpu_on_the_fixtures() {
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The first token after a prefill and the tokens of the decode steps after it, chosen on the
+/// device (`prefill_sample`, `decode_sample`), are what the host sampler picks from the same
+/// backend's logits: with the whole vocabulary, and with the choice limited to ids below the
+/// unlimited winner (so the limit must change the answer), below 1 and below the vocabulary.
+/// The prompt crosses a chunk boundary (chunks of 48).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn greedy_choices_on_the_device_equal_the_hosts() {
+    for name in ["tiny-a", "tiny-mlx-q4"] {
+        let (config, source) = ModelRef::Dir(fixture(name)).open().unwrap();
+        let weights = ModelWeights::load(&config, source).unwrap();
+        let gpu =
+            CudaBackend::with_options(config.clone(), &weights, KvPrecision::Bf16, 48).unwrap();
+        let vocab = config.vocab_size;
+        for len in [1, 60] {
+            let prompt = tokens(len, vocab, 7);
+            let mut probe = gpu.new_state(len + 4).unwrap();
+            let logits = gpu.prefill(&mut probe, &prompt, LogitRows::Last).unwrap();
+            let winner = argmax(&logits);
+            let limits = [None, Some(winner.max(1)), Some(1), Some(vocab)];
+            for limit in limits {
+                let sampler = || {
+                    let greedy = Sampler::new(SamplingParams::greedy());
+                    match limit {
+                        Some(l) => greedy.with_vocab_limit(l),
+                        None => greedy,
+                    }
+                };
+                let mut state = gpu.new_state(len + 4).unwrap();
+                let mut chosen = vec![
+                    gpu.prefill_sample(&mut state, &prompt, &mut sampler())
+                        .unwrap(),
+                ];
+                let mut expected = vec![sampler().sample(&logits)];
+                for _ in 0..3 {
+                    let last = *chosen.last().unwrap();
+                    let mut fork = gpu.fork(&state).unwrap();
+                    expected.push(sampler().sample(&gpu.decode(&mut fork, last).unwrap()));
+                    chosen.push(gpu.decode_sample(&mut state, last, &mut sampler()).unwrap());
+                }
+                eprintln!(
+                    "{name}, prompt {len}, limit {limit:?}: device {chosen:?}, host {expected:?}"
+                );
+                assert_eq!(chosen, expected, "{name}, prompt {len}, limit {limit:?}");
+                assert_eq!(gpu.state_len(&state), len + 3);
+                if let Some(l) = limit {
+                    assert!(
+                        chosen.iter().all(|&t| (t as usize) < l),
+                        "{chosen:?} not below {l}"
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// How far apart two logits may be, relative to the largest, for the choice between them to count

@@ -92,6 +92,15 @@ impl Backend for AnyBackend {
         with_state!(self, state, b, s => b.prefill(s, tokens, rows))
     }
 
+    fn prefill_sample(
+        &self,
+        state: &mut AnyState,
+        tokens: &[u32],
+        sampler: &mut Sampler,
+    ) -> Result<u32> {
+        with_state!(self, state, b, s => b.prefill_sample(s, tokens, sampler))
+    }
+
     fn decode(&self, state: &mut AnyState, token: u32) -> Result<Vec<f32>> {
         with_state!(self, state, b, s => b.decode(s, token))
     }

@@ -188,13 +188,14 @@ __device__ __forceinline__ int w_col(int tid) {
     return (tid % (GEMM_BK / WLoad<BITS, BN>::SPAN)) * WLoad<BITS, BN>::SPAN;
 }
 
-// The group windows at step 0 (the only integer divisions, once per block).
+// The group windows at the block's first step, column k0 (the only integer divisions, once per
+// block).
 template <int BITS, int BN>
-__device__ __forceinline__ void init_groups(WLoad<BITS, BN>& r, int group, bool wide, int tid) {
+__device__ __forceinline__ void init_groups(WLoad<BITS, BN>& r, int group, bool wide, int tid, int k0) {
     using L = WLoad<BITS, BN>;
 #pragma unroll
     for (int l = 0; l < L::LOADS; l++) {
-        const int kk = w_col<BITS, BN>(tid) + l * L::LK;
+        const int kk = k0 + w_col<BITS, BN>(tid) + l * L::LK;
         const int g = kk / group;
         r.col[l] = kk % group;
         r.base[l] = wide ? g & ~3 : g;
@@ -359,13 +360,15 @@ __device__ __forceinline__ void store_w(const WLoad<BITS, BN>& r, u16* sw, int s
 }
 
 // One block's tile: Y[y_row0 + i, y_col0 + j] = Σ_k X[row i] · W[w_row0 + j] for i < m_valid,
-// j < n_valid. X row i is x_row0 + i, or gather[x_row0 + i] when gather is given; X rows have K
-// values (K = w.cols); m_valid ≤ BM. Warps are laid out (BM / WM) × (BN / 32), each computing
-// WM × 32 as MI × 4 mma tiles.
+// j < n_valid, k in [k0, k1) (k0 a multiple of GEMM_BK; the whole row, 0 and K, unless split).
+// X row i is x_row0 + i, or gather[x_row0 + i] when gather is given; X rows have K values
+// (K = w.cols); m_valid ≤ BM. Warps are laid out (BM / WM) × (BN / 32), each computing WM × 32
+// as MI × 4 mma tiles.
 template <int BITS, int BM, int BN, bool GATHER>
 __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid, const float* __restrict__ x,
                                           const int* __restrict__ gather, long x_row0, int m_valid,
-                                          float* __restrict__ y, long y_row0, long ldy, long y_col0) {
+                                          float* __restrict__ y, long y_row0, long ldy, long y_col0, int k0,
+                                          int k1) {
     constexpr int WM = BM < 64 ? BM : 64, MI = WM / 16;
     static_assert(WM % 16 == 0 && BM % WM == 0, "warp tiles of whole mma tiles cover the block's rows");
     static_assert((BM / WM) * (BN / 32) * WARP == GEMM_THREADS, "one WM x 32 warp tile per warp");
@@ -413,10 +416,10 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
 
     XLoad<BM> xl;
     WLoad<BITS, BN> wl;
-    if constexpr (BITS != 32) init_groups<BITS, BN>(wl, w.group, wide, tid);
-    const int steps = (K + GEMM_BK - 1) / GEMM_BK;
-    load_x<BM, GATHER>(xl, x_rows, x_col, K, x_vec);
-    load_w<BITS, BN>(wl, w, w_row0, n_valid, 0, w_vec, wide, groups, tid, true);
+    if constexpr (BITS != 32) init_groups<BITS, BN>(wl, w.group, wide, tid, k0);
+    const int steps = (k1 - k0 + GEMM_BK - 1) / GEMM_BK;
+    load_x<BM, GATHER>(xl, x_rows, k0 + x_col, K, x_vec);
+    load_w<BITS, BN>(wl, w, w_row0, n_valid, k0, w_vec, wide, groups, tid, true);
     const int xs = x_slot(tid), ws = w_slot<BITS, BN>(tid);
     store_x<BM>(xl, sx, xs, x_owner);
     store_w<BITS, BN>(wl, sw, ws);
@@ -433,7 +436,7 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
         const int buf = step & 1;
         const bool more = step + 1 < steps;
         if (more) {
-            const int k = (step + 1) * GEMM_BK;
+            const int k = k0 + (step + 1) * GEMM_BK;
             load_x<BM, GATHER>(xl, x_rows, k + x_col, K, x_vec);
             if constexpr (BITS != 32) next_groups<BITS, BN>(wl, w.group);
             load_w<BITS, BN>(wl, w, w_row0, n_valid, k, w_vec, wide, groups, tid, false);
@@ -488,17 +491,34 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
     }
 }
 
-// Dense: Y[r, col0 + n] = Σ_k X[r, k] · W[n, k] for r < m, n < w.rows. Grid (⌈w.rows/128⌉, ⌈m/128⌉).
+// Dense: Y[r, col0 + n] = Σ_k X[r, k] · W[n, k] for r < m, n < w.rows. Grid (⌈w.rows/128⌉,
+// ⌈m/128⌉, splits). Split along K (splits > 1, k_split columns each, a multiple of GEMM_BK), a
+// block writes its partial sums to y as [splits, m, w.rows] from col0 = 0, and gemm_reduce adds
+// them up: so that few output tiles (small m, narrow w) still fill the GPU.
 #define GEMM_DENSE(BITS)                                                                             \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)                                     \
-        gemm_b##BITS(Mat w, const float* x, int m, float* y, int ldy, int col0) {                    \
+        gemm_b##BITS(Mat w, const float* x, int m, float* y, int ldy, int col0, int k_split) {       \
         pdl_wait();                                                                                  \
         int n0 = blockIdx.x * GEMM_DENSE_BN;                                                         \
         long r0 = (long)blockIdx.y * GEMM_DENSE_BM;                                                  \
+        int k0 = blockIdx.z * k_split;                                                               \
+        float* out = y + (long)blockIdx.z * m * ldy;                                                 \
         gemm_tile<BITS, GEMM_DENSE_BM, GEMM_DENSE_BN, false>(w, n0, min(GEMM_DENSE_BN, w.rows - n0), x, nullptr, r0, \
-                                                      (int)min((long)GEMM_DENSE_BM, m - r0), y, r0, ldy,      \
-                                                      (long)col0 + n0);                                       \
+                                                      (int)min((long)GEMM_DENSE_BM, m - r0), out, r0, ldy,    \
+                                                      (long)col0 + n0, k0, min(k0 + k_split, w.cols));        \
     }
+
+// y[r, col0 + c] = Σ_s part[s, r, c] over the splits in order (the same sum whatever the launch),
+// for r < m, c < n. One thread per output.
+extern "C" __global__ void gemm_reduce(const float* part, int splits, int m, int n, float* y, int ldy, int col0) {
+    pdl_wait();
+    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long)m * n) return;
+    long r = i / n, c = i % n;
+    float sum = 0.f;
+    for (int s = 0; s < splits; s++) sum += part[(long)s * m * n + i];
+    y[r * ldy + col0 + c] = sum;
+}
 
 // Grouped (MoE experts): w stacks experts of n rows each. Tile t = tiles[3t..3t+3] = {expert,
 // first sorted slot, rows}, cut by moe_sort at this entry's height BM (the host launches the entry
@@ -516,7 +536,7 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
         /* A tile naming an expert past the stack would read beyond the weight. */                  \
         if (expert < 0 || (long)(expert + 1) * n > w.rows || rows <= 0) return;                      \
         gemm_tile<BITS, BM, GEMM_GROUPED_BN, true>(w, (long)expert * n + n0, min(GEMM_GROUPED_BN, n - n0), x, \
-                                                   gather, slot0, rows, y, slot0, n, n0);            \
+                                                   gather, slot0, rows, y, slot0, n, n0, 0, w.cols);  \
     }
 
 GEMM_DENSE(4)

@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, ensure};
 use lily_core::backend::{Backend, LogitRows};
 use lily_core::config::{LayerKind, ModelConfig};
-use lily_core::generate::prefill;
+use lily_core::generate::{prefill, prefill_sample};
 use lily_core::load::{WeightFormat, weight_format};
 use lily_core::rng::Rng;
 use lily_core::sampling::{Sampler, SamplingParams};
@@ -101,8 +101,7 @@ pub fn run(args: Args) -> Result<()> {
             let mut state = backend.new_state(len + 1)?;
             let mut sampler = Sampler::new(SamplingParams::greedy());
             let start = Instant::now();
-            let logits = prefill(&backend, &mut state, &tokens[..len], LogitRows::Last)?;
-            sampler.sample(&logits);
+            prefill_sample(&backend, &mut state, &tokens[..len], &mut sampler)?;
             Ok(len as f64 / start.elapsed().as_secs_f64())
         })?;
         eprintln!("prefill {len}: {:.1} tok/s", median(&samples));
@@ -117,8 +116,7 @@ pub fn run(args: Args) -> Result<()> {
         let samples = timed(args.runs, || {
             let mut state = backend.new_state(ctx + args.decode_steps + 2)?;
             let mut sampler = Sampler::new(SamplingParams::greedy());
-            let logits = prefill(&backend, &mut state, &tokens[..ctx], LogitRows::Last)?;
-            let mut token = sampler.sample(&logits);
+            let mut token = prefill_sample(&backend, &mut state, &tokens[..ctx], &mut sampler)?;
             // The first step of a sequence captures its decode graph (milliseconds on CUDA), a
             // cost paid once per sequence: it stays out of the timed steps.
             token = backend.decode_sample(&mut state, token, &mut sampler)?;
