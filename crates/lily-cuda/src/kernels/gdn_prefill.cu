@@ -242,8 +242,8 @@ extern "C" __global__ void gdn_gated_norm_rows(const float* o, const float* proj
 #define GDNC_LDK (DK + 4)
 #define GDNC_LDC (GDNC_C + 4)
 #define GDNC_LDS (GDNC_COLS + 4)
-// Per (value head, chunk) in the scratch after prep: W [C][DK], Tβ [C][C], P [C][C], e^γ [C],
-// e^{γ_C − γ} [C].
+// Per (value head, chunk) in the scratch after prep: W [C][DK], Tβ [C][C], P [C][C] (each in
+// fragment order, gdnc_frag), e^γ [C], e^{γ_C − γ} [C].
 #define GDNC_W 0
 #define GDNC_TB (GDNC_C * DK)
 #define GDNC_P (GDNC_TB + GDNC_C * GDNC_C)
@@ -274,46 +274,33 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const float (&a)[4], con
           "r"(__float_as_uint(a[3])), "r"(__float_as_uint(b[0])), "r"(__float_as_uint(b[1])));
 }
 
-// A warp's strip of NT 16 × 8 tiles, rows m0.., columns n0 + 8i..: c[i] += Σ_k a(m, k)·b(k, n)
-// over k < kdim (a multiple of 8), a and b reading shared memory. One A fragment feeds the NT
-// tiles, whose accumulators are independent chains (the 3xTF32 correction terms a third set).
-// Fragments (PTX m16n8k8 .tf32), g = lane/4, q = lane%4: a0 (g, q), a1 (g+8, q), a2 (g, q+4),
-// a3 (g+8, q+4); b0 (q, g), b1 (q+4, g); accumulator c0 (g, 2q), c1 (g, 2q+1), c2 (g+8, 2q),
-// c3 (g+8, 2q+1) (acc_row / acc_col).
-template <int NT, class FA, class FB>
-__device__ __forceinline__ void mma_strip(float (&c)[NT][4], int m0, int n0, int kdim, FA a, FB b) {
+// One k-step (8 deep) of a warp's strip of NT 16 × 8 tiles at columns n0 + 8i: c[i] (and lo[i],
+// the 3xTF32 correction terms, a second set of independent chains) += a·b(k0.., n), where af
+// is the step's A fragment and b reads shared memory. Fragments (PTX m16n8k8 .tf32), g = lane/4,
+// q = lane%4: a0 (g, q), a1 (g+8, q), a2 (g, q+4), a3 (g+8, q+4); b0 (q, g), b1 (q+4, g);
+// accumulator c0 (g, 2q), c1 (g, 2q+1), c2 (g+8, 2q), c3 (g+8, 2q+1) (acc_row / acc_col).
+template <int NT, class FB>
+__device__ __forceinline__ void mma_kstep(float (&c)[NT][4], float (&lo)[NT][4], const float (&af)[4],
+                                          int k0, int n0, FB b) {
     int g = (threadIdx.x % WARP) / 4, q = threadIdx.x % 4;
-    float lo[NT][4];
+    float ah[4], al[4];
 #pragma unroll
-    for (int i = 0; i < NT; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) lo[i][e] = 0.f;
-    for (int k0 = 0; k0 < kdim; k0 += 8) {
-        float af[4] = {a(m0 + g, k0 + q), a(m0 + g + 8, k0 + q), a(m0 + g, k0 + q + 4),
-                       a(m0 + g + 8, k0 + q + 4)};
-        float ah[4], al[4];
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            ah[e] = tf32_round(af[e]);
-            al[e] = tf32_round(af[e] - ah[e]);
-        }
-#pragma unroll
-        for (int i = 0; i < NT; i++) {
-            int n = n0 + 8 * i + g;
-            float bf[2] = {b(k0 + q, n), b(k0 + q + 4, n)};
-            float bh[2] = {tf32_round(bf[0]), tf32_round(bf[1])};
-            if constexpr (GDNC_TF32_PASSES == 3) {
-                float bl[2] = {tf32_round(bf[0] - bh[0]), tf32_round(bf[1] - bh[1])};
-                mma_tf32(lo[i], al, bh);
-                mma_tf32(lo[i], ah, bl);
-            }
-            mma_tf32(c[i], ah, bh);
-        }
+    for (int e = 0; e < 4; e++) {
+        ah[e] = tf32_round(af[e]);
+        al[e] = tf32_round(af[e] - ah[e]);
     }
 #pragma unroll
-    for (int i = 0; i < NT; i++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) c[i][e] += lo[i][e];
+    for (int i = 0; i < NT; i++) {
+        int n = n0 + 8 * i + g;
+        float bf[2] = {b(k0 + q, n), b(k0 + q + 4, n)};
+        float bh[2] = {tf32_round(bf[0]), tf32_round(bf[1])};
+        if constexpr (GDNC_TF32_PASSES == 3) {
+            float bl[2] = {tf32_round(bf[0] - bh[0]), tf32_round(bf[1] - bh[1])};
+            mma_tf32(lo[i], al, bh);
+            mma_tf32(lo[i], ah, bl);
+        }
+        mma_tf32(c[i], ah, bh);
+    }
 }
 
 template <int NT>
@@ -322,6 +309,53 @@ __device__ __forceinline__ void zero_acc(float (&c)[NT][4]) {
     for (int i = 0; i < NT; i++)
 #pragma unroll
         for (int e = 0; e < 4; e++) c[i][e] = 0.f;
+}
+
+template <int NT>
+__device__ __forceinline__ void add_acc(float (&c)[NT][4], const float (&lo)[NT][4]) {
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) c[i][e] += lo[i][e];
+}
+
+// A warp's strip of NT 16 × 8 tiles, rows m0.., columns n0 + 8i..: c[i] += Σ_k a(m, k)·b(k, n)
+// over k < kdim (a multiple of 8), a and b reading shared memory. One A fragment feeds the NT
+// tiles, whose accumulators are independent chains.
+template <int NT, class FA, class FB>
+__device__ __forceinline__ void mma_strip(float (&c)[NT][4], int m0, int n0, int kdim, FA a, FB b) {
+    int g = (threadIdx.x % WARP) / 4, q = threadIdx.x % 4;
+    float lo[NT][4];
+    zero_acc(lo);
+    for (int k0 = 0; k0 < kdim; k0 += 8) {
+        float af[4] = {a(m0 + g, k0 + q), a(m0 + g + 8, k0 + q), a(m0 + g, k0 + q + 4),
+                       a(m0 + g + 8, k0 + q + 4)};
+        mma_kstep(c, lo, af, k0, n0, b);
+    }
+    add_acc(c, lo);
+}
+
+// mma_strip with the strip's A fragments already in registers (a[ks]: k-step ks, 8·KS deep),
+// each multiplied by `sign` (±1: exact, as is the TF32 split of a negated value).
+template <int NT, int KS, class FB>
+__device__ __forceinline__ void mma_regs(float (&c)[NT][4], const float (&a)[KS][4], float sign, int n0, FB b) {
+    float lo[NT][4];
+    zero_acc(lo);
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+        float af[4] = {sign * a[ks][0], sign * a[ks][1], sign * a[ks][2], sign * a[ks][3]};
+        mma_kstep(c, lo, af, 8 * ks, n0, b);
+    }
+    add_acc(c, lo);
+}
+
+// Where element (r, c) of a [C][ncols] matrix lies in fragment order: per 16-row strip, per
+// k-step of 8 columns, per lane its four A-fragment values (a0..a3 above), so that a warp loads
+// a strip's fragments from global memory as one coalesced float4 per lane and k-step. The
+// scan's A operands are read this way, once per warp and chunk, straight into registers.
+__device__ __forceinline__ int gdnc_frag(int r, int c, int ncols) {
+    int lane = (r % 8) * 4 + c % 4, e = (r % 16) / 8 + 2 * ((c % 8) / 4);
+    return (((r / 16) * (ncols / 8) + c / 8) * WARP + lane) * 4 + e;
 }
 
 // The (row, column) of accumulator element e of a tile at (m0, n0).
@@ -403,7 +437,7 @@ extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scrat
                 int r = acc_row(m0, e), s = acc_col(8 * i, e);
                 // Mask before exp: only s ≤ r has a non-positive exponent.
                 float d = s <= r ? expf((float)(gam[r] - gam[s])) : 0.f;
-                if (is_p) out[GDNC_P + r * GDNC_C + s] = c[i][e] * d;
+                if (is_p) out[GDNC_P + gdnc_frag(r, s, GDNC_C)] = c[i][e] * d;
                 else As[r * GDNC_LDC + s] = s < r ? bet[r] * c[i][e] * d : 0.f;
             }
     }
@@ -446,11 +480,11 @@ extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scrat
         for (int i = 0; i < GDNC_WNT; i++)
 #pragma unroll
             for (int e = 0; e < 4; e++)
-                out[GDNC_W + acc_row(m0, e) * DK + acc_col(n0 + 8 * i, e)] = c[i][e];
+                out[GDNC_W + gdnc_frag(acc_row(m0, e), acc_col(n0 + 8 * i, e), DK)] = c[i][e];
     }
     for (int i = threadIdx.x; i < GDNC_C * GDNC_C; i += blockDim.x) {
         int r = i / GDNC_C, s = i % GDNC_C;
-        out[GDNC_TB + i] = Ts[r * GDNC_LDC + s] * bet[s];
+        out[GDNC_TB + gdnc_frag(r, s, GDNC_C)] = Ts[r * GDNC_LDC + s] * bet[s];
     }
     for (int i = threadIdx.x; i < GDNC_C; i += blockDim.x) {
         out[GDNC_EG + i] = expf((float)gam[i]);
@@ -458,114 +492,219 @@ extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scrat
     }
 }
 
-// Shared floats of gdn_chunk_scan: W, Q, K [C][LDK]; Tβ, P [C][LDC]; S [DK][LDS]; V, V' [C][LDS].
-#define GDNC_SCAN_SHARED (3 * GDNC_C * GDNC_LDK + 2 * GDNC_C * GDNC_LDC + DK * GDNC_LDS + 2 * GDNC_C * GDNC_LDS)
-// Output strips (C × COLS, V' and O): 16 rows × GDNC_ONT tiles; at most 8 strips, a warp each.
-#define GDNC_ONT (GDNC_COLS == 32 ? 2 : 1)
-#define GDNC_OSTRIPS ((GDNC_C / 16) * (GDNC_COLS / 8) / GDNC_ONT)
-// State strips (DK × COLS): 16 rows × the whole COLS width.
-#define GDNC_SNT (GDNC_COLS / 8)
+// gdn_chunk_scan keeps in shared memory only what every warp reads: the state S and the chunk's
+// V and V' (B operands, [k][COLS] with row stride GDNC_LDB: +8 puts a B fragment's 4 rows × 8
+// columns in 32 banks). Each A operand (W, Tβ, P, Q, Kᵀ) is read by one warp once per chunk, so
+// it goes from global memory straight into that warp's registers, a phase ahead of its use.
+#define GDNC_LDB (GDNC_COLS + 8)
+// Shared floats of gdn_chunk_scan: S [DK][LDB]; V, V', diag(e^{γ_C − γ}) V' [C][LDB].
+#define GDNC_SCAN_SHARED ((DK + 3 * GDNC_C) * GDNC_LDB)
+// Tiles of 8 columns in a strip: every strip (of V', O or S) spans the block's COLS columns.
+#define GDNC_NT (GDNC_COLS / 8)
+// k-steps of 8 over DK (DK % 16 == 0 on the route; rounded up so other shapes still compile).
+#define GDNC_KSK ((DK + 7) / 8)
+// State strips (16 rows of S) per warp: 1 up to DK = 16·GDNC_WARPS (warps past DK/16 have none).
+#define GDNC_SSTRIPS ((DK + 16 * GDNC_WARPS - 1) / (16 * GDNC_WARPS))
+// float4s of the chunk's V tile (C × COLS) per thread.
+#define GDNC_VPT ((GDNC_C * GDNC_COLS / 4 + GDNC_WARPS * WARP - 1) / (GDNC_WARPS * WARP))
+
+// A strip's A fragments (rows m0.., KS k-steps) of a matrix in fragment order (gdnc_frag).
+template <int KS>
+__device__ __forceinline__ void frag_load(float (&a)[KS][4], const float* m, int m0) {
+    const float4* src = (const float4*)m + (m0 / 16) * KS * WARP + threadIdx.x % WARP;
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+        float4 x = src[ks * WARP];
+        a[ks][0] = x.x; a[ks][1] = x.y; a[ks][2] = x.z; a[ks][3] = x.w;
+    }
+}
+
+// A strip's A fragments (rows m0.., KS·8 columns) of a chunk's rows of the row-major `m` (row
+// stride ld); rows at or past `len` (padding) are 0 and not read.
+template <int KS>
+__device__ __forceinline__ void frag_load_rows(float (&a)[KS][4], const float* m, long ld, int m0, int len) {
+    int g = (threadIdx.x % WARP) / 4, q = threadIdx.x % 4;
+    bool ok0 = m0 + g < len, ok1 = m0 + g + 8 < len;
+    const float* r0 = m + (m0 + g) * ld;
+    const float* r1 = r0 + 8 * ld;
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+        a[ks][0] = ok0 ? r0[8 * ks + q] : 0.f;
+        a[ks][1] = ok1 ? r1[8 * ks + q] : 0.f;
+        a[ks][2] = ok0 ? r0[8 * ks + q + 4] : 0.f;
+        a[ks][3] = ok1 ? r1[8 * ks + q + 4] : 0.f;
+    }
+}
+
+// The same for the transpose: A(i, s) = m[s][i] for rows i = m0.. and KS·8 tokens s; tokens at
+// or past `len` are 0 and not read.
+template <int KS>
+__device__ __forceinline__ void frag_load_cols(float (&a)[KS][4], const float* m, long ld, int m0, int len) {
+    int g = (threadIdx.x % WARP) / 4, q = threadIdx.x % 4;
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+        int s0 = 8 * ks + q, s1 = s0 + 4;
+        const float* c0 = m + s0 * ld + m0 + g;
+        const float* c1 = m + s1 * ld + m0 + g;
+        a[ks][0] = s0 < len ? c0[0] : 0.f;
+        a[ks][1] = s0 < len ? c0[8] : 0.f;
+        a[ks][2] = s1 < len ? c1[0] : 0.f;
+        a[ks][3] = s1 < len ? c1[8] : 0.f;
+    }
+}
+
+// A chunk's V tile (C × COLS from `src`, row stride CONV_DIM; rows at or past `len` 0) into
+// registers, GDNC_VPT float4s per thread, and from there into shared V.
+__device__ __forceinline__ void v_load(float4 (&v)[GDNC_VPT], const float* src, int len) {
+#pragma unroll
+    for (int p = 0; p < GDNC_VPT; p++) {
+        int i = threadIdx.x + p * GDNC_WARPS * WARP;
+        int r = i / (GDNC_COLS / 4), c4 = (i % (GDNC_COLS / 4)) * 4;
+        bool ok = i < GDNC_C * GDNC_COLS / 4 && r < len;
+        v[p] = ok ? *(const float4*)(src + (long)r * CONV_DIM + c4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+}
+
+__device__ __forceinline__ void v_store(float* Vs, const float4 (&v)[GDNC_VPT]) {
+#pragma unroll
+    for (int p = 0; p < GDNC_VPT; p++) {
+        int i = threadIdx.x + p * GDNC_WARPS * WARP;
+        int r = i / (GDNC_COLS / 4), c4 = (i % (GDNC_COLS / 4)) * 4;
+        if (i < GDNC_C * GDNC_COLS / 4) *(float4*)(Vs + r * GDNC_LDB + c4) = v[p];
+    }
+}
 
 // The sequential part: GDNC_COLS state columns of one value head through every chunk in order,
-// from gdn_chunk_prep's scratch; writes o[t, NV·DV] (before the gated norm) and the final state.
-// Grid (DV / GDNC_COLS, NV), GDNC_WARPS·32 threads, GDNC_SCAN_SHARED·4 bytes of dynamic shared
-// memory.
-extern "C" __global__ void gdn_chunk_scan(const float* conv, const float* prep, const float* scratch,
-                                          int t, float* state, float* out) {
+// from gdn_chunk_prep's scratch and the q, k, v it started from; writes o[t, NV·DV] (before the
+// gated norm) and the final state. Grid (DV / GDNC_COLS, NV), GDNC_WARPS·32 threads,
+// GDNC_SCAN_SHARED·4 bytes of dynamic shared memory.
+//
+// Per chunk, two phases between barriers. Phase 1: warps 0-3 make rows m0.. of V' = Tβ V − W S
+// (into shared, also scaled by e^{γ_C − γ} for the state update), warps 4-7 the same rows of
+// e^γ ⊙ (Q S), kept in registers. Phase 2: warps 4-7 add P V' and store O; every warp updates its
+// strip of S ← e^{γ_C} S + Kᵀ (e^{γ_C − γ} ⊙ V'). Each A operand is loaded for the next chunk as
+// soon as its last use in this one is issued, so its latency hides behind the other phase (a
+// block is alone on its SM, with no other warps to hide it); the next V likewise goes through
+// registers during phase 2. The state-independent loads thus never wait inside the chunk chain.
+extern "C" __global__ void __launch_bounds__(GDNC_WARPS * WARP, 1)
+gdn_chunk_scan(const float* conv, const float* prep, const float* scratch, int t, float* state, float* out) {
     pdl_wait();
+    static_assert(2 * GDNC_C / 16 == GDNC_WARPS, "one strip of V' or O per warp");
     extern __shared__ float4 gdnc_shared4[];
-    float* sh = (float*)gdnc_shared4;
-    float* Ws = sh;
-    float* Qs = Ws + GDNC_C * GDNC_LDK;
-    float* Ks = Qs + GDNC_C * GDNC_LDK;
-    float* Tb = Ks + GDNC_C * GDNC_LDK;
-    float* Ps = Tb + GDNC_C * GDNC_LDC;
-    float* Ss = Ps + GDNC_C * GDNC_LDC;
-    float* Vs = Ss + DK * GDNC_LDS;
-    float* Vp = Vs + GDNC_C * GDNC_LDS;
+    float* Ss = (float*)gdnc_shared4;
+    float* Vs = Ss + DK * GDNC_LDB;
+    float* Vp = Vs + GDNC_C * GDNC_LDB;
+    float* Vk = Vp + GDNC_C * GDNC_LDB;
     int j = blockIdx.y, kh = j / (NV / NK), col0 = blockIdx.x * GDNC_COLS;
-    int warp = threadIdx.x / WARP;
+    int warp = threadIdx.x / WARP, g = (threadIdx.x % WARP) / 4;
     int chunks = (t + GDNC_C - 1) / GDNC_C;
+    bool vw = warp < GDNC_WARPS / 2;          // a V' warp (else an O warp)
+    int m0 = (warp % (GDNC_WARPS / 2)) * 16;  // its strip's first row (token) in the chunk
     float* S = state + (long)j * DK * DV + col0;
-    auto one = [](int) { return 1.f; };
-    gdnc_load(Ss, GDNC_LDS, S, DV, DK, GDNC_COLS, DK, one);
-    static_assert(GDNC_OSTRIPS <= GDNC_WARPS, "one output strip per warp");
-    bool has_strip = warp < GDNC_OSTRIPS;
-    int om0 = (warp % (GDNC_C / 16)) * 16, on0 = (warp / (GDNC_C / 16)) * 8 * GDNC_ONT;
+    const float* heads = scratch + (long)j * chunks * GDNC_FLOATS;   // chunk c at c·GDNC_FLOATS
+    const float* vsrc = conv + 2 * KEY_DIM + j * DV + col0;
+    const float* qsrc = prep + kh * DK;       // token rows of 2·KEY_DIM floats, k at + KEY_DIM
+    auto len_of = [&](int c) { return min(GDNC_C, t - c * GDNC_C); };
 
-    for (int chunk = 0; chunk < chunks; chunk++) {
-        int tok0 = chunk * GDNC_C, len = min(GDNC_C, t - tok0);
-        const float* in = scratch + ((long)j * chunks + chunk) * GDNC_FLOATS;
-        const float* eg = in + GDNC_EG;
-        const float* ek = in + GDNC_EK;
-        const float* qrow = prep + (long)tok0 * 2 * KEY_DIM + kh * DK;
-        gdnc_load(Ws, GDNC_LDK, in + GDNC_W, DK, GDNC_C, DK, GDNC_C, one);
-        gdnc_load(Qs, GDNC_LDK, qrow, 2 * KEY_DIM, GDNC_C, DK, len,
-                  [&](int r) { return eg[r]; });
-        gdnc_load(Ks, GDNC_LDK, qrow + KEY_DIM, 2 * KEY_DIM, GDNC_C, DK, len,
-                  [&](int r) { return ek[r]; });
-        gdnc_load(Tb, GDNC_LDC, in + GDNC_TB, GDNC_C, GDNC_C, GDNC_C, GDNC_C, one);
-        gdnc_load(Ps, GDNC_LDC, in + GDNC_P, GDNC_C, GDNC_C, GDNC_C, GDNC_C, one);
-        gdnc_load(Vs, GDNC_LDS, conv + (long)tok0 * CONV_DIM + 2 * KEY_DIM + j * DV + col0, CONV_DIM,
-                  GDNC_C, GDNC_COLS, len, one);
-        __syncthreads();
-
-        // V' = Tβ V − W S into shared, and the first half of O = (e^γ Q) S in registers, over
-        // the same strip per warp.
-        float o[GDNC_ONT][4];
-        if (has_strip) {
-            float u[GDNC_ONT][4], ws[GDNC_ONT][4];
-            zero_acc(u);
-            zero_acc(ws);
-            zero_acc(o);
-            mma_strip(u, om0, on0, GDNC_C, [&](int r, int k) { return Tb[r * GDNC_LDC + k]; },
-                      [&](int k, int n) { return Vs[k * GDNC_LDS + n]; });
-            mma_strip(ws, om0, on0, DK, [&](int r, int k) { return Ws[r * GDNC_LDK + k]; },
-                      [&](int k, int n) { return Ss[k * GDNC_LDS + n]; });
+    // a1: −W (V' warps, negated in the product) or Q (O warps), rows m0.. × DK; a2: Tβ or P,
+    // rows m0.. × C; kt: Kᵀ, the warp's strips of S rows × C tokens; sc0, sc1: e^{γ_C − γ} (V')
+    // or e^γ (O) of rows m0 + g and m0 + g + 8; decay: e^{γ_C}.
+    float a1[GDNC_KSK][4], a2[GDNC_C / 8][4], kt[GDNC_SSTRIPS][GDNC_C / 8][4];
+    float sc0, sc1, decay;
+    float4 v[GDNC_VPT];
+    auto load_a1 = [&](int c) {
+        if (vw) frag_load(a1, heads + (long)c * GDNC_FLOATS + GDNC_W, m0);
+        else frag_load_rows(a1, qsrc + (long)c * GDNC_C * 2 * KEY_DIM, 2 * KEY_DIM, m0, len_of(c));
+    };
+    auto load_a2 = [&](int c) { frag_load(a2, heads + (long)c * GDNC_FLOATS + (vw ? GDNC_TB : GDNC_P), m0); };
+    auto load_kt = [&](int c) {
 #pragma unroll
-            for (int i = 0; i < GDNC_ONT; i++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    Vp[acc_row(om0, e) * GDNC_LDS + acc_col(on0 + 8 * i, e)] = u[i][e] - ws[i][e];
-            mma_strip(o, om0, on0, DK, [&](int r, int k) { return Qs[r * GDNC_LDK + k]; },
-                      [&](int k, int n) { return Ss[k * GDNC_LDS + n]; });
+        for (int i = 0; i < GDNC_SSTRIPS; i++) {
+            int r0 = (warp + i * GDNC_WARPS) * 16;
+            if (r0 < DK)
+                frag_load_cols(kt[i], qsrc + KEY_DIM + (long)c * GDNC_C * 2 * KEY_DIM, 2 * KEY_DIM, r0, len_of(c));
         }
-        __syncthreads();
+    };
+    auto load_scales = [&](int c) {
+        const float* in = heads + (long)c * GDNC_FLOATS;
+        const float* e = in + (vw ? GDNC_EK : GDNC_EG);
+        sc0 = e[m0 + g];
+        sc1 = e[m0 + g + 8];
+        decay = in[GDNC_EG + GDNC_C - 1];
+    };
 
-        // O += P V', stored for the chunk's real tokens.
-        if (has_strip) {
-            mma_strip(o, om0, on0, GDNC_C, [&](int r, int k) { return Ps[r * GDNC_LDC + k]; },
-                      [&](int k, int n) { return Vp[k * GDNC_LDS + n]; });
+    gdnc_load(Ss, GDNC_LDB, S, DV, DK, GDNC_COLS, DK, [](int) { return 1.f; });
+    v_load(v, vsrc, len_of(0));
+    v_store(Vs, v);
+    load_a1(0);
+    load_a2(0);
+    load_kt(0);
+    load_scales(0);
+    __syncthreads();
+
+    auto from = [](const float* m) { return [m](int k, int n) { return m[k * GDNC_LDB + n]; }; };
+    for (int c = 0; c < chunks; c++) {
+        // The last chunk's loads for "next" repeat it (harmless, and never out of bounds).
+        int tok0 = c * GDNC_C, len = len_of(c), next = min(c + 1, chunks - 1);
+        float acc[GDNC_NT][4];
+        zero_acc(acc);
+        mma_regs(acc, a1, vw ? -1.f : 1.f, 0, from(Ss));
+        load_a1(next);
+        if (vw) {
+            mma_regs(acc, a2, 1.f, 0, from(Vs));
+            load_a2(next);
 #pragma unroll
-            for (int i = 0; i < GDNC_ONT; i++)
+            for (int i = 0; i < GDNC_NT; i++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    int r = acc_row(om0, e);
-                    if (r < len)
-                        out[(long)(tok0 + r) * NV * DV + j * DV + col0 + acc_col(on0 + 8 * i, e)] = o[i][e];
+                    int at = acc_row(m0, e) * GDNC_LDB + acc_col(8 * i, e);
+                    Vp[at] = acc[i][e];
+                    Vk[at] = acc[i][e] * (e < 2 ? sc0 : sc1);
+                }
+        } else {
+#pragma unroll
+            for (int i = 0; i < GDNC_NT; i++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[i][e] *= e < 2 ? sc0 : sc1;
+        }
+        __syncthreads();
+
+        v_load(v, vsrc + (long)next * GDNC_C * CONV_DIM, len_of(next));
+        if (!vw) {
+            mma_regs(acc, a2, 1.f, 0, from(Vp));
+            load_a2(next);
+#pragma unroll
+            for (int i = 0; i < GDNC_NT; i++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int r = acc_row(m0, e);
+                    if (r < len) out[(long)(tok0 + r) * NV * DV + j * DV + col0 + acc_col(8 * i, e)] = acc[i][e];
                 }
         }
-        // S ← e^{γ_C} S + (diag(e^{γ_C − γ}) K)ᵀ V': strips of 16 rows × COLS, each read and
-        // rewritten by its own warp (every read of S above is behind the barrier).
-        float decay = eg[GDNC_C - 1];   // e^{γ_C}
-        for (int m0 = warp * 16; m0 < DK; m0 += GDNC_WARPS * 16) {
-            float c[GDNC_SNT][4];
+        // Each warp reads and rewrites only its own rows of S (every other read of S was in
+        // phase 1, behind the barrier).
 #pragma unroll
-            for (int i = 0; i < GDNC_SNT; i++)
+        for (int i = 0; i < GDNC_SSTRIPS; i++) {
+            int r0 = (warp + i * GDNC_WARPS) * 16;
+            if (r0 >= DK) break;
+            float s[GDNC_NT][4];
 #pragma unroll
-                for (int e = 0; e < 4; e++)
-                    c[i][e] = decay * Ss[acc_row(m0, e) * GDNC_LDS + acc_col(8 * i, e)];
-            mma_strip(c, m0, 0, GDNC_C, [&](int r, int k) { return Ks[k * GDNC_LDK + r]; },
-                      [&](int k, int n) { return Vp[k * GDNC_LDS + n]; });
+            for (int n = 0; n < GDNC_NT; n++)
 #pragma unroll
-            for (int i = 0; i < GDNC_SNT; i++)
+                for (int e = 0; e < 4; e++) s[n][e] = decay * Ss[acc_row(r0, e) * GDNC_LDB + acc_col(8 * n, e)];
+            mma_regs(s, kt[i], 1.f, 0, from(Vk));
 #pragma unroll
-                for (int e = 0; e < 4; e++) Ss[acc_row(m0, e) * GDNC_LDS + acc_col(8 * i, e)] = c[i][e];
+            for (int n = 0; n < GDNC_NT; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) Ss[acc_row(r0, e) * GDNC_LDB + acc_col(8 * n, e)] = s[n][e];
         }
+        load_kt(next);
+        load_scales(next);
+        v_store(Vs, v);   // phase 1 was V's only reader
         __syncthreads();
     }
     for (int i = threadIdx.x; i < DK * GDNC_COLS; i += blockDim.x) {
         int r = i / GDNC_COLS, c = i % GDNC_COLS;
-        S[(long)r * DV + c] = Ss[r * GDNC_LDS + c];
+        S[(long)r * DV + c] = Ss[r * GDNC_LDB + c];
     }
 }
