@@ -497,7 +497,8 @@ fn chunked_survives_vanishing_decays() {
 }
 
 /// The chunked kernels' algebra in f64 on the host, in their order (γ by a serial sum, A and P
-/// masked before exp, T by forward substitution a column at a time, W and Tβ, then per chunk
+/// masked before exp, T by forward substitution a column at a time (the kernel inverts by 16 × 16
+/// blocks, the same T in exact arithmetic), W and Tβ, then per chunk
 /// V' = Tβ V − W S, O = (e^γ Q) S + P V', S ← e^{γ_C} S + (e^{γ_C − γ} K)ᵀ V', a ragged last
 /// chunk padded with zeros), one value head with `q`, `k` `[t, dk]`, `v` `[t, dv]`. Returns o
 /// `[t, dv]` and leaves the state `s` `[dk, dv]`. Indexed loops, to read like the kernels.

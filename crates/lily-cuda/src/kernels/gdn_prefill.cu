@@ -443,30 +443,53 @@ extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scrat
     }
     __syncthreads();
 
-    // T = (I + A)⁻¹ by forward substitution, one column per thread of the first two warps:
-    // T_rj = δ_rj − Σ_{j ≤ s < r} A_rs T_sj (T is unit lower triangular). Meanwhile the other
-    // warps scale K's rows by β e^γ for W (A no longer needs K).
+    // T = (I + A)⁻¹ (unit lower triangular) in 16 × 16 blocks. First the diagonal blocks by
+    // forward substitution, one column per thread of the first two warps: T_rc = δ_rc −
+    // Σ_{c ≤ s < r} A_rs T_sc, at most 15 terms (over all 64 rows, one column per thread, this was
+    // a chain of ~2,000 dependent steps on two warps while six waited at the barrier). Meanwhile
+    // the other warps zero the blocks above the diagonal and scale K's rows by β e^γ for W (A no
+    // longer needs K).
     if (threadIdx.x < GDNC_C) {
-        int col = threadIdx.x;
-        for (int r = 0; r < col; r++) Ts[r * GDNC_LDC + col] = 0.f;
+        int col = threadIdx.x, r0 = col / 16 * 16;
+        for (int r = r0; r < col; r++) Ts[r * GDNC_LDC + col] = 0.f;
         Ts[col * GDNC_LDC + col] = 1.f;
-        for (int r = col + 1; r < GDNC_C; r++) {
-            float x0 = 0.f, x1 = 0.f;    // two chains
-            int s = col;
-            for (; s + 1 < r; s += 2) {
-                x0 += As[r * GDNC_LDC + s] * Ts[s * GDNC_LDC + col];
-                x1 += As[r * GDNC_LDC + s + 1] * Ts[(s + 1) * GDNC_LDC + col];
-            }
-            if (s < r) x0 += As[r * GDNC_LDC + s] * Ts[s * GDNC_LDC + col];
-            Ts[r * GDNC_LDC + col] = -(x0 + x1);
+        for (int r = col + 1; r < r0 + 16; r++) {
+            float x = 0.f;
+            for (int s = col; s < r; s++) x += As[r * GDNC_LDC + s] * Ts[s * GDNC_LDC + col];
+            Ts[r * GDNC_LDC + col] = -x;
         }
     } else {
+        for (int i = threadIdx.x - GDNC_C; i < GDNC_C * GDNC_C; i += blockDim.x - GDNC_C) {
+            int r = i / GDNC_C, s = i % GDNC_C;
+            if (s / 16 > r / 16) Ts[r * GDNC_LDC + s] = 0.f;
+        }
         for (int i = threadIdx.x - GDNC_C; i < GDNC_C * DK; i += blockDim.x - GDNC_C) {
             int r = i / DK, k = i % DK;
             Ks[r * GDNC_LDK + k] *= bet[r] * expf((float)gam[r]);
         }
     }
     __syncthreads();
+    // Then the blocks below the diagonal, one block diagonal d at a time, every thread on an
+    // element: T_ij = −T_ii X_ij with X_ij = Σ_{j ≤ k < i} A_ik T_kj (from L T = I, L = I + A),
+    // which reads only blocks of T nearer the diagonal. X goes where Q was (P is done with it).
+    float* X = Qs;
+    for (int d = 1; d < GDNC_C / 16; d++) {
+        int n = (GDNC_C / 16 - d) * 256;   // elements of the blocks (jb + d, jb)
+        for (int e = threadIdx.x; e < n; e += blockDim.x) {
+            int jb = e / 256, r = (jb + d) * 16 + (e / 16) % 16, c = jb * 16 + e % 16;
+            float x = 0.f;
+            for (int s = jb * 16; s < (jb + d) * 16; s++) x += As[r * GDNC_LDC + s] * Ts[s * GDNC_LDC + c];
+            X[e] = x;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < n; e += blockDim.x) {
+            int jb = e / 256, i0 = (jb + d) * 16, r = (e / 16) % 16, c = e % 16;
+            float x = 0.f;
+            for (int s = 0; s <= r; s++) x += Ts[(i0 + r) * GDNC_LDC + i0 + s] * X[jb * 256 + s * 16 + c];
+            Ts[(i0 + r) * GDNC_LDC + jb * 16 + c] = -x;
+        }
+        __syncthreads();
+    }
 
     // W = T · (diag(β e^γ) K), T's zeros above the diagonal included: strips of 16 rows ×
     // GDNC_WNT tiles, (C/16)·(DK/8)/GDNC_WNT of them (8 at DK 128).
