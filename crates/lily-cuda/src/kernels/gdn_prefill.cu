@@ -238,10 +238,10 @@ extern "C" __global__ void gdn_gated_norm_rows(const float* o, const float* proj
 // State columns per gdn_chunk_scan block: the columns of S evolve independently, so a value
 // head's DV columns split over DV / GDNC_COLS blocks (4 at DV 128: 128 blocks for 32 heads).
 #define GDNC_COLS (DV % 32 == 0 ? 32 : DV % 16 == 0 ? 16 : 8)
-// Shared row strides (floats): +4 puts the 8 rows × 4 columns of an mma fragment in 32 banks.
+// gdn_chunk_prep's shared row strides (floats): +4 puts the 8 rows × 4 columns of a
+// fragment in 32 banks.
 #define GDNC_LDK (DK + 4)
 #define GDNC_LDC (GDNC_C + 4)
-#define GDNC_LDS (GDNC_COLS + 4)
 // Per (value head, chunk) in the scratch after prep: W [C][DK], Tβ [C][C], P [C][C] (each in
 // fragment order, gdnc_frag), e^γ [C], e^{γ_C − γ} [C].
 #define GDNC_W 0
@@ -276,12 +276,13 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const float (&a)[4], con
 
 // One k-step (8 deep) of a warp's strip of NT 16 × 8 tiles at columns n0 + 8i: c[i] (and lo[i],
 // the 3xTF32 correction terms, a second set of independent chains) += a·b(k0.., n), where af
-// is the step's A fragment and b reads shared memory. Fragments (PTX m16n8k8 .tf32), g = lane/4,
-// q = lane%4: a0 (g, q), a1 (g+8, q), a2 (g, q+4), a3 (g+8, q+4); b0 (q, g), b1 (q+4, g);
-// accumulator c0 (g, 2q), c1 (g, 2q+1), c2 (g+8, 2q), c3 (g+8, 2q+1) (acc_row / acc_col).
+// is the step's A fragment and b reads shared memory; tiles from column n_end on are skipped.
+// Fragments (PTX m16n8k8 .tf32), g = lane/4, q = lane%4: a0 (g, q), a1 (g+8, q), a2 (g, q+4),
+// a3 (g+8, q+4); b0 (q, g), b1 (q+4, g); accumulator c0 (g, 2q), c1 (g, 2q+1), c2 (g+8, 2q),
+// c3 (g+8, 2q+1) (acc_row / acc_col).
 template <int NT, class FB>
 __device__ __forceinline__ void mma_kstep(float (&c)[NT][4], float (&lo)[NT][4], const float (&af)[4],
-                                          int k0, int n0, FB b) {
+                                          int k0, int n0, FB b, int n_end = 1 << 30) {
     int g = (threadIdx.x % WARP) / 4, q = threadIdx.x % 4;
     float ah[4], al[4];
 #pragma unroll
@@ -291,6 +292,7 @@ __device__ __forceinline__ void mma_kstep(float (&c)[NT][4], float (&lo)[NT][4],
     }
 #pragma unroll
     for (int i = 0; i < NT; i++) {
+        if (n0 + 8 * i >= n_end) continue;
         int n = n0 + 8 * i + g;
         float bf[2] = {b(k0 + q, n), b(k0 + q + 4, n)};
         float bh[2] = {tf32_round(bf[0]), tf32_round(bf[1])};
@@ -320,17 +322,19 @@ __device__ __forceinline__ void add_acc(float (&c)[NT][4], const float (&lo)[NT]
 }
 
 // A warp's strip of NT 16 × 8 tiles, rows m0.., columns n0 + 8i..: c[i] += Σ_k a(m, k)·b(k, n)
-// over k < kdim (a multiple of 8), a and b reading shared memory. One A fragment feeds the NT
-// tiles, whose accumulators are independent chains.
+// over k < kdim (a multiple of 8), a and b reading shared memory; tiles from column n_end on
+// are skipped (left as they were). One A fragment feeds the NT tiles, whose accumulators are
+// independent chains.
 template <int NT, class FA, class FB>
-__device__ __forceinline__ void mma_strip(float (&c)[NT][4], int m0, int n0, int kdim, FA a, FB b) {
+__device__ __forceinline__ void mma_strip(float (&c)[NT][4], int m0, int n0, int kdim, FA a, FB b,
+                                          int n_end = 1 << 30) {
     int g = (threadIdx.x % WARP) / 4, q = threadIdx.x % 4;
     float lo[NT][4];
     zero_acc(lo);
     for (int k0 = 0; k0 < kdim; k0 += 8) {
         float af[4] = {a(m0 + g, k0 + q), a(m0 + g + 8, k0 + q), a(m0 + g, k0 + q + 4),
                        a(m0 + g + 8, k0 + q + 4)};
-        mma_kstep(c, lo, af, k0, n0, b);
+        mma_kstep(c, lo, af, k0, n0, b, n_end);
     }
     add_acc(c, lo);
 }
@@ -421,7 +425,8 @@ extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scrat
     }
     __syncthreads();
 
-    // K Kᵀ → A (warps 0-3) and Q Kᵀ → P (warps 4-7), each warp a strip of 16 rows × 64.
+    // K Kᵀ → A (warps 0-3) and Q Kᵀ → P (warps 4-7), each warp a strip of 16 rows × 64, less the
+    // tiles wholly right of the diagonal (s > r throughout: masked to 0 below, so never computed).
     {
         bool is_p = warp >= 4;
         int m0 = (warp % 4) * 16;
@@ -429,7 +434,7 @@ extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scrat
         float c[GDNC_C / 8][4];
         zero_acc(c);
         mma_strip(c, m0, 0, DK, [&](int r, int k) { return L[r * GDNC_LDK + k]; },
-                  [&](int k, int n) { return Ks[n * GDNC_LDK + k]; });
+                  [&](int k, int n) { return Ks[n * GDNC_LDK + k]; }, m0 + 16);
 #pragma unroll
         for (int i = 0; i < GDNC_C / 8; i++)
 #pragma unroll
@@ -491,13 +496,13 @@ extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scrat
         __syncthreads();
     }
 
-    // W = T · (diag(β e^γ) K), T's zeros above the diagonal included: strips of 16 rows ×
-    // GDNC_WNT tiles, (C/16)·(DK/8)/GDNC_WNT of them (8 at DK 128).
+    // W = T · (diag(β e^γ) K): strips of 16 rows × GDNC_WNT tiles, (C/16)·(DK/8)/GDNC_WNT of
+    // them (8 at DK 128). T is 0 right of its diagonal, so a strip's sum stops at k = m0 + 16.
     for (int strip = warp; strip < (GDNC_C / 16) * (DK / 8) / GDNC_WNT; strip += GDNC_WARPS) {
         int m0 = (strip % (GDNC_C / 16)) * 16, n0 = (strip / (GDNC_C / 16)) * 8 * GDNC_WNT;
         float c[GDNC_WNT][4];
         zero_acc(c);
-        mma_strip(c, m0, n0, GDNC_C, [&](int r, int k) { return Ts[r * GDNC_LDC + k]; },
+        mma_strip(c, m0, n0, m0 + 16, [&](int r, int k) { return Ts[r * GDNC_LDC + k]; },
                   [&](int k, int n) { return Ks[k * GDNC_LDK + n]; });
 #pragma unroll
         for (int i = 0; i < GDNC_WNT; i++)
