@@ -39,6 +39,10 @@ if [ "$step" = all ] || [ "$step" = agree ]; then
   .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cpu --tokens $prompt --max-tokens 32 \
     --temperature 0 --ignore-eos --json 2>&1 | tee "$out/greedy-cpu.json"
 fi
+if [ "$step" = all ] || [ "$step" = serve ]; then
+  # The OpenAI-compatible server on the GPU against real HTTP clients.
+  python3 tools/gpu_serve_check.py --lily .gpu/lily 2>&1 | tee "$out/serve.log"
+fi
 if [ "$step" = all ] || [ "$step" = profile ]; then
   # Every kernel of the first decode steps, timed by Nsight Compute (clocks left alone).
   ncu --clock-control none --graph-profiling node --launch-count 890 --csv \

@@ -57,10 +57,12 @@ impl MoeTile {
 }
 
 /// An upper bound on the tiles `sort` writes for `pairs` pairs over `experts` experts at
-/// `height` (h rows): Σ_e ceil(count_e / h) ≤ Σ_e (floor(count_e / h) + 1) ≤ pairs / h + experts.
-/// The shorter the tiles, the more of them. The tile buffer holds 3 ints per tile.
+/// `height` (h rows): Σ_e ceil(count_e / h) ≤ Σ_e (floor(count_e / h) + 1) ≤ pairs / h + experts,
+/// and no more tiles than pairs (each holds at least one), which bounds short chunks: the grouped
+/// grid has a block row per possible tile. The shorter the tiles, the more of them. The tile
+/// buffer holds 3 ints per tile.
 pub fn max_tiles(pairs: usize, experts: usize, height: MoeTile) -> usize {
-    pairs / height.rows() + experts
+    (pairs / height.rows() + experts).min(pairs)
 }
 
 /// The expert tiles of a chunk on the device, as `sort` writes them and the grouped GEMMs
@@ -165,6 +167,9 @@ mod tests {
             let past = [h + 1; 8];
             let pairs: usize = past.iter().sum();
             assert_eq!(tiles(&past, height), max_tiles(pairs, experts, height));
+            // Single rows on distinct experts: a tile each, the bound is the pair count.
+            let singles = [1, 1, 1, 0, 0, 0, 0, 0];
+            assert_eq!(tiles(&singles, height), max_tiles(3, experts, height));
             // Empty experts, every pair on one expert, whole tiles, ragged counts.
             let splits: [&[usize]; 5] = [
                 &[0, 0, 0, 0, 0, 0, 0, 1],

@@ -15,7 +15,7 @@ use lily_cuda::gdn_prefill::{
     GdnPrefillRoute, conv_rows, gated_norm_rows, scan_with, scratch_floats,
 };
 use lily_cuda::gpu::{Gpu, ptr};
-use support::{NEEDS_GPU, rel_diff};
+use support::{NEEDS_GPU, rel_diff, time_ms};
 
 /// (NK, NV, DK, DV): the production heads, and a small shape where a warp holds two columns of
 /// 16-row keys and two value heads share a key head.
@@ -679,24 +679,6 @@ fn the_chunked_algebra_matches_the_recurrence() {
             assert!(underflows > 0, "the strong gates should underflow some α");
         }
     }
-}
-
-/// Milliseconds per call of `f`, the mean of 10 after 2 warm-ups, on the GPU's clock.
-fn time_ms(gpu: &Gpu, f: &dyn Fn()) -> f64 {
-    for _ in 0..2 {
-        f();
-    }
-    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let (start, end) = (
-        gpu.ctx.new_event(timing).unwrap(),
-        gpu.ctx.new_event(timing).unwrap(),
-    );
-    start.record(&gpu.stream).unwrap();
-    for _ in 0..10 {
-        f();
-    }
-    end.record(&gpu.stream).unwrap();
-    start.elapsed_ms(&end).unwrap() as f64 / 10.0
 }
 
 /// One layer's GDN family at the production heads over chunks of 16 … 4,096 tokens, the delta

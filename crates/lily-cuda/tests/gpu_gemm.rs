@@ -22,7 +22,7 @@ use lily_cuda::gemm::{gemm, gemm_grouped};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
 use lily_cuda::moe_prefill::{MoeTile, TileMap, max_tiles, sort};
-use support::{NEEDS_GPU, random_linear_grouped};
+use support::{NEEDS_GPU, random_linear_grouped, time_ms};
 
 /// A quiet NaN with a payload no arithmetic produces: a cell holding it was never written.
 const SENTINEL: u32 = 0x7fc0_dead;
@@ -457,24 +457,6 @@ fn grouped_gemm_matches_bf16_products() {
         }
     }
     assert!(failures.is_empty(), "beyond {TOLERANCE:e}: {failures:#?}");
-}
-
-/// Milliseconds per launch of `f`, the mean of 20 after 3 warm-ups, on the GPU's clock.
-fn time_ms(gpu: &Gpu, f: &dyn Fn()) -> f64 {
-    for _ in 0..3 {
-        f();
-    }
-    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-    let (start, end) = (
-        gpu.ctx.new_event(timing).unwrap(),
-        gpu.ctx.new_event(timing).unwrap(),
-    );
-    start.record(&gpu.stream).unwrap();
-    for _ in 0..20 {
-        f();
-    }
-    end.record(&gpu.stream).unwrap();
-    start.elapsed_ms(&end).unwrap() as f64 / 20.0
 }
 
 /// Dense prefill-sized products at the real model's shapes (4,096 tokens, hidden 2,048), timed: a

@@ -238,6 +238,24 @@ __device__ float block_inv_rms(const float* h, int n, float eps, float* scratch)
     return rsqrtf(block_sum(ss, scratch) / n + eps);
 }
 
+// Stores float4 j (< n4; past it, only the shuffles) of a quantised matrix's staged x: prescaled
+// into xs at its padded place, and the plain sum of its chunk (T = CHUNK_CODES / 4 adjacent
+// threads) into xsum. Whole warps must call it together (blockDim and the loop end are multiples of
+// WARP).
+template <int BITS>
+__device__ __forceinline__ void stage_float4(float4 v, int j, int n4, float* xs, float* xsum) {
+    constexpr int T = 128 / BITS / 4;
+    if (j < n4) {
+        int col = 4 * j;
+        *(float4*)(xs + xs_at<BITS>(col)) =
+            make_float4(v.x * xs_prescale<BITS>(col), v.y * xs_prescale<BITS>(col + 1),
+                        v.z * xs_prescale<BITS>(col + 2), v.w * xs_prescale<BITS>(col + 3));
+    }
+    float sum = v.x + v.y + v.z + v.w;
+    for (int o = T / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (j < n4 && j % T == 0) xsum[j / T] = sum;
+}
+
 // Stages x[c] (or x[c] · inv · norm_w[c] with norm_w) for c in [0, cols) into xs (padded,
 // prescaled) and each chunk's plain sum into xsum. Every thread of the block must call it (whole
 // warps take part in the shuffles); it ends with a barrier. For quantised matrices cols is a
@@ -257,8 +275,7 @@ __device__ void stage_x(int cols, const float* x, const float* norm_w, float inv
                 if (c + u * blockDim.x < cols) xs[c + u * blockDim.x] = v[u];
         }
     } else {
-        // One float4 of x per thread and step; a chunk's PER values are PER/4 adjacent threads.
-        constexpr int PER = 128 / BITS, T = PER / 4;
+        // One float4 of x per thread and step; a chunk's values are adjacent threads' float4s.
         int n4 = cols / 4, end = (n4 + WARP - 1) / WARP * WARP;
         const float4* x4 = (const float4*)x;
         const float4* w4 = (const float4*)norm_w;
@@ -278,19 +295,7 @@ __device__ void stage_x(int cols, const float* x, const float* norm_w, float inv
                 }
             }
 #pragma unroll
-            for (int u = 0; u < STAGE_UNROLL; u++) {
-                // Whole warps reach here together (blockDim and end are multiples of WARP).
-                int j = c + u * blockDim.x;
-                if (j < n4) {
-                    int col = 4 * j;
-                    *(float4*)(xs + xs_at<BITS>(col)) =
-                        make_float4(v[u].x * xs_prescale<BITS>(col), v[u].y * xs_prescale<BITS>(col + 1),
-                                    v[u].z * xs_prescale<BITS>(col + 2), v[u].w * xs_prescale<BITS>(col + 3));
-                }
-                float sum = v[u].x + v[u].y + v[u].z + v[u].w;
-                for (int o = T / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-                if (j < n4 && j % T == 0) xsum[j / T] = sum;
-            }
+            for (int u = 0; u < STAGE_UNROLL; u++) stage_float4<BITS>(v[u], c + u * blockDim.x, n4, xs, xsum);
         }
     }
     __syncthreads();

@@ -238,7 +238,7 @@ __device__ void down_combine_q(Mat down, Mat sh_down, int inter, int hidden, con
     __shared__ float xsum[XSUM_FLOATS(BITS)];
     __shared__ int sid[TOPK];
     __shared__ float segw[TOPK + 1];
-    constexpr int PER = 128 / BITS, T = PER / 4, R = DOWN_ROWS, NB = DOWN_BATCH;
+    constexpr int PER = 128 / BITS, R = DOWN_ROWS, NB = DOWN_BATCH;
     if (threadIdx.x < TOPK) {
         sid[threadIdx.x] = load_cg_int(ids + threadIdx.x);
         segw[threadIdx.x] = load_cg(weights + threadIdx.x);
@@ -272,19 +272,7 @@ __device__ void down_combine_q(Mat down, Mat sh_down, int inter, int hidden, con
                 }
             }
 #pragma unroll
-            for (int k = 0; k < DOWN_STAGE_UNROLL; k++) {
-                // Whole warps reach here together (blockDim and end are multiples of WARP).
-                int j = c + k * blockDim.x;
-                if (j < n4) {
-                    int col = 4 * j;
-                    *(float4*)(xs + xs_at<BITS>(col)) =
-                        make_float4(v[k].x * xs_prescale<BITS>(col), v[k].y * xs_prescale<BITS>(col + 1),
-                                    v[k].z * xs_prescale<BITS>(col + 2), v[k].w * xs_prescale<BITS>(col + 3));
-                }
-                float sum = v[k].x + v[k].y + v[k].z + v[k].w;
-                for (int o = T / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-                if (j < n4 && j % T == 0) xsum[j / T] = sum;
-            }
+            for (int k = 0; k < DOWN_STAGE_UNROLL; k++) stage_float4<BITS>(v[k], c + k * blockDim.x, n4, xs, xsum);
         }
         __syncthreads();
     }

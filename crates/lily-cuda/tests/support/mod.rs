@@ -1,4 +1,5 @@
-//! What the GPU test files share: fixtures, the error measure, random matrices, greedy runs.
+//! What the GPU test files share: fixtures, the error measure, random matrices, greedy runs,
+//! timing.
 // Each test binary uses its own subset.
 #![allow(dead_code)]
 
@@ -80,4 +81,23 @@ pub fn dense_of(l: &Linear) -> Vec<f32> {
         Linear::Dense(m) => m.data.clone(),
         Linear::Affine(q) => q.dequantize(),
     }
+}
+
+/// Milliseconds per call of `f`, the mean of 20 after 3 warm-ups, on the GPU's clock (for the
+/// timed records, which assert nothing about speed).
+pub fn time_ms(gpu: &lily_cuda::gpu::Gpu, f: &dyn Fn()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let (start, end) = (
+        gpu.ctx.new_event(timing).unwrap(),
+        gpu.ctx.new_event(timing).unwrap(),
+    );
+    start.record(&gpu.stream).unwrap();
+    for _ in 0..20 {
+        f();
+    }
+    end.record(&gpu.stream).unwrap();
+    start.elapsed_ms(&end).unwrap() as f64 / 20.0
 }

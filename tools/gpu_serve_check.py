@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""`lily serve --device cuda` against real HTTP clients, on the GPU machine (standard library only).
+
+    python3 tools/gpu_serve_check.py [--lily .gpu/lily] [--model synthetic:qwen3.6-35b-a3b]
+
+Starts the server on a free port, then checks what the CPU-only tests cannot: that greedy replies
+on the GPU are the same twice (the second from the snapshot of the first turn's prompt), that a
+streamed sampled reply arrives as well-formed chunks ending in [DONE], that two clients at once
+both get their replies, and that bad input gets a clear 4xx without taking the server down.
+Prints each reply and exits non-zero on the first failure.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+
+def post(base, path, body, timeout=300):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def chat(model, text, **extra):
+    return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        sys.exit(1)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lily", default=".gpu/lily")
+    ap.add_argument("--model", default="synthetic:qwen3.6-35b-a3b")
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    server = subprocess.Popen(
+        [a.lily, "serve", "--model", a.model, "--device", a.device, "--port", "0", "--max-seq", "4096"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = None
+    started = time.time()
+    log = []
+    try:
+        # The server prints the address it bound; it answers /health once the model is loaded.
+        while base is None and time.time() - started < 300:
+            line = server.stdout.readline()
+            if not line:
+                break
+            log.append(line)
+            for word in line.split():
+                if word.startswith("http://"):
+                    base = word.rstrip("/.,").removesuffix("/v1")
+        check(base is not None, "server printed its address:\n" + "".join(log[-20:]))
+        threading.Thread(target=lambda: [log.append(l) for l in server.stdout], daemon=True).start()
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            if time.time() - started > 300 or server.poll() is not None:
+                check(False, "server became healthy:\n" + "".join(log[-20:]))
+            time.sleep(1)
+        print(f"healthy after {time.time() - started:.0f} s at {base}", flush=True)
+        m = a.model
+
+        greedy = chat(m, "Name three colours.", max_tokens=24, temperature=0)
+        code, first = post(base, "/v1/chat/completions", greedy)
+        check(code == 200, f"greedy reply: {code} {first[:400]}")
+        code, again = post(base, "/v1/chat/completions", greedy)
+        check(code == 200, "greedy reply again")
+        reply = lambda body: json.loads(body)["choices"][0]["message"]
+        usage = lambda body: json.loads(body)["usage"]
+        print("  reply:", json.dumps(reply(first))[:300], "usage:", usage(first), flush=True)
+        check(reply(first) == reply(again), "the same greedy reply twice (the second from a snapshot)")
+
+        code, streamed = post(base, "/v1/chat/completions",
+                              chat(m, "Count to five.", max_tokens=24, temperature=0.7, seed=3, stream=True))
+        events = [l[6:] for l in streamed.splitlines() if l.startswith("data: ")]
+        check(code == 200 and events and events[-1] == "[DONE]", f"streamed reply ends in [DONE] ({len(events)} events)")
+        chunks = [json.loads(e) for e in events[:-1]]
+        check(all(c["object"] == "chat.completion.chunk" for c in chunks), "every event is a chunk")
+
+        results = [None, None]
+
+        def client(i):
+            results[i] = post(base, "/v1/chat/completions", chat(m, f"Client {i} says hello.", max_tokens=16, temperature=0))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(2)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        check(all(r and r[0] == 200 for r in results), f"two clients at once: {[r and r[0] for r in results]}")
+
+        code, body = post(base, "/v1/chat/completions", b"{not json")
+        check(400 <= code < 500, f"malformed JSON gets {code}: {body[:200]}")
+        code, body = post(base, "/v1/chat/completions", chat(m, "word " * 9000, max_tokens=4))
+        check(400 <= code < 500, f"a prompt past the context gets {code}: {body[:200]}")
+        code, _ = post(base, "/v1/chat/completions", greedy)
+        check(code == 200, "still serving after the bad requests")
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        tail = "".join(log[-15:])
+        print("server log (tail):\n" + tail, flush=True)
+
+
+if __name__ == "__main__":
+    main()
