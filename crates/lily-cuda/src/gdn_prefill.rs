@@ -50,13 +50,24 @@ pub fn forced_route() -> Result<Option<GdnPrefillRoute>> {
     }
 }
 
-/// The route for every chunk on `gpu`: the scan unless `LILY_GDN_PREFILL` says
-/// otherwise. On the H200 (`delta_rule_speed_by_length`, docs/BENCHMARKS.md) the chunked route
-/// measured 3 % slower than the scan at 4,096 tokens, level at 256–1,024 and 2–4× slower below
-/// 128, so no length prefers it yet; it stays tested and selectable for the work of making it
-/// fast.
-pub fn route_for(gpu: &Gpu) -> GdnPrefillRoute {
-    gpu.gdn_prefill_route.unwrap_or(GdnPrefillRoute::Scan)
+/// Chunks shorter than this take the scan even where the chunked route fits. On the H200
+/// (`delta_rule_speed_by_length`, production heads; docs/BENCHMARKS.md) the chunked delta rule
+/// took 0.053 / 0.061 / 0.077 / 0.235 / 0.912 ms at 64 / 128 / 256 / 1,024 / 4,096 tokens and the
+/// scan 0.036 / 0.063 / 0.115 / 0.484 / 1.933: level at 128, the chunked form ahead from 256.
+const CHUNKED_FROM_TOKENS: usize = 256;
+
+/// The route for a chunk of `t` tokens on `gpu`: what `LILY_GDN_PREFILL` forces, else the
+/// chunked form where the heads and the device's shared memory allow it and the chunk is long
+/// enough to gain from it, else the scan.
+pub fn route_for(gpu: &Gpu, c: &ModelConfig, t: usize) -> GdnPrefillRoute {
+    if let Some(forced) = gpu.gdn_prefill_route {
+        return forced;
+    }
+    if t >= CHUNKED_FROM_TOKENS && chunked_fits(c, gpu.shared_optin).is_ok() {
+        GdnPrefillRoute::Chunked
+    } else {
+        GdnPrefillRoute::Scan
+    }
 }
 
 /// Tokens per chunk of the chunked route (GDNC_C in the kernel file).
@@ -92,9 +103,12 @@ fn chunk_shared_bytes(dk: usize, dv: usize) -> (usize, usize) {
 /// `max_shared` bytes of shared memory per block.
 fn chunked_fits(c: &ModelConfig, max_shared: usize) -> Result<()> {
     let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+    // Blocks of 16 or 8 state columns (DV not a multiple of 32) compile, but on the H200 a
+    // 4-layer model with DV 16 parted from its one-chunk prefill by 1.4e-3 at 33-token chunks
+    // (every 32-column case agrees to 1e-6); until that is found they take the scan.
     ensure!(
-        dk.is_multiple_of(16) && dv.is_multiple_of(8),
-        "the chunked GDN route needs DK a multiple of 16 and DV of 8, not {dk} and {dv}"
+        dk.is_multiple_of(16) && dv.is_multiple_of(32),
+        "the chunked GDN route needs DK a multiple of 16 and DV of 32, not {dk} and {dv}"
     );
     let (prep, scan) = chunk_shared_bytes(dk, dv);
     ensure!(
@@ -137,13 +151,19 @@ pub fn scratch_floats(c: &ModelConfig, t: usize, route: GdnPrefillRoute) -> usiz
     }
 }
 
-/// Floats of the scratch [`scan`] needs for a chunk of `t` tokens: the route [`route_for`]
-/// takes (the chunked one's 128 MiB at a 4,096-token chunk only when it is forced).
+/// Floats of the scratch [`scan`] needs for a chunk of `t` tokens on any device: the chunked
+/// route's (128 MiB at a 4,096-token chunk) wherever [`route_for`] may take it (the memory plan
+/// is made before a device is opened), else the scan's.
 pub fn scan_scratch_floats(c: &ModelConfig, t: usize) -> usize {
-    let route = forced_route()
-        .ok()
-        .flatten()
-        .unwrap_or(GdnPrefillRoute::Scan);
+    let chunked = match forced_route().ok().flatten() {
+        Some(route) => route == GdnPrefillRoute::Chunked,
+        None => t >= CHUNKED_FROM_TOKENS && chunked_fits(c, usize::MAX).is_ok(),
+    };
+    let route = if chunked {
+        GdnPrefillRoute::Chunked
+    } else {
+        GdnPrefillRoute::Scan
+    };
     scratch_floats(c, t, route)
 }
 
@@ -206,7 +226,7 @@ pub fn scan(
     scan_with(
         gpu,
         c,
-        route_for(gpu),
+        route_for(gpu, c, t),
         conv,
         proj,
         ld,
@@ -338,6 +358,9 @@ mod tests {
         let mut odd = c.clone();
         odd.linear_key_head_dim = 24;
         assert!(chunked_fits(&odd, usize::MAX).is_err());
+        let mut narrow = c.clone();
+        narrow.linear_value_head_dim = 16;
+        assert!(chunked_fits(&narrow, usize::MAX).is_err());
         // The chunk scratch starts 16-byte aligned after the prep floats and holds
         // ⌈t/64⌉·NV blocks of GDNC_FLOATS.
         for t in [1, 63, 64, 65, 4096] {

@@ -46,7 +46,7 @@ const TOL_CHUNKED: f32 = 2e-5;
 
 /// Lengths for the chunked route: one token, ragged single chunks, exactly one chunk, one past
 /// it, and many chunks with a ragged last one.
-const CHUNKED_LENGTHS: [usize; 7] = [1, 7, 63, 64, 65, 200, 1000];
+const CHUNKED_LENGTHS: [usize; 8] = [1, 7, 33, 63, 64, 65, 200, 1000];
 
 /// Eps of the q/k L2 norms (lily-cpu's gdn.rs, spec §2.2c).
 const L2_EPS: f32 = 1e-6;
@@ -683,7 +683,7 @@ fn the_chunked_algebra_matches_the_recurrence() {
 
 /// One layer's GDN family at the production heads over chunks of 16 … 4,096 tokens, the delta
 /// rule by each route (each timing includes `gdn_scan_prep`), timed: a record for choosing the
-/// route by length (`gdn_prefill::route_for`), not a pass/fail (beyond finite outputs).
+/// route by length (`CHUNKED_FROM_TOKENS` in gdn_prefill.rs), not a pass/fail (beyond finite outputs).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn delta_rule_speed_by_length() {
