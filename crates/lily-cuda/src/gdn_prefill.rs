@@ -208,44 +208,13 @@ pub fn conv_rows(
     Ok(())
 }
 
-/// The delta rule over the chunk by the route [`route_for`] chooses: [`scan_with`] that route.
-#[allow(clippy::too_many_arguments)]
-pub fn scan(
-    gpu: &Gpu,
-    c: &ModelConfig,
-    conv: u64,
-    proj: u64,
-    ld: usize,
-    t: usize,
-    a_log: u64,
-    dt_bias: u64,
-    prep: u64,
-    state: u64,
-    out: u64,
-) -> Result<()> {
-    scan_with(
-        gpu,
-        c,
-        route_for(gpu, c, t),
-        conv,
-        proj,
-        ld,
-        t,
-        a_log,
-        dt_bias,
-        prep,
-        state,
-        out,
-    )
-}
-
 /// The delta rule over the chunk: `out` (`[t, NV·DV]`) gets each token's read-out before the
 /// gated norm, and `state` (`[NV, DK, DV]`) ends as after the chunk. `conv` is [`conv_rows`]'
 /// output; `prep` is scratch of [`scratch_floats`] of `route` floats, 16-byte aligned (any
 /// allocation start is), overwritten. Launches q/k norms and gates per token, then the scan
 /// itself (one kernel, or the chunked route's two). `t == 0` launches nothing.
 #[allow(clippy::too_many_arguments)]
-pub fn scan_with(
+pub fn scan(
     gpu: &Gpu,
     c: &ModelConfig,
     route: GdnPrefillRoute,

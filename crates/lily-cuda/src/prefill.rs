@@ -217,6 +217,7 @@ pub fn encode_chunk(
                 gdn_prefill::scan(
                     gpu,
                     c,
+                    gdn_prefill::route_for(gpu, c, t),
                     p(&s.conv),
                     p(&s.proj),
                     gdn_w,

@@ -11,9 +11,7 @@ use lily_core::rng::uniform_at;
 use lily_cpu::delta_rule::{self, HeadInputs};
 use lily_cpu::ops::{inv_rms, l2_normalize, sigmoid, silu, softplus};
 use lily_cuda::KvPrecision;
-use lily_cuda::gdn_prefill::{
-    GdnPrefillRoute, conv_rows, gated_norm_rows, scan_with, scratch_floats,
-};
+use lily_cuda::gdn_prefill::{GdnPrefillRoute, conv_rows, gated_norm_rows, scan, scratch_floats};
 use lily_cuda::gpu::{Gpu, ptr};
 use support::{NEEDS_GPU, rel_diff, time_ms};
 
@@ -283,7 +281,7 @@ fn run_chunk_by(
         p(&conv),
     )
     .unwrap();
-    scan_with(
+    scan(
         gpu,
         c,
         route,
@@ -727,7 +725,7 @@ fn delta_rule_speed_at(gpu: &Gpu, c: &ModelConfig, t: usize) {
     });
     for route in [GdnPrefillRoute::Scan, GdnPrefillRoute::Chunked] {
         let ms = time_ms(gpu, &|| {
-            scan_with(
+            scan(
                 gpu,
                 c,
                 route,
