@@ -17,7 +17,7 @@ pub struct KernelFile {
     pub entries: &'static [&'static str],
 }
 
-pub const KERNEL_FILES: [KernelFile; 11] = [
+pub const KERNEL_FILES: [KernelFile; 12] = [
     KernelFile {
         name: "gemv",
         source: include_str!("kernels/gemv.cu"),
@@ -99,10 +99,13 @@ pub const KERNEL_FILES: [KernelFile; 11] = [
             "gdn_conv_rows",
             "gdn_scan_prep",
             "gdn_scan",
-            "gdn_chunk_prep",
-            "gdn_chunk_scan",
             "gdn_gated_norm_rows",
         ],
+    },
+    KernelFile {
+        name: "gdn_chunked",
+        source: include_str!("kernels/gdn_chunked.cu"),
+        entries: &["gdn_chunk_prep", "gdn_chunk_scan"],
     },
     KernelFile {
         name: "attention_prefill",

@@ -7,7 +7,8 @@
 use anyhow::{Result, ensure};
 use lily_core::config::ModelConfig;
 
-use crate::gpu::{Gpu, Shape};
+use crate::gdn_chunked;
+use crate::gpu::Gpu;
 use crate::launch;
 
 /// Tokens per conv thread (CONV_TT in the kernel file).
@@ -63,73 +64,11 @@ pub fn route_for(gpu: &Gpu, c: &ModelConfig, t: usize) -> GdnPrefillRoute {
     if let Some(forced) = gpu.gdn_prefill_route {
         return forced;
     }
-    if t >= CHUNKED_FROM_TOKENS && chunked_fits(c, gpu.shared_optin).is_ok() {
+    if t >= CHUNKED_FROM_TOKENS && gdn_chunked::fits(c, gpu.shared_optin).is_ok() {
         GdnPrefillRoute::Chunked
     } else {
         GdnPrefillRoute::Scan
     }
-}
-
-/// Tokens per chunk of the chunked route (GDNC_C in the kernel file).
-const CHUNK: usize = 64;
-/// Warps per block of both chunked kernels (GDNC_WARPS).
-const CHUNK_WARPS: usize = 8;
-
-/// State columns per `gdn_chunk_scan` block (GDNC_COLS).
-fn chunk_columns(dv: usize) -> usize {
-    [32, 16]
-        .into_iter()
-        .find(|&n| dv.is_multiple_of(n))
-        .unwrap_or(8)
-}
-
-/// Floats `gdn_chunk_prep` leaves per (value head, chunk): W `[C, DK]`, Tβ and P `[C, C]`, e^γ
-/// and e^{γ_C − γ} `[C]` (GDNC_FLOATS).
-fn chunk_floats(dk: usize) -> usize {
-    CHUNK * dk + 2 * CHUNK * CHUNK + 2 * CHUNK
-}
-
-/// Dynamic shared memory of `gdn_chunk_prep` and `gdn_chunk_scan` in bytes (GDNC_PREP_SHARED,
-/// GDNC_SCAN_SHARED): the prep's rows padded by 4 floats, the scan's (S, V, V' and the scaled
-/// V', its A operands living in registers) by 8.
-fn chunk_shared_bytes(dk: usize, dv: usize) -> (usize, usize) {
-    let (ldk, ldc, ldb) = (dk + 4, CHUNK + 4, chunk_columns(dv) + 8);
-    let prep = 2 * CHUNK * ldk + 2 * CHUNK * ldc + 3 * CHUNK;
-    let scan = (dk + 3 * CHUNK) * ldb;
-    (4 * prep, 4 * scan)
-}
-
-/// Whether the chunked route's kernels suit the model's GDN heads on a device allowing
-/// `max_shared` bytes of shared memory per block.
-fn chunked_fits(c: &ModelConfig, max_shared: usize) -> Result<()> {
-    let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
-    // Blocks of 16 or 8 state columns (DV not a multiple of 32) compile, but on the H200 a
-    // 4-layer model with DV 16 parted from its one-chunk prefill by 1.4e-3 at 33-token chunks
-    // (every 32-column case agrees to 1e-6); until that is found they take the scan.
-    ensure!(
-        dk.is_multiple_of(16) && dv.is_multiple_of(32),
-        "the chunked GDN route needs DK a multiple of 16 and DV of 32, not {dk} and {dv}"
-    );
-    let (prep, scan) = chunk_shared_bytes(dk, dv);
-    ensure!(
-        prep.max(scan) <= max_shared,
-        "the chunked GDN route needs {} bytes of shared memory per block, above {max_shared}",
-        prep.max(scan)
-    );
-    Ok(())
-}
-
-/// The chunked kernels and their dynamic shared memory, for `Gpu::new` to raise their limit
-/// (none where the route does not fit the model or the device's `max_shared`).
-pub fn dynamic_shared(c: &ModelConfig, max_shared: usize) -> Vec<(String, u32)> {
-    if chunked_fits(c, max_shared).is_err() {
-        return Vec::new();
-    }
-    let (prep, scan) = chunk_shared_bytes(c.linear_key_head_dim, c.linear_value_head_dim);
-    vec![
-        ("gdn_chunk_prep".to_string(), prep as u32),
-        ("gdn_chunk_scan".to_string(), scan as u32),
-    ]
 }
 
 /// Floats of `gdn_scan_prep`'s output for `t` tokens: per token the normalised q and k of every
@@ -145,8 +84,7 @@ pub fn scratch_floats(c: &ModelConfig, t: usize, route: GdnPrefillRoute) -> usiz
     match route {
         GdnPrefillRoute::Scan => prep_floats(c, t),
         GdnPrefillRoute::Chunked => {
-            let chunks = t.div_ceil(CHUNK) * c.linear_num_value_heads;
-            prep_floats(c, t).next_multiple_of(4) + chunks * chunk_floats(c.linear_key_head_dim)
+            prep_floats(c, t).next_multiple_of(4) + gdn_chunked::scratch_floats(c, t)
         }
     }
 }
@@ -157,7 +95,7 @@ pub fn scratch_floats(c: &ModelConfig, t: usize, route: GdnPrefillRoute) -> usiz
 pub fn scan_scratch_floats(c: &ModelConfig, t: usize) -> usize {
     let chunked = match forced_route().ok().flatten() {
         Some(route) => route == GdnPrefillRoute::Chunked,
-        None => t >= CHUNKED_FROM_TOKENS && chunked_fits(c, usize::MAX).is_ok(),
+        None => t >= CHUNKED_FROM_TOKENS && gdn_chunked::fits(c, usize::MAX).is_ok(),
     };
     let route = if chunked {
         GdnPrefillRoute::Chunked
@@ -237,44 +175,15 @@ pub fn scan(
         return Ok(());
     }
     if route == GdnPrefillRoute::Chunked {
-        chunked_fits(c, gpu.shared_optin)?;
+        gdn_chunked::fits(c, gpu.shared_optin)?;
     }
     launch!(gpu, "gdn_scan_prep", (t as u32, 1, 1), PREP_THREADS;
         conv, proj, ld as i32, t as i32, a_log, dt_bias, prep);
-    let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
     if route == GdnPrefillRoute::Chunked {
         let scratch = prep + 4 * prep_floats(c, t).next_multiple_of(4) as u64;
-        let (prep_shared, scan_shared) = chunk_shared_bytes(c.linear_key_head_dim, dv);
-        let threads = (CHUNK_WARPS * 32) as u32;
-        let shape = Shape {
-            grid: (t.div_ceil(CHUNK) as u32, nv as u32, 1),
-            block: threads,
-        };
-        gpu.launch_shared(
-            "gdn_chunk_prep",
-            shape,
-            prep_shared as u32,
-            &[prep.into(), (t as i32).into(), scratch.into()],
-        )?;
-        let shape = Shape {
-            grid: ((dv / chunk_columns(dv)) as u32, nv as u32, 1),
-            block: threads,
-        };
-        gpu.launch_shared(
-            "gdn_chunk_scan",
-            shape,
-            scan_shared as u32,
-            &[
-                conv.into(),
-                prep.into(),
-                scratch.into(),
-                (t as i32).into(),
-                state.into(),
-                out.into(),
-            ],
-        )?;
-        return Ok(());
+        return gdn_chunked::delta_rule(gpu, c, conv, prep, scratch, t, state, out);
     }
+    let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
     let columns_per_block = SCAN_WARPS * 32 / scan_lanes_per_column(c.linear_key_head_dim);
     let grid = (dv.div_ceil(columns_per_block) as u32, nv as u32, 1);
     launch!(gpu, "gdn_scan", grid, (SCAN_WARPS * 32) as u32;
@@ -313,23 +222,8 @@ mod tests {
     use lily_core::config::QWEN36_35B_A3B_CONFIG;
 
     #[test]
-    fn the_chunked_route_fits_the_production_heads_on_hopper() {
+    fn the_chunked_scratch_follows_the_prep_floats() {
         let c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
-        // GDNC_PREP_SHARED and GDNC_SCAN_SHARED at DK = DV = 128 (32 columns per block).
-        assert_eq!(chunk_shared_bytes(128, 128), (103_168, 51_200));
-        assert_eq!(chunk_columns(128), 32);
-        // H200: 227 KiB per block opted in, A100: 163 KiB; the prep's 101 KiB fits both.
-        chunked_fits(&c, 227 * 1024).unwrap();
-        chunked_fits(&c, 163 * 1024).unwrap();
-        assert!(chunked_fits(&c, 100 * 1024).is_err());
-        assert!(dynamic_shared(&c, 100 * 1024).is_empty());
-        assert_eq!(dynamic_shared(&c, 163 * 1024).len(), 2);
-        let mut odd = c.clone();
-        odd.linear_key_head_dim = 24;
-        assert!(chunked_fits(&odd, usize::MAX).is_err());
-        let mut narrow = c.clone();
-        narrow.linear_value_head_dim = 16;
-        assert!(chunked_fits(&narrow, usize::MAX).is_err());
         // The chunk scratch starts 16-byte aligned after the prep floats and holds
         // ⌈t/64⌉·NV blocks of GDNC_FLOATS.
         for t in [1, 63, 64, 65, 4096] {

@@ -100,7 +100,7 @@ impl Gpu {
         )? as usize;
         let raised = crate::gemm::dynamic_shared()
             .into_iter()
-            .chain(crate::gdn_prefill::dynamic_shared(config, optin));
+            .chain(crate::gdn_chunked::dynamic_shared(config, optin));
         for (entry, bytes) in raised {
             let f = functions
                 .get(entry.as_str())

@@ -7,6 +7,7 @@
 
 pub mod attention_prefill;
 pub mod compile;
+pub mod gdn_chunked;
 pub mod gdn_prefill;
 pub mod gemm;
 pub mod gpu;
