@@ -428,35 +428,23 @@ __device__ void staged_units(long units, int cols, int group, RowsOf rows_of, St
         constexpr int PER = 128 / BITS;
         int chunks = cols / PER;
         Batch<BITS, R, NB> b;
-        if constexpr (ROWS_FIXED) {
-            // The rows do not depend on earlier kernels: request this warp's first two units while
-            // the previous kernel finishes (the first batch into registers, the rest into L2).
-            if (u < units) {
-                rows_of(u, rows, xoff);
-                load_batch<BITS, R, NB>(b, rows, 0, chunks, group, lane);
-                prefetch_rows<BITS, R>(rows, cols, lane);
-                if (u + stride < units) {
-                    RowRef next[R];
-                    int next_off[R];
-                    rows_of(u + stride, next, next_off);
-                    prefetch_rows<BITS, R>(next, cols, lane);
-                }
-            }
-            pdl_wait();
-        } else {
-            pdl_wait();
-            if (u < units) {
-                rows_of(u, rows, xoff);
-                load_batch<BITS, R, NB>(b, rows, 0, chunks, group, lane);
-                // The warp's next unit into L2 now, so DRAM streams it while this one computes.
-                if (u + stride < units) {
-                    RowRef next[R];
-                    int next_off[R];
-                    rows_of(u + stride, next, next_off);
-                    prefetch_rows<BITS, R>(next, cols, lane);
-                }
+        // Rows that do not depend on earlier kernels are requested while the previous kernel
+        // finishes: this warp's first unit (its first batch into registers, the rest into L2)
+        // and its next. Otherwise the same requests follow the wait; the next unit goes into L2
+        // either way, so DRAM streams it while this one computes.
+        if constexpr (!ROWS_FIXED) pdl_wait();
+        if (u < units) {
+            rows_of(u, rows, xoff);
+            load_batch<BITS, R, NB>(b, rows, 0, chunks, group, lane);
+            if constexpr (ROWS_FIXED) prefetch_rows<BITS, R>(rows, cols, lane);
+            if (u + stride < units) {
+                RowRef next[R];
+                int next_off[R];
+                rows_of(u + stride, next, next_off);
+                prefetch_rows<BITS, R>(next, cols, lane);
             }
         }
+        if constexpr (ROWS_FIXED) pdl_wait();
         stage();
         for (; u < units; u += stride) {
             float acc[R] = {};
