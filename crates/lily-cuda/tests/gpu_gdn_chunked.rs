@@ -28,10 +28,16 @@ const TOL_CHUNKED: f32 = 2e-5;
 /// it, and many chunks with a ragged last one.
 const CHUNKED_LENGTHS: [usize; 8] = [1, 7, 33, 63, 64, 65, 200, 1000];
 
+/// The shared shapes, then value heads narrower than a 32-column block: 16 and 8 columns per
+/// `gdn_chunk_scan` block (GDNC_COLS), the tiny fixtures' DV = 16 among them.
+fn chunked_shapes() -> impl Iterator<Item = (usize, usize, usize, usize)> {
+    SHAPES.into_iter().chain([(2, 4, 16, 16), (2, 4, 16, 8)])
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn chunked_matches_the_cpu_reference() {
-    for (nk, nv, dk, dv) in SHAPES {
+    for (nk, nv, dk, dv) in chunked_shapes() {
         let c = config(nk, nv, dk, dv);
         let gpu = Gpu::new(&c, KvPrecision::F32).expect(NEEDS_GPU);
         let w = Layer::random(&c, 70);
@@ -58,7 +64,7 @@ fn chunked_matches_the_cpu_reference() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn chunked_matches_the_scan() {
-    for (nk, nv, dk, dv) in SHAPES {
+    for (nk, nv, dk, dv) in chunked_shapes() {
         let c = config(nk, nv, dk, dv);
         let gpu = Gpu::new(&c, KvPrecision::F32).expect(NEEDS_GPU);
         let w = Layer::random(&c, 100);
