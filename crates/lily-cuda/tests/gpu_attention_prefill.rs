@@ -1,7 +1,10 @@
 //! The prefill attention kernels (kernels/attention_prefill.cu) against a CPU reference written
 //! here in f64: q/k RMSNorm and RoPE, the cache writes, and causal gated attention over a chunk
-//! that follows earlier positions already in the cache. Needs a CUDA GPU; every comparison
-//! prints its measured error.
+//! that follows earlier positions already in the cache; and a timed record of the flash kernel
+//! at the production shape over growing contexts. Needs a CUDA GPU; every comparison prints its
+//! measured error.
+
+mod support;
 
 use std::time::Instant;
 
@@ -13,6 +16,7 @@ use lily_cpu::ops::rms_norm_rows;
 use lily_cuda::KvPrecision;
 use lily_cuda::attention_prefill::{AttnChunk, attend, prep_rows};
 use lily_cuda::gpu::{Gpu, ptr};
+use support::{NEEDS_GPU, time_ms};
 
 /// Chunk lengths: one token, ragged tile edges, one full query tile, and long chunks.
 const TOKENS: [usize; 6] = [1, 7, 16, 33, 200, 2048];
@@ -382,4 +386,59 @@ fn prefill_attention_matches_the_cpu_at_small_shapes() {
     check_shape(6, 2, 16, 3);
     check_shape(2, 2, 64, 0);
     check_shape(5, 1, 32, 5);
+}
+
+/// Causal attention FLOPs of a chunk of `t` tokens after `pos0` cached positions: each query of
+/// each head scores and averages the `pos0 + i + 1` positions it sees (2 · HD flops each).
+fn causal_flops(c: &ModelConfig, t: usize, pos0: usize) -> f64 {
+    let seen = (t * pos0 + t * (t + 1) / 2) as f64;
+    4.0 * (c.num_attention_heads * c.head_dim) as f64 * seen
+}
+
+/// Timed record (asserts only finite outputs): the flash kernel alone, production heads, a
+/// 4,096-token chunk after 0 to 60K cached positions of random bf16 keys and values.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn prefill_attention_speed_by_context() {
+    const T: usize = 4096;
+    let c = config(16, 2, 256);
+    let gpu = Gpu::new(&c, KvPrecision::Bf16).expect(NEEDS_GPU);
+    let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
+    let (qw, kw) = (nh * hd, nkv * hd);
+    let ld = 2 * qw + 2 * kw;
+    let random = |key: u64, n: usize| -> Vec<f32> {
+        (0..n).map(|i| 2.0 * uniform_at(key, i as u64)).collect()
+    };
+    let q = gpu.upload(&random(1, T * qw)).unwrap();
+    let qkv = gpu.upload(&random(2, T * ld)).unwrap();
+    let out = gpu.zeros::<f32>(T * qw).unwrap();
+    let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
+    for pos0 in [0, 4096, 12_288, 28_672, 61_440] {
+        let positions = pos0 + T;
+        let bits = |key: u64| -> Vec<u16> {
+            (0..positions * kw)
+                .map(|i| bf16::from_f32(2.0 * uniform_at(key, i as u64)).to_bits())
+                .collect()
+        };
+        let k_cache = gpu.upload(&bits(3)).unwrap();
+        let v_cache = gpu.upload(&bits(4)).unwrap();
+        let chunk = AttnChunk {
+            tokens: T,
+            pos0,
+            qkv: p(&qkv),
+            ld,
+            q: p(&q),
+            k_cache: ptr(&k_cache, &gpu.stream),
+            v_cache: ptr(&v_cache, &gpu.stream),
+            out: p(&out),
+        };
+        let flops = causal_flops(&c, T, pos0);
+        let ms = time_ms(&gpu, &|| attend(&gpu, &c, &chunk).unwrap());
+        let got = gpu.download(&out).unwrap();
+        assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
+        eprintln!(
+            "{T} tokens after {pos0:>6}: {ms:.3} ms, {:.1} TFLOP/s",
+            flops / ms / 1e9
+        );
+    }
 }
