@@ -110,7 +110,12 @@ pub const KERNEL_FILES: [KernelFile; 12] = [
     KernelFile {
         name: "attention_prefill",
         source: include_str!("kernels/attention_prefill.cu"),
-        entries: &["attn_prep_rows", "attn_prefill"],
+        entries: &[
+            "attn_prep_rows",
+            "attn_prefill_r128_s4",
+            "attn_prefill_r128_s2",
+            "attn_prefill_r64_s2",
+        ],
     },
     KernelFile {
         name: "synthetic",

@@ -100,7 +100,8 @@ impl Gpu {
         )? as usize;
         let raised = crate::gemm::dynamic_shared()
             .into_iter()
-            .chain(crate::gdn_chunked::dynamic_shared(config, optin));
+            .chain(crate::gdn_chunked::dynamic_shared(config, optin))
+            .chain(crate::attention_prefill::dynamic_shared(config, optin));
         for (entry, bytes) in raised {
             let f = functions
                 .get(entry.as_str())
@@ -236,7 +237,7 @@ impl Gpu {
     }
 
     /// Launches kernel `name` with `shared` bytes of dynamic shared memory (above 48 KiB only for
-    /// kernels that `Gpu::new` raised the limit of: `gemm::dynamic_shared`).
+    /// kernels that `Gpu::new` raised the limit of: each launcher's `dynamic_shared`).
     pub fn launch_shared(
         &self,
         name: &str,

@@ -105,6 +105,9 @@ impl CudaBackend {
             "the prefill chunk must hold at least one token"
         );
         let gpu = Gpu::new(&config, kv)?;
+        // Refused here rather than at the first prompt: a device without the shared memory for
+        // any prefill attention block shape.
+        attention_prefill::block_for(&gpu, &config)?;
         // The memory plan, before anything is allocated: weights as stored, the prefill chunk's
         // activations, and 256 MiB for the decode step and the first sequence's state
         // (new_state checks its own KV cache).
@@ -357,8 +360,8 @@ impl CudaBackend {
 /// warps' partial outputs of one GQA group), one warp's registers for the router's probabilities.
 fn check_shapes(c: &ModelConfig) -> Result<()> {
     let group = c.num_attention_heads / c.num_kv_heads;
-    // Prefill attention holds a 64-query tile of bf16 head vectors in 48 KiB of shared memory and
-    // feeds the tensor cores 16 dims at a time.
+    // Prefill attention keeps 16 rows × head dim f32 of output per warp in registers (128 a lane
+    // at 256) and feeds the tensor cores 16 dims at a time.
     ensure!(
         c.head_dim.is_multiple_of(16) && c.head_dim <= 256,
         "the CUDA prefill attention needs a head dim that is a multiple of 16 and at most 256, not {}",

@@ -1,7 +1,10 @@
 //! The prefill attention kernels (kernels/attention_prefill.cu) against a CPU reference written
 //! here in f64: q/k RMSNorm and RoPE, the cache writes, and causal gated attention over a chunk
-//! that follows earlier positions already in the cache. Needs a CUDA GPU; every comparison
-//! prints its measured error.
+//! that follows earlier positions already in the cache, with every flash block shape the device
+//! fits; and a timed record of the flash kernel at the production shape over growing contexts.
+//! Needs a CUDA GPU; every comparison prints its measured error.
+
+mod support;
 
 use std::time::Instant;
 
@@ -11,13 +14,17 @@ use lily_core::config::{ModelConfig, QWEN36_35B_A3B_CONFIG};
 use lily_core::rng::uniform_at;
 use lily_cpu::ops::rms_norm_rows;
 use lily_cuda::KvPrecision;
-use lily_cuda::attention_prefill::{AttnChunk, attend, prep_rows};
+use lily_cuda::attention_prefill::{AttnBlock, AttnChunk, KEY_TILE, attend_with, prep_rows};
 use lily_cuda::gpu::{Gpu, ptr};
+use support::{NEEDS_GPU, time_ms};
 
-/// Chunk lengths: one token, ragged tile edges, one full query tile, and long chunks.
-const TOKENS: [usize; 6] = [1, 7, 16, 33, 200, 2048];
-/// Positions already in the cache ahead of the chunk.
-const STARTS: [usize; 2] = [0, 100];
+/// Chunk lengths: one token, ragged query tiles, one full 128-row query tile at group 8 (16),
+/// one full key tile (64), a key tile and one position (129: with pos0 0 the last tile holds a
+/// single key), and long chunks whose K/V ring wraps many times.
+const TOKENS: [usize; 8] = [1, 7, 16, 33, 64, 129, 200, 2048];
+/// Positions already in the cache ahead of the chunk: none, a ragged key tile (100), and two
+/// whole key tiles (the chunk starts a tile).
+const STARTS: [usize; 3] = [0, 100, 2 * KEY_TILE];
 /// Cache positions past the chunk, which the kernels must leave alone.
 const SPARE: usize = 3;
 /// What the spare positions hold; no kernel value is ever exactly this.
@@ -35,17 +42,26 @@ fn config(nh: usize, nkv: usize, hd: usize) -> ModelConfig {
 
 /// Errors of one case, each max |gpu − reference| / max |reference| per head vector (the worst
 /// vector counts, so late queries whose outputs average many values are not hidden by early
-/// ones), and the attention kernel's time.
+/// ones): the prep kernel's, and the attention's with each block shape.
 struct Measured {
     q: f64,
     k: f64,
-    /// Attention against the f64 reference fed the kernel's own queries and cache contents,
-    /// rounded to bf16 as the tensor cores take them.
+    attention: Vec<AttentionMeasured>,
+}
+
+/// One flash block shape's errors and time in one case.
+struct AttentionMeasured {
+    block: AttnBlock,
+    /// Against the f64 reference fed the kernel's own queries and cache contents, rounded to
+    /// bf16 as the tensor cores take them.
     own: f64,
-    /// Attention against the f64 reference fed the CPU's queries, keys and values.
+    /// Against the f64 reference fed the CPU's queries, keys and values.
     end_to_end: f64,
-    /// Wall time of a repeated `attend` (same inputs, same output), launch to sync.
-    attend_ms: f64,
+    /// Whether the output is bit for bit the first shape's: a warp computes its 16 rows the
+    /// same way in every shape, so any difference is a race or a misplaced tile.
+    same_as_first: bool,
+    /// Wall time of a repeated launch (same inputs, same output), launch to sync.
+    ms: f64,
 }
 
 /// Tolerances, as max |diff| / max |reference| per head vector.
@@ -212,6 +228,14 @@ fn attention_ref(
     out
 }
 
+/// The flash block shapes the device has the shared memory for (`Gpu::new` raised their limit).
+fn fitting_blocks(gpu: &Gpu, c: &ModelConfig) -> Vec<AttnBlock> {
+    AttnBlock::ALL
+        .into_iter()
+        .filter(|b| b.shared_bytes(c) <= gpu.shared_optin)
+        .collect()
+}
+
 /// One chunk of `t` tokens after `pos0` cached positions; `ld` pads the projection rows.
 fn run_case(gpu: &Gpu, c: &ModelConfig, t: usize, pos0: usize, pad: usize, seed: u64) -> Measured {
     let (nh, nkv, hd, rot) = (
@@ -264,11 +288,10 @@ fn run_case(gpu: &Gpu, c: &ModelConfig, t: usize, pos0: usize, pad: usize, seed:
     let d_qn = gpu.upload(&q_norm).unwrap();
     let d_kn = gpu.upload(&k_norm).unwrap();
     let d_q = gpu.zeros::<f32>(t * qw).unwrap();
-    let d_out = gpu.zeros::<f32>(t * qw).unwrap();
     let kc = Cache::upload(gpu, &k_init);
     let vc = Cache::upload(gpu, &v_init);
     let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
-    let chunk = AttnChunk {
+    let mut chunk = AttnChunk {
         tokens: t,
         pos0,
         qkv: p(&d_qkv),
@@ -276,19 +299,25 @@ fn run_case(gpu: &Gpu, c: &ModelConfig, t: usize, pos0: usize, pad: usize, seed:
         q: p(&d_q),
         k_cache: kc.ptr(gpu),
         v_cache: vc.ptr(gpu),
-        out: p(&d_out),
+        out: 0,
     };
     prep_rows(gpu, c, &chunk, p(&d_qn), p(&d_kn)).unwrap();
-    attend(gpu, c, &chunk).unwrap();
-    gpu.sync().unwrap();
+    // Each shape writes into NaNs, so a row it skips reads as an infinite error.
+    let mut outs = Vec::new();
+    for block in fitting_blocks(gpu, c) {
+        let d_out = gpu.upload(&vec![f32::NAN; t * qw]).unwrap();
+        chunk.out = p(&d_out);
+        attend_with(gpu, c, &chunk, block).unwrap();
+        gpu.sync().unwrap();
+        let out = gpu.download(&d_out).unwrap();
+        let start = Instant::now();
+        attend_with(gpu, c, &chunk, block).unwrap();
+        gpu.sync().unwrap();
+        outs.push((block, out, start.elapsed().as_secs_f64() * 1e3));
+    }
     let q_gpu = gpu.download(&d_q).unwrap();
-    let out = gpu.download(&d_out).unwrap();
     let k_gpu = kc.download(gpu);
     let v_gpu = vc.download(gpu);
-    let start = Instant::now();
-    attend(gpu, c, &chunk).unwrap();
-    gpu.sync().unwrap();
-    let attend_ms = start.elapsed().as_secs_f64() * 1e3;
 
     let kv = gpu.kv;
     let chunk_at = pos0 * kw..(pos0 + t) * kw;
@@ -307,61 +336,81 @@ fn run_case(gpu: &Gpu, c: &ModelConfig, t: usize, pos0: usize, pad: usize, seed:
         assert_eq!(got, stored(kv, want), "v cache element {i} of the chunk");
     }
     let widen = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<f64>>();
+    let own_ref = attention_ref(
+        c,
+        &to_bf16(&q_gpu),
+        &to_bf16(&k_gpu),
+        &to_bf16(&v_gpu),
+        &gate,
+        pos0,
+    );
+    let end_to_end_ref = {
+        let mut k_all = k_init.clone();
+        let mut v_all = v_init.clone();
+        k_all[chunk_at.clone()].copy_from_slice(&k);
+        v_all[chunk_at.clone()].copy_from_slice(&v);
+        // The earlier positions as the cache holds them, so only the chunk's own rounding
+        // and RoPE differences remain.
+        for x in k_all[..pos0 * kw]
+            .iter_mut()
+            .chain(v_all[..pos0 * kw].iter_mut())
+        {
+            *x = stored(kv, *x);
+        }
+        attention_ref(c, &q, &k_all, &v_all, &gate, pos0)
+    };
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    let first = bits(&outs[0].1);
     Measured {
-        attend_ms,
         q: vector_diff(&q_gpu, &widen(&q), hd),
-        k: vector_diff(&k_gpu[chunk_at.clone()], &widen(&k), hd),
-        own: vector_diff(
-            &out,
-            &attention_ref(
-                c,
-                &to_bf16(&q_gpu),
-                &to_bf16(&k_gpu),
-                &to_bf16(&v_gpu),
-                &gate,
-                pos0,
-            ),
-            hd,
-        ),
-        end_to_end: {
-            let mut k_all = k_init.clone();
-            let mut v_all = v_init.clone();
-            k_all[chunk_at.clone()].copy_from_slice(&k);
-            v_all[chunk_at].copy_from_slice(&v);
-            // The earlier positions as the cache holds them, so only the chunk's own rounding
-            // and RoPE differences remain.
-            for x in k_all[..pos0 * kw]
-                .iter_mut()
-                .chain(v_all[..pos0 * kw].iter_mut())
-            {
-                *x = stored(kv, *x);
-            }
-            vector_diff(&out, &attention_ref(c, &q, &k_all, &v_all, &gate, pos0), hd)
-        },
+        k: vector_diff(&k_gpu[chunk_at], &widen(&k), hd),
+        attention: outs
+            .iter()
+            .map(|(block, out, ms)| AttentionMeasured {
+                block: *block,
+                own: vector_diff(out, &own_ref, hd),
+                end_to_end: vector_diff(out, &end_to_end_ref, hd),
+                same_as_first: bits(out) == first,
+                ms: *ms,
+            })
+            .collect(),
     }
 }
 
 fn check_shape(nh: usize, nkv: usize, hd: usize, pad: usize) {
     let c = config(nh, nkv, hd);
     for kv in [KvPrecision::F32, KvPrecision::Bf16] {
-        let gpu = Gpu::new(&c, kv).expect("needs a CUDA GPU");
+        let gpu = Gpu::new(&c, kv).expect(NEEDS_GPU);
+        assert!(
+            !fitting_blocks(&gpu, &c).is_empty(),
+            "no flash block shape fits"
+        );
         for pos0 in STARTS {
             for t in TOKENS {
                 let e = run_case(&gpu, &c, t, pos0, pad, (t * 31 + pos0) as u64);
                 eprintln!(
-                    "NH {nh} NKV {nkv} HD {hd}, {kv:?} KV, {t} tokens after {pos0}: q {:.1e}, k \
-                     {:.1e}, attention from its own inputs {:.1e}, end to end {:.1e}; attention {:.3} ms",
-                    e.q, e.k, e.own, e.end_to_end, e.attend_ms
+                    "NH {nh} NKV {nkv} HD {hd}, {kv:?} KV, {t} tokens after {pos0}: q {:.1e}, k {:.1e}",
+                    e.q, e.k
                 );
                 let what = format!("NH {nh} NKV {nkv} HD {hd} {kv:?} t {t} pos0 {pos0}");
                 assert!(e.q <= Q_TOL, "{what}: q {:e}", e.q);
                 assert!(e.k <= k_tol(kv), "{what}: k {:e}", e.k);
-                assert!(e.own <= OWN_TOL, "{what}: attention {:e}", e.own);
-                assert!(
-                    e.end_to_end <= END_TO_END_TOL,
-                    "{what}: end to end {:e}",
-                    e.end_to_end
-                );
+                for a in &e.attention {
+                    let (rows, slots) = (a.block.rows, a.block.slots);
+                    eprintln!(
+                        "    {rows} rows, {slots} slots: attention from its own inputs {:.1e}, \
+                         end to end {:.1e}, same bits as the first shape: {}; {:.3} ms",
+                        a.own, a.end_to_end, a.same_as_first, a.ms
+                    );
+                    let what = format!("{what}, {rows} rows, {slots} slots");
+                    assert!(a.own <= OWN_TOL, "{what}: attention {:e}", a.own);
+                    assert!(
+                        a.end_to_end <= END_TO_END_TOL,
+                        "{what}: end to end {:e}",
+                        a.end_to_end
+                    );
+                    assert!(a.same_as_first, "{what}: differs from the first shape");
+                }
             }
         }
     }
@@ -382,4 +431,64 @@ fn prefill_attention_matches_the_cpu_at_small_shapes() {
     check_shape(6, 2, 16, 3);
     check_shape(2, 2, 64, 0);
     check_shape(5, 1, 32, 5);
+}
+
+/// Causal attention FLOPs of a chunk of `t` tokens after `pos0` cached positions: each query of
+/// each head scores and averages the `pos0 + i + 1` positions it sees (2 · HD flops each).
+fn causal_flops(c: &ModelConfig, t: usize, pos0: usize) -> f64 {
+    let seen = (t * pos0 + t * (t + 1) / 2) as f64;
+    4.0 * (c.num_attention_heads * c.head_dim) as f64 * seen
+}
+
+/// Timed record (asserts only finite outputs): the flash kernel alone, production heads, a
+/// 4,096-token chunk after 0 to 60K cached positions of random bf16 keys and values, every block
+/// shape the device fits.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn prefill_attention_speed_by_context() {
+    const T: usize = 4096;
+    let c = config(16, 2, 256);
+    let gpu = Gpu::new(&c, KvPrecision::Bf16).expect(NEEDS_GPU);
+    let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
+    let (qw, kw) = (nh * hd, nkv * hd);
+    let ld = 2 * qw + 2 * kw;
+    let random = |key: u64, n: usize| -> Vec<f32> {
+        (0..n).map(|i| 2.0 * uniform_at(key, i as u64)).collect()
+    };
+    let q = gpu.upload(&random(1, T * qw)).unwrap();
+    let qkv = gpu.upload(&random(2, T * ld)).unwrap();
+    let out = gpu.zeros::<f32>(T * qw).unwrap();
+    let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
+    for pos0 in [0, 4096, 12_288, 28_672, 61_440] {
+        let positions = pos0 + T;
+        let bits = |key: u64| -> Vec<u16> {
+            (0..positions * kw)
+                .map(|i| bf16::from_f32(2.0 * uniform_at(key, i as u64)).to_bits())
+                .collect()
+        };
+        let k_cache = gpu.upload(&bits(3)).unwrap();
+        let v_cache = gpu.upload(&bits(4)).unwrap();
+        let chunk = AttnChunk {
+            tokens: T,
+            pos0,
+            qkv: p(&qkv),
+            ld,
+            q: p(&q),
+            k_cache: ptr(&k_cache, &gpu.stream),
+            v_cache: ptr(&v_cache, &gpu.stream),
+            out: p(&out),
+        };
+        let flops = causal_flops(&c, T, pos0);
+        for block in fitting_blocks(&gpu, &c) {
+            let ms = time_ms(&gpu, &|| attend_with(&gpu, &c, &chunk, block).unwrap());
+            let got = gpu.download(&out).unwrap();
+            assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
+            eprintln!(
+                "{T} tokens after {pos0:>6}: {} rows, {} slots: {ms:.3} ms, {:.1} TFLOP/s",
+                block.rows,
+                block.slots,
+                flops / ms / 1e9
+            );
+        }
+    }
 }
