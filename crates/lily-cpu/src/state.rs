@@ -3,6 +3,8 @@
 
 use lily_core::config::{LayerKind, ModelConfig};
 
+use crate::numerics::{KvPrecision, bf16};
+
 #[derive(Clone, Debug)]
 pub struct CpuState {
     pub(crate) len: usize,
@@ -16,11 +18,25 @@ pub(crate) enum LayerState {
     GatedDeltaNet(GdnState),
 }
 
-/// Keys (after q/k norm and RoPE) and values, `[position, kv_head, head_dim]`.
-#[derive(Clone, Debug, Default)]
+/// Keys (after q/k norm and RoPE) and values, `[position, kv_head, head_dim]`, as stored in
+/// the cache's precision.
+#[derive(Clone, Debug)]
 pub(crate) struct KvCache {
     pub k: Vec<f32>,
     pub v: Vec<f32>,
+    precision: KvPrecision,
+}
+
+impl KvCache {
+    /// Appends the keys and values of new positions.
+    pub fn append(&mut self, k: &[f32], v: &[f32]) {
+        for (cache, new) in [(&mut self.k, k), (&mut self.v, v)] {
+            match self.precision {
+                KvPrecision::F32 => cache.extend_from_slice(new),
+                KvPrecision::Bf16 => cache.extend(new.iter().map(|&x| bf16(x))),
+            }
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -32,12 +48,16 @@ pub(crate) struct GdnState {
 }
 
 impl CpuState {
-    pub(crate) fn new(c: &ModelConfig, max_seq: usize) -> Self {
+    pub(crate) fn new(c: &ModelConfig, max_seq: usize, kv: KvPrecision) -> Self {
         let layers = c
             .layer_kinds
             .iter()
             .map(|kind| match kind {
-                LayerKind::Attention => LayerState::Attention(KvCache::default()),
+                LayerKind::Attention => LayerState::Attention(KvCache {
+                    k: Vec::new(),
+                    v: Vec::new(),
+                    precision: kv,
+                }),
                 LayerKind::GatedDeltaNet => LayerState::GatedDeltaNet(GdnState {
                     conv: vec![0.0; (c.conv_kernel - 1) * c.gdn_conv_dim()],
                     recurrent: vec![
