@@ -84,3 +84,27 @@ impl CpuState {
         self.len == 0
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bf16_cache_stores_every_value_rounded() {
+        let values = [1.0f32 + 1.0 / 512.0, -3.3, 0.1, 7e-5];
+        for (precision, want) in [
+            (KvPrecision::F32, values.to_vec()),
+            (KvPrecision::Bf16, values.iter().map(|&v| bf16(v)).collect()),
+        ] {
+            let mut cache = KvCache {
+                k: vec![2.0],
+                v: Vec::new(),
+                precision,
+            };
+            cache.append(&values, &values[..2]);
+            assert_eq!(cache.k[1..], want[..], "{precision:?}");
+            assert_eq!(cache.v, want[..2], "{precision:?}");
+        }
+        assert_ne!(bf16(values[1]), values[1]);
+    }
+}
