@@ -1,7 +1,7 @@
 //! The CPU backend: the whole `qwen3_5_moe` forward pass in f32, written to be read. It is the
 //! reference that every other backend is tested against, and a fallback where no GPU exists.
 //! [`Numerics::TensorCoreBf16`] makes it round where the CUDA prefill rounds, so that a test can
-//! hold the GPU to it far more tightly than to the f32 reference.
+//! hold the GPU to a reference that differs from it only by summation order.
 
 mod attention;
 pub mod delta_rule;

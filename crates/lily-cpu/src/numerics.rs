@@ -1,8 +1,10 @@
 //! Where the CPU backend rounds. By default nowhere: the f32 reference. In
 //! [`Numerics::TensorCoreBf16`] a prefill rounds exactly where the CUDA prefill hands bf16 operands
-//! to its tensor cores, and nowhere else, so that the two part only by summation order. A
-//! comparison with the f32 reference cannot be that tight: the rounding itself moves a deep
-//! random-weight model's logits by a large part of their scale.
+//! to its tensor cores, and nowhere else, so that the two part only by summation order. Over a
+//! few rounding stages that holds the GPU far tighter than the f32 reference can; over many, a
+//! summation difference flips a rounding now and then and the flips cascade, until the two are
+//! nearly as far apart as the rounding itself puts them (lily-cuda's gpu_agreement.rs has the
+//! measurements).
 
 use std::borrow::Cow;
 
@@ -103,7 +105,8 @@ fn bf16_matmul(x: &[f32], rows: usize, w: &Linear) -> Vec<f32> {
 /// either way), and its f32 rounding is exactly fmaf's, which the 8-bit kernel computes; this
 /// spares a CPU built without FMA its slow software fma. The 4-bit kernel instead rounds the exact
 /// sum once, straight to bf16 (`fma.rn.bf16x2`): the same value whenever the f32 sum is exact,
-/// as it is for MLX's groups and the synthetic ones (gemm.cu's header says why).
+/// as it is for MLX's groups (gemm.cu's header says why) and the synthetic ones (a bias of
+/// −7.5·scale rounded to bf16 is a multiple of 8 ulps of the scale, so the sum spans 12 bits).
 fn bf16_weight_row(w: &Linear, r: usize, out: &mut [f32]) {
     match w {
         Linear::Dense(m) => out

@@ -22,7 +22,8 @@
 //! | 8 | | 1.9e-2 | 4.6e-2 |
 //! | 16 | | 1.2e-1 | 1.2e-1 |
 //!
-//! (no expert choice changed at 1 … 4 layers: the growth is the rounding's own), and 0.41
+//! (the reversed sums a change made for the measurement and not kept; no expert choice changed at
+//! 1 … 4 layers: the growth is the rounding's own), and 0.41
 //! against 0.72 for the 40 layers of lily-cpu's narrow synthetic model. So the bf16 CPU holds the
 //! GPU some 75 times tighter than the f32 one at one layer and 2 to 3 times at 2 … 8; from 16
 //! layers on, no implementation that sums in another order than the CPU can be closer to it than
@@ -56,7 +57,8 @@ const ORDER_MARGIN: f32 = 4.0;
 /// The full-width bound where the twin flips nothing: the GPU sums differently in every op, so
 /// it flips a few roundings, each moving a product by about 2⁻⁸/√K of its scale; reversing every
 /// GEMM's sum left one layer 6.4e-5 from the bf16 CPU. Under half of what the rounding itself
-/// moves that layer's logits by (4.9e-3), so a GPU that rounds elsewhere cannot pass it.
+/// moves that layer's logits by (4.9e-3), so a GPU that rounded its GEMM operands otherwise
+/// would fail it.
 const ORDER_FLOOR: f32 = 2e-3;
 
 /// The fixtures' per-position bounds where the twin flips nothing. The twins' median position is
@@ -188,8 +190,8 @@ fn greedy_agreement(gpu: &CudaBackend, cpu: &CpuBackend, prompt: &[u32], n: usiz
 /// median 4e-3 of their maximum but by 6.6e-2 at its worst positions (an expert choice flips).
 /// Against the f32 CPU the typical position is held tight and the worst only loosely; against the
 /// bf16 CPU both follow the order twin. The greedy continuations must agree with each CPU or part
-/// at a near-tie. The 100-token prompt crosses two chunk boundaries (chunks of 48) and three
-/// attention tiles.
+/// at a near-tie. The 100-token prompt crosses two chunk boundaries (chunks of 48) and takes
+/// attention over four tiles of keys, the running maximum rescaled at each.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn prefill_matches_both_cpus_on_the_fixtures() {
