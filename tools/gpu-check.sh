@@ -30,7 +30,7 @@ if [ "$step" = all ] || [ "$step" = agree ]; then
   prompt=9419,11,1814,13,576,374,264,1296
   # The prompt goes through the bf16 tensor-core prefill, which this random model is chaotic
   # under (one bf16 rounding at its input moves its logits by 0.2 on the CPU), so the texts may
-  # part at once; the bound that holds is tested in gpu_prefill.rs. Decode alone is exact with
+  # part at once; the bound that holds is tested in gpu_agreement.rs. Decode alone is exact with
   # the f32 KV cache (gpu.rs). Both caches are recorded.
   LILY_KV_CACHE=f32 .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cuda --tokens $prompt \
     --max-tokens 32 --temperature 0 --ignore-eos --json 2>&1 | tee "$out/greedy-cuda-f32kv.json"

@@ -5,7 +5,8 @@ use lily_core::config::ModelConfig;
 use lily_core::weights::AttentionWeights;
 use rayon::prelude::*;
 
-use crate::ops::{dot, matmul, rms_norm_rows, sigmoid};
+use crate::numerics::{FA_KEYS, Numerics, bf16};
+use crate::ops::{dot, rms_norm_rows, sigmoid};
 use crate::state::KvCache;
 
 /// Runs `rows` tokens starting at absolute position `start`; appends them to `cache`.
@@ -16,11 +17,12 @@ pub fn attention(
     rows: usize,
     start: usize,
     cache: &mut KvCache,
+    nx: Numerics,
 ) -> Vec<f32> {
     let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
-    let qg = matmul(x, rows, &w.q_proj);
-    let mut k = matmul(x, rows, &w.k_proj);
-    let v = matmul(x, rows, &w.v_proj);
+    let qg = nx.matmul(x, rows, &w.q_proj);
+    let mut k = nx.matmul(x, rows, &w.k_proj);
+    let v = nx.matmul(x, rows, &w.v_proj);
 
     let mut q = vec![0f32; rows * nh * hd];
     let mut gate = vec![0f32; rows * nh * hd];
@@ -43,29 +45,87 @@ pub fn attention(
             .chunks_mut(hd)
             .for_each(|head| rope.apply(head, pos));
     }
-    cache.k.extend_from_slice(&k);
-    cache.v.extend_from_slice(&v);
+    cache.append(&k, &v);
 
+    // The bf16 mode rounds q and the cache once here, as the kernel rounds them into its tiles.
+    let (q, keys, values) = (nx.operand(&q), nx.operand(&cache.k), nx.operand(&cache.v));
     let group = nh / nkv;
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0f32; rows * nh * hd];
     out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
         let (t, h) = (i / nh, i % nh);
         let kvh = h / group;
-        let qh = &q[i * hd..(i + 1) * hd];
+        let head = Head {
+            q: &q[i * hd..(i + 1) * hd],
+            keys: &keys,
+            values: &values,
+            at: |p| (p * nkv + kvh) * hd..(p * nkv + kvh + 1) * hd,
+            scale,
+        };
         let visible = start + t + 1;
-        let mut scores: Vec<f32> = (0..visible)
-            .map(|p| dot(qh, &cache.k[(p * nkv + kvh) * hd..(p * nkv + kvh + 1) * hd]) * scale)
-            .collect();
-        crate::ops::softmax(&mut scores);
-        for (p, s) in scores.iter().enumerate() {
-            let vp = &cache.v[(p * nkv + kvh) * hd..(p * nkv + kvh + 1) * hd];
-            o.iter_mut().zip(vp).for_each(|(o, v)| *o += s * v);
+        match nx {
+            Numerics::F32 => head.softmax(visible, o),
+            Numerics::TensorCoreBf16 => head.tiled_bf16(visible, o),
         }
         let g = &gate[i * hd..(i + 1) * hd];
         o.iter_mut().zip(g).for_each(|(o, g)| *o *= sigmoid(*g));
     });
-    matmul(&out, rows, &w.o_proj)
+    nx.matmul(&out, rows, &w.o_proj)
+}
+
+/// One query head against the cache rows of its KV head.
+struct Head<'a, F> {
+    q: &'a [f32],
+    keys: &'a [f32],
+    values: &'a [f32],
+    /// Where position p's key (and value) lies in `keys` (`values`).
+    at: F,
+    scale: f32,
+}
+
+impl<F: Fn(usize) -> std::ops::Range<usize>> Head<'_, F> {
+    /// Softmax attention over positions `0..visible`, into `o` (zeroed), in f32.
+    fn softmax(&self, visible: usize, o: &mut [f32]) {
+        let mut scores: Vec<f32> = (0..visible)
+            .map(|p| dot(self.q, &self.keys[(self.at)(p)]) * self.scale)
+            .collect();
+        crate::ops::softmax(&mut scores);
+        for (p, s) in scores.iter().enumerate() {
+            let vp = &self.values[(self.at)(p)];
+            o.iter_mut().zip(vp).for_each(|(o, v)| *o += s * v);
+        }
+    }
+
+    /// As attention_prefill.cu computes it, q and the cache already in bf16: over tiles of
+    /// [`FA_KEYS`] positions from position 0, the running maximum m takes in the tile's scores,
+    /// the sum l and the output are rescaled by exp(m_old − m), then each position adds
+    /// exp(s − m) to l and bf16(exp(s − m))·v to the output. So the output sums the
+    /// probabilities rounded (P is an mma operand) and the normaliser sums them unrounded.
+    fn tiled_bf16(&self, visible: usize, o: &mut [f32]) {
+        let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
+        let mut s = [0f32; FA_KEYS];
+        for k0 in (0..visible).step_by(FA_KEYS) {
+            let tile = &mut s[..FA_KEYS.min(visible - k0)];
+            for (j, sj) in tile.iter_mut().enumerate() {
+                *sj = dot(self.q, &self.keys[(self.at)(k0 + j)]) * self.scale;
+            }
+            // The first tile rescales the empty sums by exp(−∞) = 0.
+            let m_new = tile.iter().copied().fold(m, f32::max);
+            let corr = (m - m_new).exp();
+            l *= corr;
+            o.iter_mut().for_each(|v| *v *= corr);
+            for (j, &sj) in tile.iter().enumerate() {
+                let p = (sj - m_new).exp();
+                l += p;
+                let p = bf16(p);
+                let vp = &self.values[(self.at)(k0 + j)];
+                o.iter_mut().zip(vp).for_each(|(o, v)| *o += p * v);
+            }
+            m = m_new;
+        }
+        let inv = 1.0 / l;
+        o.iter_mut().for_each(|v| *v *= inv);
+    }
 }
 
 /// Rotate-half RoPE over the first `rotary_dim` dims of a head; the rest pass through.
@@ -93,5 +153,88 @@ impl Rope {
             head[i] = a * cos - b * sin;
             head[i + half] = b * cos + a * sin;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lily_core::rng::uniform_at;
+
+    use super::*;
+
+    /// The tiled attention against its definition written out in two passes: position p of tile
+    /// j has the probability e_p = exp(s_p − M_j), M_j the largest score of tiles 0..=j; the
+    /// output is Σ bf16(e_p)·exp(M_j − M)·v_p / Σ e_p·exp(M_j − M), M the largest of all. Scores
+    /// that climb from tile to tile make every tile move the maximum; the last tile is partial.
+    #[test]
+    fn tiled_attention_rounds_each_tile_against_its_running_maximum() {
+        let (hd, visible) = (16, 3 * FA_KEYS + 7);
+        let rounded = |seed, n: usize, scale: f32| -> Vec<f32> {
+            (0..n)
+                .map(|i| bf16(uniform_at(seed, i as u64) * scale))
+                .collect()
+        };
+        let q = rounded(1, hd, 1.0);
+        let mut keys = rounded(2, visible * hd, 1.0);
+        for (p, k) in keys.chunks_mut(hd).enumerate() {
+            // Along q, growing with the position: the running maximum rises tile by tile.
+            for (k, q) in k.iter_mut().zip(&q) {
+                *k = bf16(*k + 0.08 * p as f32 * q);
+            }
+        }
+        let values = rounded(3, visible * hd, 2.0);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let head = Head {
+            q: &q,
+            keys: &keys,
+            values: &values,
+            at: |p| p * hd..(p + 1) * hd,
+            scale,
+        };
+        let mut got = vec![0f32; hd];
+        head.tiled_bf16(visible, &mut got);
+
+        let scores: Vec<f64> = keys
+            .chunks(hd)
+            .map(|k| (dot(&q, k) * scale) as f64)
+            .collect();
+        let running = |p: usize| {
+            let end = ((p / FA_KEYS + 1) * FA_KEYS).min(visible);
+            scores[..end]
+                .iter()
+                .copied()
+                .fold(f64::NEG_INFINITY, f64::max)
+        };
+        let top = running(visible - 1);
+        let definition = |tile_max: &dyn Fn(usize) -> f64, rounded_sum: bool| {
+            let (mut o, mut l) = (vec![0f64; hd], 0f64);
+            for (p, v) in values.chunks(hd).enumerate() {
+                let e = ((scores[p] - tile_max(p)) as f32).exp();
+                let carry = (tile_max(p) - top).exp();
+                l += if rounded_sum { bf16(e) } else { e } as f64 * carry;
+                for (o, v) in o.iter_mut().zip(v) {
+                    *o += bf16(e) as f64 * carry * *v as f64;
+                }
+            }
+            o.iter().map(|o| (o / l) as f32).collect::<Vec<f32>>()
+        };
+        let diff = |want: &[f32]| {
+            let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            got.iter()
+                .zip(want)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+                / scale
+        };
+        let tiled = diff(&definition(&running, false));
+        // What the test must tell apart from the kernel's order: every probability rounded
+        // against the final maximum, and the normaliser summing the rounded probabilities.
+        let global = diff(&definition(&|_| top, false));
+        let rounded_sum = diff(&definition(&running, true));
+        eprintln!(
+            "tiled attention: {tiled:e} from its definition; {global:e} from one maximum, \
+             {rounded_sum:e} from a sum of rounded probabilities"
+        );
+        assert!(tiled < 1e-6, "{tiled:e}");
+        assert!(global.min(rounded_sum) > 20.0 * tiled.max(1e-7));
     }
 }

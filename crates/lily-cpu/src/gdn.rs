@@ -6,7 +6,8 @@ use lily_core::weights::GdnWeights;
 use rayon::prelude::*;
 
 use crate::delta_rule::{self, HeadInputs};
-use crate::ops::{inv_rms, l2_normalize, matmul, sigmoid, silu, softplus};
+use crate::numerics::Numerics;
+use crate::ops::{inv_rms, l2_normalize, sigmoid, silu, softplus};
 use crate::state::GdnState;
 
 /// Which form of the delta rule a prefill uses.
@@ -31,15 +32,16 @@ pub fn gated_delta_net(
     rows: usize,
     state: &mut GdnState,
     form: GdnForm,
+    nx: Numerics,
 ) -> Vec<f32> {
     let (nk, nv) = (c.linear_num_key_heads, c.linear_num_value_heads);
     let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
     let (key_dim, conv_dim, kernel) = (c.gdn_key_dim(), c.gdn_conv_dim(), c.conv_kernel);
 
-    let mixed = matmul(x, rows, &w.in_proj_qkv);
-    let z = matmul(x, rows, &w.in_proj_z);
-    let b = matmul(x, rows, &w.in_proj_b);
-    let a = matmul(x, rows, &w.in_proj_a);
+    let mixed = nx.matmul(x, rows, &w.in_proj_qkv);
+    let z = nx.matmul(x, rows, &w.in_proj_z);
+    let b = nx.matmul(x, rows, &w.in_proj_b);
+    let a = nx.matmul(x, rows, &w.in_proj_a);
 
     // Causal conv: the window is the cached pre-conv rows followed by this chunk's rows.
     let mut window = std::mem::take(&mut state.conv);
@@ -115,5 +117,5 @@ pub fn gated_delta_net(
             }
         }
     }
-    matmul(&out, rows, &w.out_proj)
+    nx.matmul(&out, rows, &w.out_proj)
 }

@@ -1,13 +1,18 @@
 //! The CPU backend: the whole `qwen3_5_moe` forward pass in f32, written to be read. It is the
 //! reference that every other backend is tested against, and a fallback where no GPU exists.
+//! [`Numerics::TensorCoreBf16`] makes it round where the CUDA prefill rounds, so that a test can
+//! hold the GPU to a reference that differs from it only by summation order.
 
 mod attention;
 pub mod delta_rule;
 mod gdn;
 mod moe;
+mod numerics;
 pub mod ops;
 pub mod quant;
 mod state;
+
+use std::sync::Arc;
 
 use anyhow::{Result, bail, ensure};
 use lily_core::backend::{Backend, LogitRows};
@@ -16,24 +21,30 @@ use lily_core::weights::{Mixer, ModelWeights};
 
 pub use gdn::{GDN_CHUNK, GdnForm};
 pub use moe::{Route, route};
+pub use numerics::{FA_KEYS, KvPrecision, Numerics, bf16};
 pub use state::CpuState;
 
-use crate::ops::{add_in_place, matmul, rms_norm};
+use crate::ops::{add_in_place, rms_norm};
 use crate::state::LayerState;
 
 pub struct CpuBackend {
     config: ModelConfig,
-    weights: ModelWeights,
+    /// Shared, so that backends of different numerics can run one copy of a large model.
+    weights: Arc<ModelWeights>,
     gdn_prefill: GdnForm,
+    numerics: Numerics,
+    kv: KvPrecision,
     max_prefill_chunk: usize,
 }
 
 impl CpuBackend {
-    pub fn new(config: ModelConfig, weights: ModelWeights) -> Self {
+    pub fn new(config: ModelConfig, weights: impl Into<Arc<ModelWeights>>) -> Self {
         CpuBackend {
             config,
-            weights,
+            weights: weights.into(),
             gdn_prefill: GdnForm::Chunked,
+            numerics: Numerics::F32,
+            kv: KvPrecision::F32,
             max_prefill_chunk: 512,
         }
     }
@@ -41,6 +52,18 @@ impl CpuBackend {
     /// Chooses the delta-rule form used for prefill chunks of more than one token.
     pub fn with_gdn_prefill(mut self, form: GdnForm) -> Self {
         self.gdn_prefill = form;
+        self
+    }
+
+    /// Chooses where prefill rounds (decode steps always compute in f32).
+    pub fn with_numerics(mut self, numerics: Numerics) -> Self {
+        self.numerics = numerics;
+        self
+    }
+
+    /// Chooses how the states this backend makes store keys and values.
+    pub fn with_kv_precision(mut self, kv: KvPrecision) -> Self {
+        self.kv = kv;
         self
     }
 
@@ -54,14 +77,27 @@ impl CpuBackend {
         &self.weights
     }
 
-    /// Runs `tokens` through the model, optionally recording the hidden state of every row
-    /// after the embedding and after each layer (for layer-by-layer comparison with a reference).
+    /// Runs `tokens` through the model as a prefill, optionally recording the hidden state of
+    /// every row after the embedding and after each layer (for layer-by-layer comparison with a
+    /// reference).
     pub fn forward(
         &self,
         state: &mut CpuState,
         tokens: &[u32],
         rows: LogitRows,
+        trace: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<f32>> {
+        self.run(state, tokens, rows, trace, self.numerics)
+    }
+
+    /// The forward pass in the numerics `nx`.
+    fn run(
+        &self,
+        state: &mut CpuState,
+        tokens: &[u32],
+        rows: LogitRows,
         mut trace: Option<&mut Vec<Vec<f32>>>,
+        nx: Numerics,
     ) -> Result<Vec<f32>> {
         let c = &self.config;
         ensure!(!tokens.is_empty(), "no tokens to run");
@@ -95,16 +131,16 @@ impl CpuBackend {
             let x = rms_norm(&hidden, &layer.input_norm, c.rms_norm_eps);
             let mixed = match (&layer.mixer, layer_state) {
                 (Mixer::Attention(w), LayerState::Attention(kv)) => {
-                    attention::attention(c, w, &x, n, state.len, kv)
+                    attention::attention(c, w, &x, n, state.len, kv, nx)
                 }
                 (Mixer::GatedDeltaNet(w), LayerState::GatedDeltaNet(s)) => {
-                    gdn::gated_delta_net(c, w, &x, n, s, form)
+                    gdn::gated_delta_net(c, w, &x, n, s, form, nx)
                 }
                 _ => unreachable!("states are built from the same config as the weights"),
             };
             add_in_place(&mut hidden, &mixed);
             let x = rms_norm(&hidden, &layer.post_attention_norm, c.rms_norm_eps);
-            add_in_place(&mut hidden, &moe::moe(c, &layer.moe, &x, n));
+            add_in_place(&mut hidden, &moe::moe(c, &layer.moe, &x, n, nx));
             if let Some(tr) = trace.as_deref_mut() {
                 tr.push(hidden.clone());
             }
@@ -119,7 +155,7 @@ impl CpuBackend {
             &self.weights.final_norm,
             c.rms_norm_eps,
         );
-        Ok(matmul(&normed, count, &self.weights.lm_head))
+        Ok(nx.matmul(&normed, count, &self.weights.lm_head))
     }
 }
 
@@ -140,7 +176,7 @@ impl Backend for CpuBackend {
 
     fn new_state(&self, max_seq: usize) -> Result<CpuState> {
         ensure!(max_seq > 0, "the context must hold at least one token");
-        Ok(CpuState::new(&self.config, max_seq))
+        Ok(CpuState::new(&self.config, max_seq, self.kv))
     }
 
     fn state_len(&self, state: &CpuState) -> usize {
@@ -153,5 +189,10 @@ impl Backend for CpuBackend {
 
     fn prefill(&self, state: &mut CpuState, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
         self.forward(state, tokens, rows, None)
+    }
+
+    /// A prefill of one token in f32 whatever the numerics: the CUDA decode step computes in f32.
+    fn decode(&self, state: &mut CpuState, token: u32) -> Result<Vec<f32>> {
+        self.run(state, &[token], LogitRows::Last, None, Numerics::F32)
     }
 }

@@ -5,7 +5,8 @@ use lily_core::config::ModelConfig;
 use lily_core::weights::{Expert, MoeWeights};
 use rayon::prelude::*;
 
-use crate::ops::{add_in_place, matmul, sigmoid, silu, softmax};
+use crate::numerics::Numerics;
+use crate::ops::{add_in_place, sigmoid, silu, softmax};
 
 /// The experts chosen for one token and their combine weights.
 #[derive(Clone, Debug, PartialEq)]
@@ -32,9 +33,9 @@ pub fn route(c: &ModelConfig, router_logits: &[f32]) -> Route {
     }
 }
 
-pub fn moe(c: &ModelConfig, w: &MoeWeights, x: &[f32], rows: usize) -> Vec<f32> {
+pub fn moe(c: &ModelConfig, w: &MoeWeights, x: &[f32], rows: usize, nx: Numerics) -> Vec<f32> {
     let h = c.hidden_size;
-    let logits = matmul(x, rows, &w.router);
+    let logits = nx.matmul(x, rows, &w.router);
     let routes: Vec<Route> = logits.chunks(c.num_experts).map(|l| route(c, l)).collect();
 
     // Group rows by expert so each expert's weights are read once per chunk, and only the
@@ -55,7 +56,7 @@ pub fn moe(c: &ModelConfig, w: &MoeWeights, x: &[f32], rows: usize) -> Vec<f32> 
                 .iter()
                 .flat_map(|&(t, _)| x[t * h..(t + 1) * h].iter().copied())
                 .collect();
-            (e, swiglu(&w.experts[e], &gathered, p.len()))
+            (e, swiglu(&w.experts[e], &gathered, p.len(), nx))
         })
         .collect();
     let mut out = vec![0f32; rows * h];
@@ -68,8 +69,8 @@ pub fn moe(c: &ModelConfig, w: &MoeWeights, x: &[f32], rows: usize) -> Vec<f32> 
         }
     }
 
-    let shared = swiglu(&w.shared_expert, x, rows);
-    let gates = matmul(x, rows, &w.shared_expert_gate);
+    let shared = swiglu(&w.shared_expert, x, rows, nx);
+    let gates = nx.matmul(x, rows, &w.shared_expert_gate);
     for t in 0..rows {
         let gate = sigmoid(gates[t]);
         let scaled: Vec<f32> = shared[t * h..(t + 1) * h]
@@ -82,9 +83,9 @@ pub fn moe(c: &ModelConfig, w: &MoeWeights, x: &[f32], rows: usize) -> Vec<f32> 
 }
 
 /// `down(silu(gate·x) ⊙ up·x)` for `rows` rows.
-pub fn swiglu(e: &Expert, x: &[f32], rows: usize) -> Vec<f32> {
-    let gate = matmul(x, rows, &e.gate_proj);
-    let up = matmul(x, rows, &e.up_proj);
+pub fn swiglu(e: &Expert, x: &[f32], rows: usize, nx: Numerics) -> Vec<f32> {
+    let gate = nx.matmul(x, rows, &e.gate_proj);
+    let up = nx.matmul(x, rows, &e.up_proj);
     let act: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect();
-    matmul(&act, rows, &e.down_proj)
+    nx.matmul(&act, rows, &e.down_proj)
 }

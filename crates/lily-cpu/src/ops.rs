@@ -32,6 +32,11 @@ pub fn dense_matmul(x: &[f32], rows: usize, w: &Matrix) -> Vec<f32> {
                 }
             }
         });
+    rows_from_columns(out_t, n, rows)
+}
+
+/// `[rows, n]` from the `[n, rows]` that the products fill a weight row at a time.
+pub(crate) fn rows_from_columns(out_t: Vec<f32>, n: usize, rows: usize) -> Vec<f32> {
     if rows == 1 {
         return out_t;
     }

@@ -3,6 +3,8 @@
 
 use lily_core::config::{LayerKind, ModelConfig};
 
+use crate::numerics::{KvPrecision, bf16};
+
 #[derive(Clone, Debug)]
 pub struct CpuState {
     pub(crate) len: usize,
@@ -16,11 +18,25 @@ pub(crate) enum LayerState {
     GatedDeltaNet(GdnState),
 }
 
-/// Keys (after q/k norm and RoPE) and values, `[position, kv_head, head_dim]`.
-#[derive(Clone, Debug, Default)]
+/// Keys (after q/k norm and RoPE) and values, `[position, kv_head, head_dim]`, as stored in
+/// the cache's precision.
+#[derive(Clone, Debug)]
 pub(crate) struct KvCache {
     pub k: Vec<f32>,
     pub v: Vec<f32>,
+    precision: KvPrecision,
+}
+
+impl KvCache {
+    /// Appends the keys and values of new positions.
+    pub fn append(&mut self, k: &[f32], v: &[f32]) {
+        for (cache, new) in [(&mut self.k, k), (&mut self.v, v)] {
+            match self.precision {
+                KvPrecision::F32 => cache.extend_from_slice(new),
+                KvPrecision::Bf16 => cache.extend(new.iter().map(|&x| bf16(x))),
+            }
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -32,12 +48,16 @@ pub(crate) struct GdnState {
 }
 
 impl CpuState {
-    pub(crate) fn new(c: &ModelConfig, max_seq: usize) -> Self {
+    pub(crate) fn new(c: &ModelConfig, max_seq: usize, kv: KvPrecision) -> Self {
         let layers = c
             .layer_kinds
             .iter()
             .map(|kind| match kind {
-                LayerKind::Attention => LayerState::Attention(KvCache::default()),
+                LayerKind::Attention => LayerState::Attention(KvCache {
+                    k: Vec::new(),
+                    v: Vec::new(),
+                    precision: kv,
+                }),
                 LayerKind::GatedDeltaNet => LayerState::GatedDeltaNet(GdnState {
                     conv: vec![0.0; (c.conv_kernel - 1) * c.gdn_conv_dim()],
                     recurrent: vec![
@@ -62,5 +82,29 @@ impl CpuState {
 
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bf16_cache_stores_every_value_rounded() {
+        let values = [1.0f32 + 1.0 / 512.0, -3.3, 0.1, 7e-5];
+        for (precision, want) in [
+            (KvPrecision::F32, values.to_vec()),
+            (KvPrecision::Bf16, values.iter().map(|&v| bf16(v)).collect()),
+        ] {
+            let mut cache = KvCache {
+                k: vec![2.0],
+                v: Vec::new(),
+                precision,
+            };
+            cache.append(&values, &values[..2]);
+            assert_eq!(cache.k[1..], want[..], "{precision:?}");
+            assert_eq!(cache.v, want[..2], "{precision:?}");
+        }
+        assert_ne!(bf16(values[1]), values[1]);
     }
 }

@@ -1,12 +1,8 @@
-//! Chunked CUDA prefill against the CPU reference, end to end. Needs a CUDA GPU: ignored by a
-//! plain `cargo test` (which says so) and run on the H200 with `--include-ignored`
-//! (tools/gpu-check.sh). Every comparison prints its measured error.
-//!
-//! Tolerance: prefill runs every projection on tensor cores in bf16 (inputs and dequantised
-//! weights rounded to 8 significant bits, fp32 accumulation), so each GEMM output moves by a few
-//! parts in a thousand of its scale, compounded over the layers: logits within 5e-2 of their
-//! maximum, and the greedy tokens that follow equal. The kernels themselves are held much tighter
-//! against bf16-rounded CPU references in their own test files (gpu_gemm.rs and the others).
+//! Chunked CUDA prefill end to end: chunking, the device's greedy choices, and the production head
+//! shapes against the CPU reference (the whole-model agreement with both CPU numerics, on the
+//! fixtures and at full width, is gpu_agreement.rs). Needs a CUDA GPU: ignored by a plain
+//! `cargo test` (which says so) and run on the H200 with `--include-ignored` (tools/gpu-check.sh).
+//! Every comparison prints its measured error.
 
 mod support;
 
@@ -19,84 +15,7 @@ use lily_core::weights::ModelWeights;
 use lily_cpu::CpuBackend;
 use lily_cuda::moe_prefill::ROWS64_FROM_ROWS_PER_EXPERT;
 use lily_cuda::{CudaBackend, KvPrecision};
-use support::{fixture, greedy, rel_diff};
-
-const BF16_PREFILL: f32 = 5e-2;
-
-fn tokens(n: usize, vocab: usize, seed: u32) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| (i.wrapping_mul(7919).wrapping_add(seed * 104_729 + 11)) % vocab as u32)
-        .collect()
-}
-
-/// Per-position errors of `[positions, vocab]` logits, each as max |diff| / max |reference|.
-fn position_errors(ours: &[f32], reference: &[f32], vocab: usize) -> Vec<f32> {
-    let scale = reference.iter().fold(0f32, |m, x| m.max(x.abs()));
-    ours.chunks(vocab)
-        .zip(reference.chunks(vocab))
-        .map(|(a, b)| rel_diff(a, b) * b.iter().fold(0f32, |m, x| m.max(x.abs())) / scale)
-        .collect()
-}
-
-fn argmax(v: &[f32]) -> usize {
-    v.iter()
-        .enumerate()
-        .fold((0, f32::NEG_INFINITY), |best, (i, &x)| {
-            if x > best.1 { (i, x) } else { best }
-        })
-        .0
-}
-
-/// The tiny fixtures are random-weight models whose routers and attention are far more sensitive
-/// than a trained model's: rounding only their weights to bf16 on the CPU moves tiny-a's logits by
-/// a median 4e-3 of their maximum but by 6.6e-2 at its worst positions (an expert choice flips).
-/// So the typical position is held tight and the worst only loosely; the greedy continuations
-/// must agree or part at a near-tie.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn prefill_matches_the_cpu_on_the_fixtures() {
-    let mut failures = Vec::new();
-    for name in ["tiny-a", "tiny-b", "tiny-a-official", "tiny-mlx-q4"] {
-        for kv in [KvPrecision::F32, KvPrecision::Bf16] {
-            let (config, source) = ModelRef::Dir(fixture(name)).open().unwrap();
-            let weights = ModelWeights::load(&config, source).unwrap();
-            // A 48-token chunk, so the 100-token prompt crosses two chunk boundaries.
-            let gpu = CudaBackend::with_options(config.clone(), &weights, kv, 48).unwrap();
-            let cpu = CpuBackend::new(config.clone(), weights);
-            let vocab = config.vocab_size;
-            let prompt = tokens(100, vocab, 1);
-            let mut gs = gpu.new_state(prompt.len()).unwrap();
-            let ours = gpu.prefill(&mut gs, &prompt, LogitRows::All).unwrap();
-            let mut cs = cpu.new_state(prompt.len()).unwrap();
-            let reference = cpu.prefill(&mut cs, &prompt, LogitRows::All).unwrap();
-            let mut errors = position_errors(&ours, &reference, vocab);
-            let top1 = ours
-                .chunks(vocab)
-                .zip(reference.chunks(vocab))
-                .filter(|(a, b)| argmax(a) == argmax(b))
-                .count();
-            errors.sort_by(f32::total_cmp);
-            let (median, max) = (errors[errors.len() / 2], errors[errors.len() - 1]);
-            eprintln!(
-                "{name}, {kv:?} KV: prefill of 100 positions, per-position error median {median:.2e}, \
-                 max {max:.2e}; top-1 equal at {top1}/100"
-            );
-            if median > 1e-2 || max > 0.3 || top1 < 95 {
-                failures.push(format!(
-                    "{name} {kv:?}: median {median:e}, max {max:e}, top-1 {top1}"
-                ));
-            }
-            for len in [1, 8, 100] {
-                let agreement = greedy_agreement(&gpu, &cpu, &prompt[..len], 16);
-                eprintln!("{name}, {kv:?} KV: greedy after {len} prompt tokens: {agreement}");
-                if !agreement.holds(NEAR_TIE) {
-                    failures.push(format!("{name} {kv:?}: greedy after {len}: {agreement}"));
-                }
-            }
-        }
-    }
-    assert!(failures.is_empty(), "{failures:#?}");
-}
+use support::{BF16_PREFILL, argmax, fixture, rel_diff, tokens};
 
 /// The first token after a prefill and the tokens of the decode steps after it, chosen on the
 /// device (`prefill_sample`, `decode_sample`), are what the host sampler picks from the same
@@ -152,126 +71,6 @@ fn greedy_choices_on_the_device_equal_the_hosts() {
             }
         }
     }
-}
-
-/// How far apart two logits may be, relative to the largest, for the choice between them to count
-/// as a near-tie: twice the median error bf16 prefill leaves on the fixtures (about 5e-3).
-const NEAR_TIE: f32 = 1e-2;
-
-/// How the greedy continuations of the two backends compare.
-struct Agreement {
-    equal: usize,
-    of: usize,
-    /// At the first difference: the CPU's logit for its own token minus its logit for the GPU's,
-    /// over the largest logit.
-    gap: Option<f32>,
-}
-
-impl Agreement {
-    /// Equal, or parted where the CPU's two candidates were within `near` of each other.
-    fn holds(&self, near: f32) -> bool {
-        self.gap.is_none_or(|g| g <= near)
-    }
-}
-
-impl std::fmt::Display for Agreement {
-    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        write!(f, "{}/{} equal", self.equal, self.of)?;
-        match self.gap {
-            Some(g) => write!(f, ", then a CPU logit gap of {g:.2e} of the largest"),
-            None => Ok(()),
-        }
-    }
-}
-
-/// `n` greedy tokens from each backend; at the first difference, how close the CPU's own scores
-/// for the two tokens were.
-fn greedy_agreement(gpu: &CudaBackend, cpu: &CpuBackend, prompt: &[u32], n: usize) -> Agreement {
-    let (g, c) = (greedy(gpu, prompt, n), greedy(cpu, prompt, n));
-    let Some(i) = g.iter().zip(&c).position(|(a, b)| a != b) else {
-        return Agreement {
-            equal: n,
-            of: n,
-            gap: None,
-        };
-    };
-    let context: Vec<u32> = prompt.iter().chain(&c[..i]).copied().collect();
-    let mut state = cpu.new_state(context.len()).unwrap();
-    let logits = cpu.prefill(&mut state, &context, LogitRows::Last).unwrap();
-    let scale = logits.iter().fold(0f32, |m, x| m.max(x.abs()));
-    let gap = (logits[c[i] as usize] - logits[g[i] as usize]) / scale;
-    Agreement {
-        equal: i,
-        of: n,
-        gap: Some(gap),
-    }
-}
-
-/// The prompt of the full-width tests (the one `tools/gpu-check.sh agree` uses).
-const PROMPT: [u32; 8] = [9419, 11, 1814, 13, 576, 374, 264, 1296];
-
-/// How far the CPU's own last-row logits move when one bf16 rounding is made at the model's input
-/// (the first layer's input-norm weights rounded to bf16): the model's sensitivity to the
-/// precision the tensor-core prefill computes in. The synthetic model's random routers make it
-/// chaotic at full depth: on the CPU this one rounding moves the 40-layer model's logits by 0.20 of
-/// the largest (measured here, 2026-11-29), so a bf16 prefill can only be held to that scale.
-fn bf16_sensitivity(config: &ModelConfig, mut weights: ModelWeights, reference: &[f32]) -> f32 {
-    for v in &mut weights.layers[0].input_norm {
-        *v = half::bf16::from_f32(*v).to_f32();
-    }
-    let cpu = CpuBackend::new(config.clone(), weights);
-    let mut state = cpu.new_state(PROMPT.len()).unwrap();
-    rel_diff(
-        &cpu.prefill(&mut state, &PROMPT, LogitRows::Last).unwrap(),
-        reference,
-    )
-}
-
-/// GPU prefill against the CPU on a full-width model: the last-row logits must be within
-/// BF16_PREFILL, or within 4× the model's own sensitivity to one bf16 rounding where that is
-/// larger; the greedy continuation may part only where the CPU's candidates are that close.
-fn full_width_agreement(config: &ModelConfig, load: impl Fn() -> ModelWeights, label: &str) {
-    let weights = load();
-    let gpu = CudaBackend::new(config.clone(), &weights).unwrap();
-    let cpu = CpuBackend::new(config.clone(), weights);
-    let mut gs = gpu.new_state(PROMPT.len()).unwrap();
-    let mut cs = cpu.new_state(PROMPT.len()).unwrap();
-    let ours = gpu.prefill(&mut gs, &PROMPT, LogitRows::Last).unwrap();
-    let reference = cpu.prefill(&mut cs, &PROMPT, LogitRows::Last).unwrap();
-    let d = rel_diff(&ours, &reference);
-    let sensitivity = bf16_sensitivity(config, load(), &reference);
-    let agreement = greedy_agreement(&gpu, &cpu, &PROMPT, 16);
-    eprintln!(
-        "{label}: last logits max rel diff {d:e} (one bf16 rounding on the CPU: {sensitivity:e}); \
-         greedy {agreement}"
-    );
-    assert!(
-        d <= BF16_PREFILL.max(4.0 * sensitivity),
-        "{label}: last logits {d:e}"
-    );
-    assert!(
-        agreement.holds(NEAR_TIE.max(sensitivity)),
-        "{label}: greedy {agreement}"
-    );
-}
-
-/// The full-size synthetic model (needs about 60 GB of host memory: two CPU copies of the weights
-/// and the upload).
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn full_size_synthetic_prefill_matches_the_cpu() {
-    let (config, _) = ModelRef::parse("synthetic:qwen3.6-35b-a3b")
-        .unwrap()
-        .open()
-        .unwrap();
-    let load = || {
-        let (_, source) = ModelRef::parse("synthetic:qwen3.6-35b-a3b")
-            .unwrap()
-            .open()
-            .unwrap();
-        ModelWeights::load(&config, source).unwrap()
-    };
-    full_width_agreement(&config, load, "full-size synthetic");
 }
 
 /// Chunks compute rows independently and carry every state exactly: a prompt cut into ragged
@@ -358,25 +157,5 @@ fn prefill_at_production_shapes_matches_the_cpu() {
             d <= BF16_PREFILL && dn <= BF16_PREFILL,
             "prompt {len}: {d:e} / {dn:e}"
         );
-    }
-}
-
-/// The full-size model's shapes cut to its first `layers` layers. The CPU's sensitivity to one
-/// bf16 rounding grows with depth (random routers flip expert choices, and flips compound); an
-/// error in a kernel at the real widths would show at the first layers already, where the bound
-/// is BF16_PREFILL.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn full_width_prefill_matches_the_cpu_at_every_depth() {
-    for layers in [1, 2, 4, 8, 16] {
-        let mut root: serde_json::Value =
-            serde_json::from_str(lily_core::config::QWEN36_35B_A3B_CONFIG).unwrap();
-        let t = root["text_config"].as_object_mut().unwrap();
-        let kinds: Vec<serde_json::Value> = t["layer_types"].as_array().unwrap()[..layers].to_vec();
-        t.insert("num_hidden_layers".into(), layers.into());
-        t.insert("layer_types".into(), kinds.into());
-        let config = ModelConfig::from_json(&root.to_string()).unwrap();
-        let load = || ModelWeights::load(&config, Box::new(SyntheticSource::new(11))).unwrap();
-        full_width_agreement(&config, load, &format!("full width, {layers} layers"));
     }
 }

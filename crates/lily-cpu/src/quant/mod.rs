@@ -18,6 +18,8 @@ use std::sync::OnceLock;
 use lily_core::quant::QuantMatrix;
 use rayon::prelude::*;
 
+use crate::ops::rows_from_columns;
+
 /// The instruction sets a kernel can use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
@@ -91,16 +93,7 @@ pub fn quant_matmul_with(isa: Isa, x: &[f32], rows: usize, w: &QuantMatrix) -> V
                 dot_rows(isa, w, task * per_task + j, &xs, out);
             }
         });
-    if rows == 1 {
-        return out_t;
-    }
-    let mut out = vec![0f32; rows * n];
-    for j in 0..n {
-        for r in 0..rows {
-            out[r * n + j] = out_t[j * rows + r];
-        }
-    }
-    out
+    rows_from_columns(out_t, n, rows)
 }
 
 /// `out[i] = W[row] · x_i` for every input row of `xs` (in the kernel's order).

@@ -1,5 +1,7 @@
 //! What the fixture-driven tests share: finding and loading a fixture, its cases, and the
 //! relative difference every comparison reports.
+// Each test binary uses its own subset.
+#![allow(dead_code)]
 
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};

@@ -38,6 +38,31 @@ pub fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
     }) / scale
 }
 
+/// How far a prefill's logits may be from the f32 CPU's, relative to the largest, where the
+/// model is not chaotic: prefill runs every projection on tensor cores in bf16 (inputs and
+/// dequantised weights rounded to 8 significant bits, f32 accumulation), so each GEMM output moves
+/// by a few parts in a thousand of its scale, compounded over the layers. The kernels themselves
+/// are held much tighter against bf16-rounded references in their own test files (gpu_gemm.rs and
+/// the others).
+pub const BF16_PREFILL: f32 = 5e-2;
+
+/// A prompt of `n` ids below `vocab`, different for each seed.
+pub fn tokens(n: usize, vocab: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i.wrapping_mul(7919).wrapping_add(seed * 104_729 + 11)) % vocab as u32)
+        .collect()
+}
+
+/// The index of the largest value (the first of equals).
+pub fn argmax(v: &[f32]) -> usize {
+    v.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |best, (i, &x)| {
+            if x > best.1 { (i, x) } else { best }
+        })
+        .0
+}
+
 /// `n` greedy tokens after `prompt`, through `generate` as the CLI runs it.
 pub fn greedy<B: Backend>(b: &B, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut state = b.new_state(prompt.len() + n).unwrap();

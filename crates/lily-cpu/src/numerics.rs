@@ -1,0 +1,134 @@
+//! Where the CPU backend rounds. By default nowhere: the f32 reference. In
+//! [`Numerics::TensorCoreBf16`] a prefill rounds exactly where the CUDA prefill hands bf16 operands
+//! to its tensor cores, and nowhere else, so that the two part only by summation order. Over a
+//! few rounding stages that holds the GPU far tighter than the f32 reference can; over many, a
+//! summation difference flips a rounding now and then and the flips cascade, until the two are
+//! nearly as far apart as the rounding itself puts them (lily-cuda's gpu_agreement.rs has the
+//! measurements).
+
+use std::borrow::Cow;
+
+use lily_core::weights::Linear;
+use rayon::prelude::*;
+
+use crate::ops::{dot, matmul, rows_from_columns};
+
+/// The arithmetic of a prefill.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Numerics {
+    /// Every value in f32.
+    #[default]
+    F32,
+    /// As the CUDA prefill computes. Every projection (gemm.cu) takes its input rows rounded to
+    /// bf16 and its weight rounded to bf16, a quantised one dequantised as
+    /// bf16(fma(scale, code, bias)), and sums in f32; attention (attention_prefill.cu) takes q, K
+    /// and V in bf16 and rounds the probabilities of each tile of [`FA_KEYS`] keys to bf16 for
+    /// P·V. Norms, the Gated DeltaNet, routing, SwiGLU, the combine and the residual stream stay
+    /// f32 there and here. A decode step stays f32, as the CUDA decode does (f32 activations,
+    /// f32 dequantisation); only a bf16 KV cache ([`KvPrecision`]) rounds what it reads.
+    TensorCoreBf16,
+}
+
+/// Keys per tile of the CUDA prefill attention (attention_prefill.cu, FA_KEYS). The running
+/// maximum that the tile's probabilities are taken against, and so their bf16 rounding, changes
+/// at these boundaries, counted from position 0.
+pub const FA_KEYS: usize = 32;
+
+/// How the KV cache stores keys and values, as the CUDA backend's `KvPrecision` does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvPrecision {
+    #[default]
+    F32,
+    /// Rounded to bf16 when stored: every later read, decode steps included, sees the rounded
+    /// values.
+    Bf16,
+}
+
+impl Numerics {
+    /// `x` as the tensor cores take it in this mode: rounded to bf16 (a copy), or as it is.
+    pub fn operand(self, x: &[f32]) -> Cow<'_, [f32]> {
+        match self {
+            Numerics::F32 => Cow::Borrowed(x),
+            Numerics::TensorCoreBf16 => Cow::Owned(x.iter().map(|&v| bf16(v)).collect()),
+        }
+    }
+
+    /// `x · Wᵀ` for `x` of `rows` rows, as a projection computes it in this mode.
+    pub fn matmul(self, x: &[f32], rows: usize, w: &Linear) -> Vec<f32> {
+        match self {
+            Numerics::F32 => matmul(x, rows, w),
+            Numerics::TensorCoreBf16 => bf16_matmul(&self.operand(x), rows, w),
+        }
+    }
+}
+
+/// `x` rounded to the nearest bf16, ties to even (as `cvt.rn.bf16x2.f32` and the kernels'
+/// `f32_to_bf16` round), widened back to f32. NaN stays NaN.
+pub fn bf16(x: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    let bits = x.to_bits();
+    // Adding just under half of the dropped part's range, plus the kept part's lowest bit,
+    // carries into the kept part exactly when rounding to nearest even goes up. Finite values
+    // cannot wrap: the largest magnitude carries into the infinity's exponent, as it should.
+    f32::from_bits((bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff_0000)
+}
+
+/// `x · Wᵀ` for `x` already in bf16, with `W` rounded to bf16 as gemm.cu's tiles hold it and the
+/// products summed in f32. Each task rounds a block of weight rows once, for every row of `x`.
+fn bf16_matmul(x: &[f32], rows: usize, w: &Linear) -> Vec<f32> {
+    let (n, k) = (w.rows(), w.cols());
+    assert_eq!(x.len(), rows * k, "input shape");
+    const BLOCK: usize = 16;
+    let mut out_t = vec![0f32; n * rows];
+    out_t
+        .par_chunks_mut(BLOCK * rows)
+        .enumerate()
+        .for_each(|(b, chunk)| {
+            let mut weights = vec![0f32; k];
+            for (j, out) in chunk.chunks_mut(rows).enumerate() {
+                bf16_weight_row(w, b * BLOCK + j, &mut weights);
+                for (o, xr) in out.iter_mut().zip(x.chunks_exact(k)) {
+                    *o = dot(xr, &weights);
+                }
+            }
+        });
+    rows_from_columns(out_t, n, rows)
+}
+
+/// Row `r` of `w` in bf16, as gemm.cu dequantises it into shared memory: a dense value rounded,
+/// a code as bf16(fma(scale, code, bias)).
+///
+/// A bf16 scale times a code of at most 8 bits has at most 16 significant bits, so
+/// scale·code + bias is exact in f64 (or, past a 2^37 gap between the terms, the larger term
+/// either way), and its f32 rounding is exactly fmaf's, which the 8-bit kernel computes; this
+/// spares a CPU built without FMA its slow software fma. The 4-bit kernel instead rounds the exact
+/// sum once, straight to bf16 (`fma.rn.bf16x2`): the same value whenever the f32 sum is exact,
+/// as it is for MLX's groups (gemm.cu's header says why) and the synthetic ones (a bias of
+/// −7.5·scale rounded to bf16 is a multiple of 8 ulps of the scale, so the sum spans 12 bits).
+fn bf16_weight_row(w: &Linear, r: usize, out: &mut [f32]) {
+    match w {
+        Linear::Dense(m) => out
+            .iter_mut()
+            .zip(m.row(r))
+            .for_each(|(o, &v)| *o = bf16(v)),
+        Linear::Affine(q) => {
+            let (bits, group) = (q.bits(), q.group_size());
+            let per_word = 32 / bits as usize;
+            let mask = (1u32 << bits) - 1;
+            let groups = q.row_scales(r).iter().zip(q.row_biases(r));
+            let codes = q.row_codes(r).chunks_exact(group / per_word);
+            for ((out, words), (s, b)) in out.chunks_exact_mut(group).zip(codes).zip(groups) {
+                let (s, b) = (f64::from(s.to_f32()), f64::from(b.to_f32()));
+                for (i, o) in out.iter_mut().enumerate() {
+                    let code = (words[i / per_word] >> ((i % per_word) as u32 * bits)) & mask;
+                    *o = bf16((s * f64::from(code) + b) as f32);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
