@@ -96,26 +96,28 @@ impl<F: Fn(usize) -> std::ops::Range<usize>> Head<'_, F> {
         }
     }
 
-    /// As attention_prefill.cu computes it, q and the cache already in bf16: over tiles of
-    /// [`FA_KEYS`] positions from position 0, the running maximum m takes in the tile's scores,
-    /// the sum l and the output are rescaled by exp(m_old − m), then each position adds
-    /// exp(s − m) to l and bf16(exp(s − m))·v to the output. So the output sums the
-    /// probabilities rounded (P is an mma operand) and the normaliser sums them unrounded.
+    /// As attention_prefill.cu computes it, q and the cache already in bf16, in log2 units with
+    /// the scale folded in (c = log2(e)/√HD): over tiles of [`FA_KEYS`] positions from position
+    /// 0, the running maximum m takes in the tile's fl(s·c), the sum l and the output are
+    /// rescaled by 2^(m_old − m), then each position adds p = 2^(s·c − m) (one fused
+    /// multiply-add) to l and bf16(p)·v to the output. So the output sums the probabilities
+    /// rounded (P is an mma operand) and the normaliser sums them unrounded.
     fn tiled_bf16(&self, visible: usize, o: &mut [f32]) {
+        let c = self.scale * std::f32::consts::LOG2_E;
         let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
         let mut s = [0f32; FA_KEYS];
         for k0 in (0..visible).step_by(FA_KEYS) {
             let tile = &mut s[..FA_KEYS.min(visible - k0)];
             for (j, sj) in tile.iter_mut().enumerate() {
-                *sj = dot(self.q, &self.keys[(self.at)(k0 + j)]) * self.scale;
+                *sj = dot(self.q, &self.keys[(self.at)(k0 + j)]);
             }
-            // The first tile rescales the empty sums by exp(−∞) = 0.
-            let m_new = tile.iter().copied().fold(m, f32::max);
-            let corr = (m - m_new).exp();
+            // The first tile rescales the empty sums by 2^(−∞) = 0.
+            let m_new = tile.iter().fold(m, |m, &sj| m.max(sj * c));
+            let corr = (m - m_new).exp2();
             l *= corr;
             o.iter_mut().for_each(|v| *v *= corr);
             for (j, &sj) in tile.iter().enumerate() {
-                let p = (sj - m_new).exp();
+                let p = sj.mul_add(c, -m_new).exp2();
                 l += p;
                 let p = bf16(p);
                 let vp = &self.values[(self.at)(k0 + j)];
@@ -162,9 +164,10 @@ mod tests {
 
     use super::*;
 
-    /// The tiled attention against its definition written out in two passes: position p of tile
-    /// j has the probability e_p = exp(s_p − M_j), M_j the largest score of tiles 0..=j; the
-    /// output is Σ bf16(e_p)·exp(M_j − M)·v_p / Σ e_p·exp(M_j − M), M the largest of all. Scores
+    /// The tiled attention against its definition written out in two passes, in log2 units
+    /// (scores s_p·c, c = log2(e)/√HD): position p of tile j has the probability
+    /// e_p = 2^(s_p·c − M_j), M_j the largest scaled score of tiles 0..=j; the output is
+    /// Σ bf16(e_p)·2^(M_j − M)·v_p / Σ e_p·2^(M_j − M), M the largest of all. Scores
     /// that climb from tile to tile make every tile move the maximum; the last tile is partial.
     #[test]
     fn tiled_attention_rounds_each_tile_against_its_running_maximum() {
@@ -194,23 +197,21 @@ mod tests {
         let mut got = vec![0f32; hd];
         head.tiled_bf16(visible, &mut got);
 
-        let scores: Vec<f64> = keys
-            .chunks(hd)
-            .map(|k| (dot(&q, k) * scale) as f64)
-            .collect();
+        let c = scale * std::f32::consts::LOG2_E;
+        let raw: Vec<f32> = keys.chunks(hd).map(|k| dot(&q, k)).collect();
         let running = |p: usize| {
             let end = ((p / FA_KEYS + 1) * FA_KEYS).min(visible);
-            scores[..end]
+            raw[..end]
                 .iter()
-                .copied()
+                .map(|&s| (s * c) as f64)
                 .fold(f64::NEG_INFINITY, f64::max)
         };
         let top = running(visible - 1);
         let definition = |tile_max: &dyn Fn(usize) -> f64, rounded_sum: bool| {
             let (mut o, mut l) = (vec![0f64; hd], 0f64);
             for (p, v) in values.chunks(hd).enumerate() {
-                let e = ((scores[p] - tile_max(p)) as f32).exp();
-                let carry = (tile_max(p) - top).exp();
+                let e = raw[p].mul_add(c, -tile_max(p) as f32).exp2();
+                let carry = (tile_max(p) - top).exp2();
                 l += if rounded_sum { bf16(e) } else { e } as f64 * carry;
                 for (o, v) in o.iter_mut().zip(v) {
                     *o += bf16(e) as f64 * carry * *v as f64;

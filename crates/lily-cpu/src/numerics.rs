@@ -32,7 +32,7 @@ pub enum Numerics {
 /// Keys per tile of the CUDA prefill attention (attention_prefill.cu, FA_KEYS). The running
 /// maximum that the tile's probabilities are taken against, and so their bf16 rounding, changes
 /// at these boundaries, counted from position 0.
-pub const FA_KEYS: usize = 32;
+pub const FA_KEYS: usize = 64;
 
 /// How the KV cache stores keys and values, as the CUDA backend's `KvPrecision` does.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
