@@ -60,13 +60,6 @@ extern "C" __global__ void attn_prep_rows(const float* qkv, int ld, const float*
 // reads hit distinct banks (FA_SWZ: the largest power of two up to 8 dividing FA_CHUNKS).
 #define FA_SWZ (FA_CHUNKS % 8 == 0 ? 8 : FA_CHUNKS % 4 == 0 ? 4 : 2)
 
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
-    u32 r;
-    // cvt puts its first source in the upper half; rounds to nearest even like f32_to_bf16.
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 // Byte offset of (row, chunk) in a swizzled [rows][HD] bf16 tile.
 __device__ __forceinline__ u32 fa_at(int row, int chunk) {
     return (u32)(row * HD * 2 + ((chunk ^ (row % FA_SWZ)) << 4));
