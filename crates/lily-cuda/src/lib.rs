@@ -10,6 +10,7 @@ pub mod compile;
 pub mod gdn_chunked;
 pub mod gdn_prefill;
 pub mod gemm;
+pub mod gemm_wgmma;
 pub mod gpu;
 pub mod mat;
 pub mod moe_prefill;
