@@ -171,8 +171,9 @@ fn check_dense(gpu: &mut Gpu, c: &Dense, paths: &[GemmPath]) -> Vec<(GemmPath, f
     let (wk, xk) = (kernel_weight(&l), bf16_round(&x));
     let want_a = reference(&rows, n, k, &id, &zero, &xk, &wk);
     let want_b = reference(&rows, n, k, &id, &zero, &x, &exact_weight(&l));
-    // Three columns before the output, five after, one row below. With the float offset, the
-    // output's pairs are 8-byte aligned (offset 1) or not (offset 0).
+    // Three columns before the output, five after, one row below. Offset 1 puts the output's
+    // column pairs on 8-byte boundaries (where ldy is even: the wgmma path's paired stores),
+    // offset 0 off them.
     let (col0, ldy) = (3, n + 8);
     let ylen = c.offset + (m + 1) * ldy;
     let at = 4 * c.offset as u64;
@@ -476,8 +477,8 @@ fn grouped_gemm_matches_bf16_products() {
     let mut failures = Vec::new();
     for bits in [4u32, 8, 32] {
         for counts in &routings {
-            // Groups of 64, and for 4 bits also of 32 with K ending mid-step in 3 groups (one a
-            // window).
+            // Groups of 64, and of 32 with K ending mid-step in 3 groups (for 4 bits: one a
+            // window, the last wgmma step half past the rows).
             for (n, k, group) in [
                 (192usize, 512usize, 64usize),
                 (64, 2048, 64),
