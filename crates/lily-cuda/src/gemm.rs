@@ -170,7 +170,8 @@ pub fn gemm(
         "output columns {col0}..{} do not fit rows of {ldy}",
         col0 + w.rows
     );
-    let (name, tiling) = if w.bits == 4 && gpu.gemm_path() == GemmPath::Wgmma {
+    let warg = w.arg(gpu);
+    let (name, tiling) = if gpu.gemm_path() == GemmPath::Wgmma && gemm_wgmma::takes(&warg, w.bits) {
         (gemm_wgmma::DENSE_ENTRY.to_string(), WGMMA_DENSE)
     } else {
         (format!("gemm_b{}", w.bits), MMA_DENSE)
@@ -197,7 +198,7 @@ pub fn gemm(
         splits as u32,
     );
     let args: [KArg; 7] = [
-        w.arg(gpu).into(),
+        warg.into(),
         x.into(),
         (m as i32).into(),
         out.into(),
@@ -231,8 +232,9 @@ pub fn gemm(
 }
 
 /// The grouped GEMM over experts stacked in `w` (`n` rows each), one block row per tile of
-/// `map`, by the entry of the map's height (gemm_wgmma.cu's for 64-row tiles of 4-bit weights on
-/// the wgmma path); the grid covers `map.max_tiles` tiles, and blocks past the live count return. Sorted slot `s` reads x row `gather[s]` (or `s` when `gather` is
+/// `map`, by the entry of the map's height (gemm_wgmma.cu's for 64-row tiles on the wgmma path,
+/// where it takes `w`); the grid covers `map.max_tiles` tiles, and blocks past the live count
+/// return. Sorted slot `s` reads x row `gather[s]` (or `s` when `gather` is
 /// 0) of `w.cols` values and writes `y[s, 0..n)`.
 pub fn gemm_grouped(
     gpu: &Gpu,
@@ -257,7 +259,10 @@ pub fn gemm_grouped(
         max_tiles <= MAX_GRID_Y,
         "{max_tiles} expert tiles are too many for one GEMM launch"
     );
-    let wgmma = w.bits == 4 && map.height == MoeTile::Rows64 && gpu.gemm_path() == GemmPath::Wgmma;
+    let warg = w.arg(gpu);
+    let wgmma = map.height == MoeTile::Rows64
+        && gpu.gemm_path() == GemmPath::Wgmma
+        && gemm_wgmma::takes(&warg, w.bits);
     let (name, shared) = if wgmma {
         (gemm_wgmma::GROUPED_ENTRY.to_string(), WGMMA_GROUPED_SHARED)
     } else {
@@ -268,7 +273,7 @@ pub fn gemm_grouped(
     };
     let grid = (n.div_ceil(GEMM_GROUPED_BN) as u32, max_tiles as u32, 1);
     let args: [KArg; 7] = [
-        w.arg(gpu).into(),
+        warg.into(),
         (n as i32).into(),
         x.into(),
         gather.into(),

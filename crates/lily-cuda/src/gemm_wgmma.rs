@@ -5,9 +5,11 @@ use anyhow::{Result, bail, ensure};
 
 use crate::compile::KERNEL_FILES;
 use crate::gemm::{DenseTiling, GEMM_GROUPED_BN, SPLIT_MIN_K};
+use crate::mat::MatArg;
 
-/// Which kernels run the prefill GEMMs of 4-bit weights (the model's). 8-bit and f32 weights, and
-/// the 16-row expert tiles, take gemm.cu on either path.
+/// Which kernels run the prefill GEMMs of 4-bit weights (the model's). 8-bit and f32 weights, the
+/// 16-row expert tiles, and 4-bit weights gemm_wgmma.cu does not take ([`takes`]) run gemm.cu on
+/// either path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GemmPath {
     /// gemm.cu: `mma.sync` m16n8k16 fed by `ldmatrix`, on every GPU Lily runs on.
@@ -54,6 +56,19 @@ impl GemmPath {
         );
         Ok(forced)
     }
+}
+
+/// Whether gemm_wgmma.cu takes weight `w` (as the kernels see it): 4-bit codes in groups of a power
+/// of two, a multiple of 4 groups a row, and 8-byte-aligned scales and biases. Every step of
+/// 64 columns is then whole and a window of 4 groups one 8-byte load, which spares the kernel the
+/// checks (and registers) ragged rows would cost. MLX's groups (32, 64, 128) and the model's rows
+/// (2,048 to 4,096 columns in groups of 64) all qualify; the kernel traps on any other.
+pub fn takes(w: &MatArg, bits: u32) -> bool {
+    let group = w.group as usize;
+    bits == 4
+        && group.is_power_of_two()
+        && (w.cols as usize / group).is_multiple_of(4)
+        && (w.scales | w.biases).is_multiple_of(8)
 }
 
 /// The dense entry (gemm_b4's arguments).
@@ -126,6 +141,25 @@ pub(crate) mod tests {
         for (entry, _) in dynamic_shared() {
             assert!(file("gemm_wgmma").entries.contains(&entry.as_str()));
         }
+    }
+
+    #[test]
+    fn takes_whole_windows_of_power_of_two_groups() {
+        let w = |cols, group, scales| MatArg {
+            w: 256,
+            scales,
+            biases: 512,
+            rows: 8,
+            cols,
+            group,
+        };
+        assert!(takes(&w(2048, 64, 256), 4));
+        assert!(takes(&w(512, 32, 256), 4));
+        assert!(takes(&w(512, 128, 256), 4));
+        assert!(!takes(&w(2048, 64, 256), 8));
+        assert!(!takes(&w(384, 64, 256), 4), "6 groups");
+        assert!(!takes(&w(96 * 8, 96, 256), 4), "group not a power of two");
+        assert!(!takes(&w(2048, 64, 258), 4), "scales 2-byte aligned");
     }
 
     #[test]

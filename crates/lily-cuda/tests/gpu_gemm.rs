@@ -17,7 +17,7 @@ use lily_core::synthetic::synthetic_config;
 use lily_core::weights::Linear;
 use lily_cuda::KvPrecision;
 use lily_cuda::gemm::{gemm, gemm_grouped};
-use lily_cuda::gemm_wgmma::GemmPath;
+use lily_cuda::gemm_wgmma::{GemmPath, takes};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
 use lily_cuda::moe_prefill::{MoeTile, TileMap, max_tiles};
@@ -35,6 +35,16 @@ const TOLERANCE: f64 = 1e-5;
 fn gpu() -> Gpu {
     let config = synthetic_config("tiny").unwrap();
     Gpu::new(&config, KvPrecision::Bf16).expect(NEEDS_GPU)
+}
+
+/// The kernel file `path` runs `w` on at tile `height` (dense: 64-row): the wgmma path leaves
+/// gemm_wgmma.cu's exceptions to gemm.cu.
+fn kernel_file(gpu: &Gpu, path: GemmPath, w: &DeviceMat, height: MoeTile) -> &'static str {
+    if path == GemmPath::Wgmma && height == MoeTile::Rows64 && takes(&w.arg(gpu), w.bits) {
+        "gemm_wgmma.cu"
+    } else {
+        "gemm.cu"
+    }
 }
 
 /// The weight as the kernel sees it: `scale·code + bias` by one fused multiply-add in f32, then
@@ -156,7 +166,11 @@ struct Dense {
 
 /// Runs one dense product into `y[r, col0 + j]` of a wider, taller buffer on each of `paths`
 /// and returns each path's errors against references (a) and (b).
-fn check_dense(gpu: &mut Gpu, c: &Dense, paths: &[GemmPath]) -> Vec<(GemmPath, f64, f64)> {
+fn check_dense(
+    gpu: &mut Gpu,
+    c: &Dense,
+    paths: &[GemmPath],
+) -> Vec<(GemmPath, &'static str, f64, f64)> {
     let (m, n, k) = (c.m, c.n, c.k);
     let seed = (c.bits as u64) << 40 | (m as u64) << 20 | (n as u64) << 8 | k as u64;
     let l = random_linear_grouped(n, k, c.bits, c.group, seed);
@@ -200,7 +214,8 @@ fn check_dense(gpu: &mut Gpu, c: &Dense, paths: &[GemmPath]) -> Vec<(GemmPath, f
             .iter()
             .map(|&r| y[r * ldy + col0..r * ldy + col0 + n].to_vec())
             .collect();
-        results.push((path, rel_diff(&got, &want_a), rel_diff(&got, &want_b)));
+        let file = kernel_file(gpu, path, &w, MoeTile::Rows64);
+        results.push((path, file, rel_diff(&got, &want_a), rel_diff(&got, &want_b)));
     }
     results
 }
@@ -239,14 +254,15 @@ fn dense_gemm_matches_bf16_products() {
             });
         }
     }
-    // 4-bit weights whose rows end mid-step (K % 64 = 32; 544 also splits along K, the last
-    // split ragged) or hold a number of groups that is not a multiple of 4 (one group a window),
-    // and groups of 32 (two a step).
+    // 4-bit weights in groups of 32 (two a wgmma step), and ones the wgmma path leaves to
+    // gemm.cu: rows that end mid-step (K % 64 = 32; 544 also splits along K, the last split
+    // ragged) or hold a number of groups that is not a multiple of 4.
     for (group, k) in [
-        (32usize, 32usize),
+        (32usize, 256usize),
+        (32, 1024),
+        (32, 32),
         (32, 96),
         (32, 544),
-        (32, 1024),
         (64, 384),
         (128, 640),
     ] {
@@ -287,9 +303,9 @@ fn dense_gemm_matches_bf16_products() {
     }
     let mut failures = Vec::new();
     for c in &cases {
-        for (path, a, b) in check_dense(&mut gpu, c, &paths) {
+        for (path, file, a, b) in check_dense(&mut gpu, c, &paths) {
             let what = format!(
-                "{path:?} {}-bit (group {}) m {} n {} k {} offset {}",
+                "{path:?} ({file}) {}-bit (group {}) m {} n {} k {} offset {}",
                 c.bits, c.group, c.m, c.n, c.k, c.offset
             );
             eprintln!("gemm {what}: vs bf16 operands {a:.2e}, vs exact f32 operands {b:.2e}");
@@ -394,7 +410,7 @@ fn check_grouped(
     gpu: &mut Gpu,
     c: &Grouped,
     paths: &[GemmPath],
-) -> Vec<(GemmPath, MoeTile, f64, f64)> {
+) -> Vec<(GemmPath, &'static str, MoeTile, f64, f64)> {
     let (n, k, experts) = (c.n, c.k, c.counts.len());
     let pairs: usize = c.counts.iter().sum();
     let seed = (c.bits as u64) << 40 | (pairs as u64) << 16 | n as u64;
@@ -439,6 +455,7 @@ fn check_grouped(
                 .collect();
             results.push((
                 path,
+                kernel_file(gpu, path, &w, height),
                 height,
                 rel_diff(&got, &want_a),
                 rel_diff(&got, &want_b),
@@ -477,12 +494,13 @@ fn grouped_gemm_matches_bf16_products() {
     let mut failures = Vec::new();
     for bits in [4u32, 8, 32] {
         for counts in &routings {
-            // Groups of 64, and of 32 with K ending mid-step in 3 groups (for 4 bits: one a
-            // window, the last wgmma step half past the rows).
+            // Groups of 64, and of 32: 8 a row (for 4 bits, two a wgmma step) and 3 (K ending
+            // mid-step, which the wgmma path leaves to gemm.cu).
             for (n, k, group) in [
                 (192usize, 512usize, 64usize),
                 (64, 2048, 64),
                 (72, 48, 64),
+                (300, 256, 32),
                 (300, 96, 32),
             ] {
                 if bits != 32 && k % group != 0 {
@@ -497,9 +515,9 @@ fn grouped_gemm_matches_bf16_products() {
                         counts,
                         gather_tokens,
                     };
-                    for (path, height, a, b) in check_grouped(&mut gpu, &c, &paths) {
+                    for (path, file, height, a, b) in check_grouped(&mut gpu, &c, &paths) {
                         let what = format!(
-                            "{path:?} {bits}-bit {height:?} n {n} k {k} group {group} counts {counts:?} gather {gather_tokens:?}"
+                            "{path:?} ({file}) {bits}-bit {height:?} n {n} k {k} group {group} counts {counts:?} gather {gather_tokens:?}"
                         );
                         eprintln!(
                             "grouped gemm {what}: vs bf16 operands {a:.2e}, vs exact f32 operands {b:.2e}"

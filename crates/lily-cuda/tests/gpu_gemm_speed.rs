@@ -12,10 +12,21 @@ use lily_core::rng::{mix64, uniform_at};
 use lily_core::synthetic::synthetic_config;
 use lily_cuda::KvPrecision;
 use lily_cuda::gemm::{gemm, gemm_grouped};
+use lily_cuda::gemm_wgmma::{GemmPath, takes};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
 use lily_cuda::moe_prefill::{MoeTile, TileMap, max_tiles, sort};
 use support::{NEEDS_GPU, gemm_paths, random_linear_grouped, time_ms};
+
+/// The kernel file `path` runs `w` on (the wgmma path leaves what gemm_wgmma.cu does not take to
+/// gemm.cu).
+fn kernel_file(gpu: &Gpu, path: GemmPath, w: &DeviceMat) -> &'static str {
+    if path == GemmPath::Wgmma && takes(&w.arg(gpu), w.bits) {
+        "gemm_wgmma.cu"
+    } else {
+        "gemm.cu"
+    }
+}
 
 /// TFLOP/s of `flops` in `ms`.
 fn tflops(flops: usize, ms: f64) -> f64 {
@@ -51,7 +62,8 @@ fn gemm_speed_at_prefill_shapes() {
             gpu.set_gemm_path(path).unwrap();
             let ms = time_ms(&gpu, &|| gemm(&gpu, &w, xp, t, yp, n, 0).unwrap());
             let rate = tflops(2 * t * n * k, ms);
-            line += &format!(" {path:?} {ms:.3} ms ({rate:.0} TFLOP/s);");
+            let file = kernel_file(&gpu, path, &w);
+            line += &format!(" {path:?} ({file}) {ms:.3} ms ({rate:.0} TFLOP/s);");
             assert!(gpu.download(&dy).unwrap().iter().all(|v| v.is_finite()));
         }
         eprintln!("{line}");
@@ -146,8 +158,12 @@ fn grouped_gemm_speed_by_tokens() {
                 let down_ms = time_ms(&gpu, &|| {
                     gemm_grouped(&gpu, &down, h, ap, 0, &map, op).unwrap()
                 });
+                let file = match height {
+                    MoeTile::Rows64 => kernel_file(&gpu, path, &gate),
+                    MoeTile::Rows16 => "gemm.cu",
+                };
                 line += &format!(
-                    " {path:?}: gate|up {gate_ms:.3} ms ({:.0} TFLOP/s), down {down_ms:.3} ms \
+                    " {path:?} ({file}): gate|up {gate_ms:.3} ms ({:.0} TFLOP/s), down {down_ms:.3} ms \
                      ({:.0} TFLOP/s), a layer's 2 gate|up + down {:.3} ms;",
                     tflops(flops, gate_ms),
                     tflops(flops, down_ms),

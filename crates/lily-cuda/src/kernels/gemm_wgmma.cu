@@ -1,8 +1,10 @@
 // Y = X · Wᵀ for prefill on Hopper's warpgroup MMA (wgmma.mma_async, sm_90a only), for 4-bit
 // weights: exactly what gemm.cu's gemm_b4 and gemm_grouped64_b4 compute, with the same arguments
 // (X rounded to bf16, w = bf16(scale·code + bias) rounded once, products summed in f32); gemm.rs
-// picks this file's entries on sm_90 (GemmPath). 8-bit and f32 weights, and the 16-row expert
-// tiles, keep gemm.cu.
+// picks this file's entries on sm_90 (GemmPath). It takes weights in groups of a power of two,
+// four or more groups a row (gemm_wgmma.rs, `takes`: the model's all are), so every step of
+// GEMM_WG_BK = 64 columns is whole and no load needs a column check. 8-bit and f32 weights, other
+// 4-bit ones and the 16-row expert tiles keep gemm.cu.
 //
 // Why: gemm.cu is bound by the SM's L1/shared data pipe, which its ldmatrix operand reads share
 // with the tile stores and the global loads. wgmma reads both operands from shared memory itself,
@@ -11,25 +13,27 @@
 // A block is two warpgroups (256 threads) and 256 weight rows (output columns). Dense: 128 rows of
 // X, warpgroup g computes rows 64g..64g+63 as m64n256 (128 f32 accumulators a thread, one block an
 // SM). Grouped (moe_sort's 64-row tiles): warpgroup g computes the tile's 64 rows at columns
-// 128g..128g+127 as m64n128 (64 accumulators, two blocks an SM). A warpgroup with no live rows
-// (dense) or columns (grouped) issues no wgmma.
+// 128g..128g+127 as m64n128 (64 accumulators, at most 128 registers so that two blocks share an
+// SM and hide each other's barriers and load latency). A warpgroup with no live rows (dense) or
+// columns (grouped) issues no wgmma.
 //
-// X is wgmma's A and W its B, both bf16 in shared memory and K-major: a step of GEMM_WG_BK = 64
-// columns is 128 bytes a row, stored with the 128-byte swizzle (16-byte chunk c of row r at
-// c ^ (r % 8)), so a quarter-warp's 16-byte stores and the tensor cores' reads hit distinct
-// banks. The matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address >> 4 in bits
-// 0-13; leading byte offset in 16-29, unused by swizzled K-major layouts (1 by convention); stride
-// byte offset >> 4 in 32-45, 1024 = the 8 rows × 128 bytes between 8-row groups; swizzle mode 1
-// (128-byte) in 62-63. Tiles start at 1024-byte boundaries, where the swizzle pattern repeats, so
-// the base offset is 0, and the k16 slices of a step are 32 bytes apart in the start address (the
-// hardware swizzles the address it forms).
+// X is wgmma's A and W its B, both bf16 in shared memory and K-major: a step is 128 bytes a row,
+// stored with the 128-byte swizzle (16-byte chunk c of row r at c ^ (r % 8)), so a quarter-warp's
+// 16-byte stores and the tensor cores' reads hit distinct banks. The matrix descriptor (PTX ISA,
+// "Matrix Descriptor Format"): start address >> 4 in bits 0-13; leading byte offset in 16-29,
+// unused by swizzled K-major layouts (1 by convention); stride byte offset >> 4 in 32-45, 1024 =
+// the 8 rows × 128 bytes between 8-row groups; swizzle mode 1 (128-byte) in 62-63. Tiles start at
+// 1024-byte boundaries, where the swizzle pattern repeats, so the base offset is 0, and the k16
+// slices of a step are 32 bytes apart in the start address (the hardware swizzles the address it
+// forms).
 //
-// Two stages. In step s every thread issues the global loads of step s+1 into registers, each
-// warpgroup issues the four k16 wgmma of step s (one commit group), and while the tensor cores
-// work the threads convert step s+1 (X rounded, W dequantised) into the other stage. The stores
-// are generic-proxy writes that wgmma reads through the async proxy: each thread fences
-// (fence.proxy.async) before the barrier that ends the step, and waits for its warpgroup's wgmma
-// (wgmma.wait_group 0) before it, so the stage just read is free for step s+1's stores.
+// Two stages. In step s each warpgroup first issues the four k16 wgmma of step s (one commit
+// group); while the tensor cores work, every thread loads step s+1 into registers and converts it
+// (X rounded, W dequantised) into the other stage. One step ahead is what the registers allow (a
+// dense thread's accumulators take 128 of them). The stores are generic-proxy writes that wgmma
+// reads through the async proxy: each thread fences (fence.proxy.async) before the barrier that
+// ends the step, and waits for its warpgroup's wgmma (wgmma.wait_group 0) before it, so the stage
+// just read is free for the next step's stores.
 //
 // Global loads follow gemm.cu: a warp's X load is 2 rows × 256 bytes (whole lines); a W row's 32
 // bytes of codes a step are one load by two lanes, and the scales and biases of a row are loaded
@@ -59,7 +63,8 @@ __device__ __forceinline__ void st_shared_v4(u32 address, uint4 v) {
 }
 
 // v, hidden from the optimiser here: what a step computes from it (row addresses) is recomputed
-// every step instead of hoisted out of the loop into registers, which the accumulators need.
+// every step instead of hoisted out of the loop into registers, which the accumulators need (the
+// grouped entry spilled in its loop without it).
 __device__ __forceinline__ int opaque(int v) {
     asm volatile("" : "+r"(v));
     return v;
@@ -95,8 +100,9 @@ __device__ __forceinline__ void pin_accumulators(float (&d)[N]) {
     for (int i = 0; i < N; i++) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-#define WG_ACC8(d, i) \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define WG_ACC8(d, i)                                                                  \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
+        "+f"(d[i + 6]), "+f"(d[i + 7])
 #define WG_ACC32(d, i) WG_ACC8(d, i), WG_ACC8(d, i + 8), WG_ACC8(d, i + 16), WG_ACC8(d, i + 24)
 #define WG_REGS_0_63                                                                   \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
@@ -133,9 +139,8 @@ __device__ __forceinline__ void wgmma_m64n256(float (&d)[128], unsigned long lon
 
 // Where this thread's X comes from. Piece i of a step is row tid/16 + 16·i, float4 tid % 16 of the
 // step's 64 columns: a warp's load of one piece is 2 rows × 256 contiguous bytes. Pieces i < live
-// are rows of the block; the others are never loaded and stay zero. Gathered rows keep their row
-// index a piece (fewer registers than pointers); contiguous rows one pointer, piece i being 16·i
-// rows on.
+// are rows of the block (the rest load zeros). Gathered rows keep their row index a piece (fewer
+// registers than pointers); contiguous rows one pointer, piece i being 16·i rows on.
 template <int BM, bool GATHER>
 struct WgXRows {
     static constexpr int PIECES = BM / 16;
@@ -144,26 +149,26 @@ struct WgXRows {
     int live;
 };
 
-// Loads this thread's live pieces at column k (its own float4 of the step); columns from k_end on
-// are zero (k_end is a multiple of 32 and k of 4, so a float4 is wholly inside or wholly past
-// it: only the last step of a block can reach it). vec: x is 16-byte aligned, and so is every row
-// (K % 32 == 0).
+// Loads this thread's live pieces at column k (its own float4 of the step). vec: x is 16-byte
+// aligned, and so is every row (K % 128 == 0).
 template <int BM, bool GATHER>
-__device__ __forceinline__ void wg_load_x(float4 (&v)[BM / 16], const WgXRows<BM, GATHER>& rows, int k, int k_end,
-                                          long K, bool vec) {
+__device__ __forceinline__ void wg_load_x(float4 (&v)[BM / 16], const WgXRows<BM, GATHER>& rows, int k, long K,
+                                          bool vec) {
+    const float* src = rows.first + k;
     const long row_stride = opaque(16 * K);
 #pragma unroll
     for (int i = 0; i < BM / 16; i++) {
         float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (i < rows.live && k < k_end) {
-            const float* src = (GATHER ? rows.first + opaque(rows.index[i]) * K : rows.first + i * row_stride) + k;
+        if (i < rows.live) {
+            const float* at = GATHER ? src + opaque(rows.index[i]) * K : src;
             if (vec) {
-                r = *(const float4*)src;
+                r = *(const float4*)at;
             } else {
-                r.x = src[0]; r.y = src[1]; r.z = src[2]; r.w = src[3];
+                r.x = at[0]; r.y = at[1]; r.z = at[2]; r.w = at[3];
             }
         }
         v[i] = r;
+        if (!GATHER) src += row_stride;
     }
 }
 
@@ -178,70 +183,39 @@ __device__ __forceinline__ void wg_store_x(const float4 (&v)[BM / 16], u32 at) {
 }
 
 // This thread's share of a W tile (256 rows × 64 codes a step): rows tid/2 and tid/2 + 128, codes
-// 32·(tid%2) .. +32 of the step, 16 bytes each (every 4-bit group is a multiple of 32 columns, so
-// they lie in one group). A warp's load is 16 rows × 32 bytes. Both rows are at the same column,
-// so they share the window bookkeeping: the scales and biases of four groups from group `base`
-// (8-byte loads; `wide`: a row has a multiple of 4 groups and the arrays are 8-byte aligned),
-// else the one group `base`; `sub` is the step's group relative to base, `col` its column within
-// that group.
+// 32·(tid%2) .. +32 of the step, 16 bytes each, in one group. A warp's load is 16 rows × 32
+// bytes. With the codes, the bf16 scales and biases of a window of four groups (one 8-byte load
+// each), loaded when the codes enter a new window; `sub` is the codes' group within it. Groups are
+// powers of two, so windows follow from the column by shifts, with no state carried from step to
+// step.
 struct WgWLoad {
     uint4 q[2];
     u32 scales[2][2], biases[2][2];
-    int base, sub, col;
+    int sub;
 };
 
-// The windows at the block's first column k0 (the only integer divisions, once per block).
-__device__ __forceinline__ void wg_init_groups(WgWLoad& r, int group, bool wide, int k0) {
-    const int k = k0 + 32 * (threadIdx.x % 2);
-    const int g = k / group;
-    r.col = k % group;
-    r.base = wide ? g & ~3 : g;
-    r.sub = g - r.base;
-}
-
-// Moves the windows' positions on by a step: a group has at least 32 columns, so a step of 64
-// crosses at most two group ends.
-__device__ __forceinline__ void wg_next_groups(WgWLoad& r, int group) {
-    r.col += GEMM_WG_BK;
-#pragma unroll
-    for (int t = 0; t < 2; t++) {
-        if (r.col >= group) {
-            r.col -= group;
-            r.sub++;
-        }
-    }
-}
-
-// Loads step k of rows [row0, row0 + n_valid) of w. A row past n_valid, or the codes past k_end,
-// load as zero codes, scales and biases (w = 0). Zeroing a window is safe: a row past n_valid is
-// never live, and only the last step of a block reaches k_end. K is a multiple of the group
-// (checked by the launcher), so the codes never straddle a group or the end of a row.
-// first: the windows load (the block's first step).
-__device__ __forceinline__ void wg_load_w(WgWLoad& r, const Mat& w, long row0, int n_valid, int k, int k_end,
-                                          int groups, bool wide, bool first) {
+// Loads step k of rows [row0, row0 + n_valid) of w; a row past n_valid loads as zero codes,
+// scales and biases (w = 0). group_shift: log2 of the group; first: the block's first step (its
+// windows load).
+__device__ __forceinline__ void wg_load_w(WgWLoad& r, const Mat& w, long row0, int n_valid, int k, int groups,
+                                          int group_shift, bool first) {
     const int row = threadIdx.x / 2, kk = k + 32 * (threadIdx.x % 2);
-    row0 = opaque(row0);
-    // The window moves by whole windows: 4 groups wide, 1 otherwise.
-    const int move = r.sub & (wide ? ~3 : ~0);
-    const bool reload = first || move != 0;
-    r.base += move;
-    r.sub -= move;
+    const int window_shift = group_shift + 2;
+    const bool reload = first || (kk >> window_shift) != ((kk - GEMM_WG_BK) >> window_shift);
+    const int base = (kk >> window_shift) << 2;
+    r.sub = (kk >> group_shift) - base;
+    // Row tid/2's codes at this step; row tid/2 + 128 is 128 rows on.
+    const char* codes = (const char*)w.w + (opaque(row0) + row) * (w.cols / 2) + kk / 2;
 #pragma unroll
     for (int j = 0; j < 2; j++) {
         const int rj = row + 128 * j;
-        if (rj < n_valid && kk < k_end) {
-            const long wr = row0 + rj;
-            r.q[j] = *(const uint4*)((const char*)w.w + wr * (w.cols / 2) + kk / 2);
+        if (rj < n_valid) {
+            r.q[j] = *(const uint4*)(codes + (j == 0 ? 0 : opaque(128L * (w.cols / 2))));
             if (reload) {
-                const long g = wr * groups + r.base;
-                if (wide) {
-                    const uint2 s = *(const uint2*)(w.scales + g), b = *(const uint2*)(w.biases + g);
-                    r.scales[j][0] = s.x; r.scales[j][1] = s.y;
-                    r.biases[j][0] = b.x; r.biases[j][1] = b.y;
-                } else {
-                    r.scales[j][0] = w.scales[g]; r.scales[j][1] = 0u;
-                    r.biases[j][0] = w.biases[g]; r.biases[j][1] = 0u;
-                }
+                const long g = (opaque(row0) + rj) * groups + base;
+                const uint2 s = *(const uint2*)(w.scales + g), b = *(const uint2*)(w.biases + g);
+                r.scales[j][0] = s.x; r.scales[j][1] = s.y;
+                r.biases[j][0] = b.x; r.biases[j][1] = b.y;
             }
         } else {
             r.q[j] = make_uint4(0u, 0u, 0u, 0u);
@@ -266,9 +240,9 @@ __device__ __forceinline__ void wg_store_w(const WgWLoad& r, u32 tile, u32 slot)
 }
 
 // One block's tile: Y[y_row0 + i, y_col0 + j] = Σ_k X[row i] · W[w_row0 + j] for i < m_valid,
-// j < n_valid, k in [k0, k1) (k0 a multiple of GEMM_WG_BK, k1 of 32). X row i is x_row0 + i, or
-// gather[x_row0 + i] when GATHER; X rows have K = w.cols values; m_valid ≤ BM. BM 128: dense
-// (warpgroups split the rows); BM 64: grouped (warpgroups split the columns).
+// j < n_valid, k in [k0, k1) (whole steps). X row i is x_row0 + i, or gather[x_row0 + i] when
+// GATHER; X rows have K = w.cols values; m_valid ≤ BM. BM 128: dense (warpgroups split the rows);
+// BM 64: grouped (warpgroups split the columns).
 template <int BM, bool GATHER>
 __device__ __forceinline__ void wgmma_tile(const Mat& w, long w_row0, int n_valid, const float* __restrict__ x,
                                            const int* __restrict__ gather, long x_row0, int m_valid,
@@ -294,8 +268,13 @@ __device__ __forceinline__ void wgmma_tile(const Mat& w, long w_row0, int n_vali
     const int K = w.cols;
     const bool x_vec = ((unsigned long long)x & 15) == 0;
     const int groups = K / w.group;
-    const bool wide = groups % 4 == 0 && ((unsigned long long)w.scales & 7) == 0 &&
-                      ((unsigned long long)w.biases & 7) == 0;
+    // The weights the launcher sends here (gemm_wgmma.rs, `takes`): groups a power of two and a
+    // multiple of 4 of them a row (so K % 128 == 0 and every step is whole), 8-byte-aligned scales
+    // and biases (the windows' loads); a block's columns whole steps.
+    const unsigned long long windows = (unsigned long long)w.scales | (unsigned long long)w.biases;
+    if ((w.group & (w.group - 1)) != 0 || groups % 4 != 0 || (windows & 7) != 0 || (k1 - k0) % GEMM_WG_BK != 0)
+        __trap();
+    const int group_shift = 31 - __clz(w.group);
 
     constexpr int XP = BM / 16;
     WgXRows<BM, GATHER> x_rows;
@@ -322,10 +301,9 @@ __device__ __forceinline__ void wgmma_tile(const Mat& w, long w_row0, int n_vali
 
     float4 xl[XP];
     WgWLoad wl;
-    wg_init_groups(wl, w.group, wide, k0);
-    const int steps = (k1 - k0 + GEMM_WG_BK - 1) / GEMM_WG_BK;
-    wg_load_x<BM, GATHER>(xl, x_rows, k0 + x_col, k1, K, x_vec);
-    wg_load_w(wl, w, w_row0, n_valid, k0, k1, groups, wide, true);
+    const int steps = (k1 - k0) / GEMM_WG_BK;
+    wg_load_x<BM, GATHER>(xl, x_rows, k0 + x_col, K, x_vec);
+    wg_load_w(wl, w, w_row0, n_valid, k0, groups, group_shift, true);
     wg_store_x<BM>(xl, sx + xs);
     wg_store_w(wl, sw, ws);
     fence_async_shared();
@@ -334,12 +312,6 @@ __device__ __forceinline__ void wgmma_tile(const Mat& w, long w_row0, int n_vali
     for (int step = 0; step < steps; step++) {
         const int stage = step & 1;
         const bool more = step + 1 < steps;
-        if (more) {
-            const int k = k0 + (step + 1) * GEMM_WG_BK;
-            wg_load_x<BM, GATHER>(xl, x_rows, k + x_col, k1, K, x_vec);
-            wg_next_groups(wl, w.group);
-            wg_load_w(wl, w, w_row0, n_valid, k, k1, groups, wide, false);
-        }
         if (live) {
             // Descriptor units are 16 bytes: a stage is X_BYTES (W_BYTES) on, a k16 slice 32 bytes.
             const unsigned long long a = a_desc + stage * (X_BYTES >> 4), b = b_desc + stage * (W_BYTES >> 4);
@@ -355,6 +327,9 @@ __device__ __forceinline__ void wgmma_tile(const Mat& w, long w_row0, int n_vali
             wgmma_commit();
         }
         if (more) {
+            const int k = k0 + (step + 1) * GEMM_WG_BK;
+            wg_load_x<BM, GATHER>(xl, x_rows, k + x_col, K, x_vec);
+            wg_load_w(wl, w, w_row0, n_valid, k, groups, group_shift, false);
             // The other stage was last read by step − 1's wgmma, complete before its barrier.
             wg_store_x<BM>(xl, sx + (stage ^ 1) * X_BYTES + xs);
             wg_store_w(wl, sw + (stage ^ 1) * W_BYTES, ws);
