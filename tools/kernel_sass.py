@@ -2,9 +2,10 @@
 """ptxas statistics and the main loop's SASS of a kernel file, without a GPU.
 
 Compiles crates/lily-cuda/src/kernels/FILE.cu as the backend does (common.cuh prepended, the
-model's -D constants) but to an sm_90 CUBIN through NVRTC, prints ptxas -v (registers, spills,
-shared memory) per kernel, and, with cuobjdump, each kernel's main loop (the backward branch
-around the most HMMA; without HMMA, the innermost one with 16-byte global loads and 32+ FFMAs) as an
+model's -D constants) but to an sm_90 CUBIN through NVRTC (--arch sm_90a for gemm_wgmma), prints
+ptxas -v (registers, spills, shared memory) per kernel and any ptxas warning (such as wgmma
+serialised), and, with cuobjdump, each kernel's main loop (the backward branch around the most
+HMMA or HGMMA; without them, the innermost one with 16-byte global loads and 32+ FFMAs) as an
 opcode histogram with its load instructions.
 
     pip install --target /tmp/nvrtc13 "nvidia-cuda-nvrtc==13.0.*"
@@ -58,6 +59,8 @@ def compile_cubin(source, arch):
 def ptxas_summary(log):
     name = None
     for line in log.splitlines():
+        if "warning" in line.lower():
+            print(line.strip())
         m = re.search(r"Compiling entry function '(\w+)'", line)
         if m:
             name = m.group(1)
@@ -81,7 +84,7 @@ def loops(sass):
             if op.startswith("BRA") and t and int(t.group(1), 16) < a and int(t.group(1), 16) in where:
                 j = where[int(t.group(1), 16)]
                 body = ins[j:i + 1]
-                n = sum(1 for x in body if x[1].startswith("HMMA"))
+                n = sum(1 for x in body if x[1].startswith(("HMMA", "HGMMA")))
                 # Without HMMA (the GEMVs), the innermost loop with 16-byte loads and a
                 # dequantisation's worth of FFMAs (not the staging or RMS loops).
                 wide = any(x[1].startswith(("LDG.E.128", "LD.E.128")) for x in body)
@@ -94,7 +97,7 @@ def loops(sass):
         loop = ins[best[1]:best[2] + 1]
         hist = collections.Counter(op.split(".")[0] for _, op, _ in loop)
         loads = collections.Counter(op for _, op, _ in loop if op.startswith(("LDG", "LD.", "LDS", "LDL")))
-        print(f"{name}: loop of {len(loop)} instructions, {best[0][0]} HMMA, "
+        print(f"{name}: loop of {len(loop)} instructions, {best[0][0]} HMMA/HGMMA, "
               + ", ".join(f"{k} {v}" for k, v in sorted(loads.items())))
         print("   " + ", ".join(f"{k} {v}" for k, v in hist.most_common()))
 

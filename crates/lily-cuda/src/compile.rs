@@ -15,9 +15,25 @@ pub struct KernelFile {
     pub name: &'static str,
     pub source: &'static str,
     pub entries: &'static [&'static str],
+    /// The architecture-specific target the file is written for ("sm_90a": its instructions exist
+    /// on that GPU only), or None: any GPU Lily runs on.
+    pub only_for: Option<&'static str>,
 }
 
-pub const KERNEL_FILES: [KernelFile; 12] = [
+impl KernelFile {
+    /// The target to compile the file for on a GPU of `arch` ("sm_90"), or None where it cannot
+    /// run: an architecture-specific file compiles for its own GPU, with the `a` suffix.
+    pub fn target(&self, arch: &str) -> Option<String> {
+        match self.only_for {
+            None => Some(arch.to_string()),
+            Some(specific) => {
+                (specific.strip_suffix('a') == Some(arch)).then(|| specific.to_string())
+            }
+        }
+    }
+}
+
+pub const KERNEL_FILES: [KernelFile; 13] = [
     KernelFile {
         name: "gemv",
         source: include_str!("kernels/gemv.cu"),
@@ -35,21 +51,25 @@ pub const KERNEL_FILES: [KernelFile; 12] = [
             "embed_b8",
             "embed_b32",
         ],
+        only_for: None,
     },
     KernelFile {
         name: "norm",
         source: include_str!("kernels/norm.cu"),
         entries: &["add_rms_norm"],
+        only_for: None,
     },
     KernelFile {
         name: "attention",
         source: include_str!("kernels/attention.cu"),
         entries: &["attn_prep", "attn_split", "attn_combine"],
+        only_for: None,
     },
     KernelFile {
         name: "gdn",
         source: include_str!("kernels/gdn.cu"),
         entries: &["gdn_conv", "gdn_step", "gdn_gated_norm"],
+        only_for: None,
     },
     KernelFile {
         name: "moe",
@@ -65,11 +85,13 @@ pub const KERNEL_FILES: [KernelFile; 12] = [
             "moe_down_b8",
             "moe_down_b32",
         ],
+        only_for: None,
     },
     KernelFile {
         name: "sample",
         source: include_str!("kernels/sample.cu"),
         entries: &["argmax_partial", "argmax_final", "advance"],
+        only_for: None,
     },
     KernelFile {
         name: "gemm",
@@ -86,11 +108,19 @@ pub const KERNEL_FILES: [KernelFile; 12] = [
             "gemm_grouped64_b8",
             "gemm_grouped64_b32",
         ],
+        only_for: None,
+    },
+    KernelFile {
+        name: "gemm_wgmma",
+        source: include_str!("kernels/gemm_wgmma.cu"),
+        entries: &["gemm_wgmma_b4", "gemm_wgmma_grouped64_b4"],
+        only_for: Some("sm_90a"),
     },
     KernelFile {
         name: "moe_prefill",
         source: include_str!("kernels/moe_prefill.cu"),
         entries: &["moe_topk_rows", "moe_sort", "moe_swiglu", "moe_combine"],
+        only_for: None,
     },
     KernelFile {
         name: "gdn_prefill",
@@ -101,11 +131,13 @@ pub const KERNEL_FILES: [KernelFile; 12] = [
             "gdn_scan",
             "gdn_gated_norm_rows",
         ],
+        only_for: None,
     },
     KernelFile {
         name: "gdn_chunked",
         source: include_str!("kernels/gdn_chunked.cu"),
         entries: &["gdn_chunk_prep", "gdn_chunk_scan"],
+        only_for: None,
     },
     KernelFile {
         name: "attention_prefill",
@@ -116,11 +148,13 @@ pub const KERNEL_FILES: [KernelFile; 12] = [
             "attn_prefill_r128_s2",
             "attn_prefill_r64_s2",
         ],
+        only_for: None,
     },
     KernelFile {
         name: "synthetic",
         source: include_str!("kernels/synthetic.cu"),
         entries: &["synthetic_quant"],
+        only_for: None,
     },
 ];
 
@@ -227,15 +261,21 @@ fn cache_path(name: &str, source: &str, options: &[String]) -> Option<PathBuf> {
     Some(base.join(format!("{name}-{:016x}.ptx", h.finish())))
 }
 
-/// Compiles every kernel file for `arch`; used by the CI check that needs no GPU.
-pub fn compile_all(c: &ModelConfig, kv: KvPrecision, arch: &str) -> Result<Vec<(String, Ptx)>> {
+/// Compiles every kernel file a GPU of `arch` runs, each for its target (`KernelFile::target`):
+/// the file, the target and the PTX. Used by the CI check that needs no GPU.
+pub fn compile_all(
+    c: &ModelConfig,
+    kv: KvPrecision,
+    arch: &str,
+) -> Result<Vec<(&'static KernelFile, String, Ptx)>> {
     let defines = model_defines(c, kv);
     KERNEL_FILES
         .iter()
-        .map(|file| {
-            compile(file.name, file.source, &defines, arch)
-                .map(|p| (file.name.to_string(), p))
-                .with_context(|| format!("for {arch}"))
+        .filter_map(|file| file.target(arch).map(|target| (file, target)))
+        .map(|(file, target)| {
+            compile(file.name, file.source, &defines, &target)
+                .map(|p| (file, target.clone(), p))
+                .with_context(|| format!("for {target}"))
         })
         .collect()
 }

@@ -1,87 +1,121 @@
-//! Launchers for kernels/gemm.cu: the tensor-core GEMM of prefill, `Y = X · Wᵀ` with the weight
-//! dequantised (and X rounded to bf16) on its way into shared memory, dense or grouped by expert.
+//! Launchers for the tensor-core GEMM of prefill, `Y = X · Wᵀ` with the weight dequantised (and X
+//! rounded to bf16) on its way into shared memory, dense or grouped by expert: kernels/gemm.cu
+//! (mma.sync, every format, sm_80+) and, for 4-bit weights on sm_90, kernels/gemm_wgmma.cu
+//! (warpgroup MMA), which compute the same products. [`GemmPath`] chooses between them.
 
 use anyhow::{Result, ensure};
 
+use crate::gemm_wgmma::{self, GemmPath, WGMMA_DENSE, WGMMA_GROUPED_SHARED};
 use crate::gpu::{Gpu, KArg, Shape, ptr};
 use crate::mat::DeviceMat;
 use crate::moe_prefill::{MoeTile, TileMap};
 
-/// Rows of X (tokens) one block of the dense GEMM computes (kernels/gemm.cu, GEMM_DENSE_BM).
-pub const GEMM_DENSE_BM: usize = 128;
-/// Weight rows (output columns) one block of the dense GEMM computes (GEMM_DENSE_BN).
-pub const GEMM_DENSE_BN: usize = 128;
-/// Expert weight rows (output columns) one block of the grouped GEMM computes (GEMM_GROUPED_BN).
+/// Expert weight rows (output columns) one block of either grouped GEMM computes (gemm.cu's
+/// GEMM_GROUPED_BN, gemm_wgmma.cu's GEMM_WG_BN).
 pub const GEMM_GROUPED_BN: usize = 256;
-/// K columns a step of the GEMM advances (GEMM_BK).
+/// K columns a step of gemm.cu advances (GEMM_BK).
 const GEMM_BK: usize = 32;
-/// Threads of a block: 8 warps (GEMM_THREADS).
-const GEMM_THREADS: u32 = 256;
+/// Threads of a block of either file: 8 warps (GEMM_THREADS, GEMM_WG_THREADS).
+pub(crate) const GEMM_THREADS: u32 = 256;
 /// Threads of a `gemm_reduce` block.
 const REDUCE_THREADS: u32 = 256;
 /// CUDA's limit on a grid's y dimension, which counts row tiles.
 const MAX_GRID_Y: usize = 65_535;
 
-/// Dynamic shared memory of a `bm × bn` block, as kernels/gemm.cu lays it out
-/// (`gemm_shared_bytes`): two bf16 X tiles, then two bf16 W tiles. The kernel traps when given
-/// less.
-const fn shared_bytes(bm: usize, bn: usize) -> u32 {
+/// A dense GEMM kernel's block shape, for its grid and the split-K policy.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DenseTiling {
+    /// Rows of X (tokens) a block computes.
+    pub bm: usize,
+    /// Weight rows (output columns) a block computes.
+    pub bn: usize,
+    /// K columns a step: a split along K is whole steps.
+    pub bk: usize,
+    /// Blocks an SM holds (the kernel's `__launch_bounds__`).
+    pub blocks_per_sm: usize,
+    /// Dynamic shared memory a block launches with; the kernels trap when given less.
+    pub shared: u32,
+}
+
+impl DenseTiling {
+    /// Blocks one wave holds.
+    fn wave(&self, sms: u32) -> usize {
+        self.blocks_per_sm * sms as usize
+    }
+
+    /// K splits of an `m × n × k` GEMM: enough for its output tiles to fill one wave, each split
+    /// at least [`SPLIT_MIN_K`] columns, the partial sums within `partials` floats. 1 when the
+    /// tiles alone fill the GPU.
+    fn splits(&self, sms: u32, m: usize, n: usize, k: usize, partials: usize) -> usize {
+        let tiles = n.div_ceil(self.bn) * m.div_ceil(self.bm);
+        let wave = self.wave(sms);
+        if tiles >= wave {
+            return 1;
+        }
+        wave.div_ceil(tiles)
+            .min(k / SPLIT_MIN_K)
+            .min(partials / (m * n))
+            .max(1)
+    }
+}
+
+/// Dynamic shared memory of a `bm × bn` block of gemm.cu (`gemm_shared_bytes`): two bf16 X tiles,
+/// then two bf16 W tiles.
+const fn mma_shared_bytes(bm: usize, bn: usize) -> u32 {
     (2 * (bm + bn) * GEMM_BK * 2) as u32
 }
 
-/// Fewest K columns a split of a dense GEMM takes: 8 steps, so the prologue and the reduction
-/// stay small beside the work.
-const SPLIT_MIN_K: usize = 256;
+/// gemm.cu's dense blocks: 128 × 128, two an SM, 32 KiB.
+const MMA_DENSE: DenseTiling = DenseTiling {
+    bm: 128,
+    bn: 128,
+    bk: GEMM_BK,
+    blocks_per_sm: 2,
+    shared: mma_shared_bytes(128, 128),
+};
 
-/// Dense blocks one wave holds: the kernel's `__launch_bounds__` asks for two per SM.
-fn dense_wave(sms: u32) -> usize {
-    2 * sms as usize
-}
+/// Fewest K columns a split of a dense GEMM takes: 8 steps of gemm.cu, 4 of gemm_wgmma.cu, so
+/// the prologue and the reduction stay small beside the work.
+pub(crate) const SPLIT_MIN_K: usize = 256;
 
-/// Floats of `Gpu::gemm_partials`: room for two waves of dense output tiles, which bounds what
-/// [`dense_splits`] writes (splits · m · n ≤ (wave / tiles + 1) · tiles · BM · BN).
+const _: () = assert!(SPLIT_MIN_K.is_multiple_of(MMA_DENSE.bk));
+
+/// Floats of `Gpu::gemm_partials`: room for two waves of dense output tiles of either kernel,
+/// which bounds what [`DenseTiling::splits`] writes (splits · m · n ≤ (wave / tiles + 1) · tiles
+/// · BM · BN).
 pub fn partial_floats(sms: u32) -> usize {
-    2 * dense_wave(sms) * GEMM_DENSE_BM * GEMM_DENSE_BN
+    [MMA_DENSE, WGMMA_DENSE]
+        .iter()
+        .map(|t| 2 * t.wave(sms) * t.bm * t.bn)
+        .max()
+        .unwrap_or(0)
 }
 
-/// K splits of an `m × n × k` dense GEMM: enough for its output tiles to fill one wave, each
-/// split at least [`SPLIT_MIN_K`] columns, the partial sums within `partials` floats. 1 when
-/// the tiles alone fill the GPU.
-fn dense_splits(sms: u32, m: usize, n: usize, k: usize, partials: usize) -> usize {
-    let tiles = n.div_ceil(GEMM_DENSE_BN) * m.div_ceil(GEMM_DENSE_BM);
-    let wave = dense_wave(sms);
-    if tiles >= wave {
-        return 1;
-    }
-    wave.div_ceil(tiles)
-        .min(k / SPLIT_MIN_K)
-        .min(partials / (m * n))
-        .max(1)
-}
-
-/// Dense blocks: 32 KiB.
-const DENSE_SHARED: u32 = shared_bytes(GEMM_DENSE_BM, GEMM_DENSE_BN);
-
-/// Grouped blocks, one tile high: 34 KiB at 16 rows, 40 KiB at 64.
+/// gemm.cu's grouped blocks, one tile high: 34 KiB at 16 rows, 40 KiB at 64.
 const fn grouped_shared(height: MoeTile) -> u32 {
-    shared_bytes(height.rows(), GEMM_GROUPED_BN)
+    mma_shared_bytes(height.rows(), GEMM_GROUPED_BN)
 }
 
-/// The grouped entry for tiles of `height` and `bits`-bit weights (gemm.cu's GEMM_GROUPED).
+/// gemm.cu's grouped entry for tiles of `height` and `bits`-bit weights (GEMM_GROUPED).
 fn grouped_entry(height: MoeTile, bits: u32) -> String {
     format!("gemm_grouped{}_b{bits}", height.rows())
 }
 
 /// The GEMM kernels and the dynamic shared memory each launches with, for `Gpu::new` to declare
-/// as their limit (needed once a block takes more than the default 48 KiB; 32 to 40 KiB now).
-pub fn dynamic_shared() -> Vec<(String, u32)> {
-    [4, 8, 32]
+/// as their limit (needed once a block takes more than the default 48 KiB: the wgmma entries,
+/// compiled when `wgmma`).
+pub fn dynamic_shared(wgmma: bool) -> Vec<(String, u32)> {
+    let mut entries: Vec<(String, u32)> = [4, 8, 32]
         .into_iter()
         .flat_map(|bits| {
             let grouped = MoeTile::ALL.map(|h| (grouped_entry(h, bits), grouped_shared(h)));
-            std::iter::once((format!("gemm_b{bits}"), DENSE_SHARED)).chain(grouped)
+            std::iter::once((format!("gemm_b{bits}"), MMA_DENSE.shared)).chain(grouped)
         })
-        .collect()
+        .collect();
+    if wgmma {
+        entries.extend(gemm_wgmma::dynamic_shared());
+    }
+    entries
 }
 
 /// Checks the weight suits the kernels: their 16-byte code chunks (32 codes at 4 bits, 16 at 8)
@@ -136,17 +170,22 @@ pub fn gemm(
         "output columns {col0}..{} do not fit rows of {ldy}",
         col0 + w.rows
     );
-    let row_tiles = m.div_ceil(GEMM_DENSE_BM);
+    let warg = w.arg(gpu);
+    let (name, tiling) = if gpu.gemm_path() == GemmPath::Wgmma && gemm_wgmma::takes(&warg, w.bits) {
+        (gemm_wgmma::DENSE_ENTRY.to_string(), WGMMA_DENSE)
+    } else {
+        (format!("gemm_b{}", w.bits), MMA_DENSE)
+    };
+    let row_tiles = m.div_ceil(tiling.bm);
     ensure!(
         row_tiles <= MAX_GRID_Y,
         "{m} rows are too many for one GEMM launch"
     );
-    let name = format!("gemm_b{}", w.bits);
     let (n, k) = (w.rows, w.cols);
     let partials = gpu.gemm_partials.len();
-    let splits = dense_splits(gpu.sms, m, n, k, partials);
+    let splits = tiling.splits(gpu.sms, m, n, k, partials);
     // Whole steps per split; rounding up can leave fewer splits than asked.
-    let k_split = k.div_ceil(splits).next_multiple_of(GEMM_BK);
+    let k_split = k.div_ceil(splits).next_multiple_of(tiling.bk);
     let splits = k.div_ceil(k_split);
     let (out, ld_out, col_out) = if splits == 1 {
         (y, ldy, col0)
@@ -154,12 +193,12 @@ pub fn gemm(
         (ptr(&gpu.gemm_partials, &gpu.stream), n, 0)
     };
     let grid = (
-        n.div_ceil(GEMM_DENSE_BN) as u32,
+        n.div_ceil(tiling.bn) as u32,
         row_tiles as u32,
         splits as u32,
     );
     let args: [KArg; 7] = [
-        w.arg(gpu).into(),
+        warg.into(),
         x.into(),
         (m as i32).into(),
         out.into(),
@@ -171,7 +210,7 @@ pub fn gemm(
         grid,
         block: GEMM_THREADS,
     };
-    gpu.launch_shared(&name, shape, DENSE_SHARED, &args)?;
+    gpu.launch_shared(&name, shape, tiling.shared, &args)?;
     if splits > 1 {
         let outputs = m * n;
         let args: [KArg; 7] = [
@@ -193,8 +232,9 @@ pub fn gemm(
 }
 
 /// The grouped GEMM over experts stacked in `w` (`n` rows each), one block row per tile of
-/// `map`, by the entry of the map's height; the grid covers `map.max_tiles` tiles, and blocks
-/// past the live count return. Sorted slot `s` reads x row `gather[s]` (or `s` when `gather` is
+/// `map`, by the entry of the map's height (gemm_wgmma.cu's for 64-row tiles on the wgmma path,
+/// where it takes `w`); the grid covers `map.max_tiles` tiles, and blocks past the live count
+/// return. Sorted slot `s` reads x row `gather[s]` (or `s` when `gather` is
 /// 0) of `w.cols` values and writes `y[s, 0..n)`.
 pub fn gemm_grouped(
     gpu: &Gpu,
@@ -219,10 +259,21 @@ pub fn gemm_grouped(
         max_tiles <= MAX_GRID_Y,
         "{max_tiles} expert tiles are too many for one GEMM launch"
     );
-    let name = grouped_entry(map.height, w.bits);
+    let warg = w.arg(gpu);
+    let wgmma = map.height == MoeTile::Rows64
+        && gpu.gemm_path() == GemmPath::Wgmma
+        && gemm_wgmma::takes(&warg, w.bits);
+    let (name, shared) = if wgmma {
+        (gemm_wgmma::GROUPED_ENTRY.to_string(), WGMMA_GROUPED_SHARED)
+    } else {
+        (
+            grouped_entry(map.height, w.bits),
+            grouped_shared(map.height),
+        )
+    };
     let grid = (n.div_ceil(GEMM_GROUPED_BN) as u32, max_tiles as u32, 1);
     let args: [KArg; 7] = [
-        w.arg(gpu).into(),
+        warg.into(),
         (n as i32).into(),
         x.into(),
         gather.into(),
@@ -234,26 +285,33 @@ pub fn gemm_grouped(
         grid,
         block: GEMM_THREADS,
     };
-    gpu.launch_shared(&name, shape, grouped_shared(map.height), &args)?;
+    gpu.launch_shared(&name, shape, shared, &args)?;
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::compile::KERNEL_FILES;
+
+    use crate::gemm_wgmma::tests::{define, file};
 
     /// The launchers name, at every tile height and weight format, exactly the entries gemm.cu
-    /// instantiates and compile.rs loads (the split-K reduction besides).
+    /// and gemm_wgmma.cu instantiate and compile.rs loads (the split-K reduction besides).
     #[test]
     fn every_launched_entry_is_compiled() {
-        let gemm = KERNEL_FILES.iter().find(|f| f.name == "gemm").unwrap();
-        let mut launched: Vec<String> = dynamic_shared().into_iter().map(|(e, _)| e).collect();
+        let (gemm, wgmma) = (file("gemm"), file("gemm_wgmma"));
+        let mut launched: Vec<String> = dynamic_shared(true).into_iter().map(|(e, _)| e).collect();
         launched.push("gemm_reduce".to_string());
-        let mut loaded: Vec<String> = gemm.entries.iter().map(|e| e.to_string()).collect();
+        let mut loaded: Vec<String> = gemm
+            .entries
+            .iter()
+            .chain(wgmma.entries)
+            .map(|e| e.to_string())
+            .collect();
         launched.sort();
         loaded.sort();
         assert_eq!(launched, loaded);
+        assert_eq!(dynamic_shared(false).len(), dynamic_shared(true).len() - 2);
         for bits in [4, 8, 32] {
             let mut made = vec![format!("GEMM_DENSE({bits})")];
             made.extend(MoeTile::ALL.map(|h| format!("GEMM_GROUPED({}, {bits})", h.rows())));
@@ -261,6 +319,20 @@ mod tests {
                 assert!(gemm.source.contains(&m), "gemm.cu does not instantiate {m}");
             }
         }
+        for entry in wgmma.entries {
+            assert!(wgmma.source.contains(&format!("{entry}(")), "no {entry}");
+        }
+    }
+
+    /// The host's block shapes are gemm.cu's own.
+    #[test]
+    fn mma_tiling_matches_the_kernel() {
+        let gemm = file("gemm").source;
+        assert_eq!(MMA_DENSE.bm, define(gemm, "GEMM_DENSE_BM"));
+        assert_eq!(MMA_DENSE.bn, define(gemm, "GEMM_DENSE_BN"));
+        assert_eq!(MMA_DENSE.bk, define(gemm, "GEMM_BK"));
+        assert_eq!(GEMM_GROUPED_BN, define(gemm, "GEMM_GROUPED_BN"));
+        assert_eq!(GEMM_THREADS as usize, define(gemm, "GEMM_THREADS"));
     }
 
     #[test]
@@ -268,19 +340,25 @@ mod tests {
         let sms = 132;
         let partials = partial_floats(sms);
         // The router of a 256-token chunk: 3 × 2 tiles, K 2,048 allows 8 splits of 256.
-        assert_eq!(dense_splits(sms, 256, 257, 2048, partials), 8);
+        assert_eq!(MMA_DENSE.splits(sms, 256, 257, 2048, partials), 8);
         // A shared-expert down projection: K 512 allows 2.
-        assert_eq!(dense_splits(sms, 256, 2048, 512, partials), 2);
+        assert_eq!(MMA_DENSE.splits(sms, 256, 2048, 512, partials), 2);
         // Enough tiles already (a 4,096-token chunk's GDN input projection).
-        assert_eq!(dense_splits(sms, 4096, 12_288, 2048, partials), 1);
+        assert_eq!(MMA_DENSE.splits(sms, 4096, 12_288, 2048, partials), 1);
         // K below one split's minimum.
-        assert_eq!(dense_splits(sms, 1, 32, 200, partials), 1);
-        for m in [1, 7, 16, 33, 200, 2048, 4096] {
-            for n in [1, 32, 257, 512, 1024, 2048, 4096] {
-                for k in [64, 512, 2048, 4096, 8192] {
-                    let splits = dense_splits(sms, m, n, k, partials);
-                    assert!(splits >= 1 && splits <= (k / SPLIT_MIN_K).max(1));
-                    assert!(splits == 1 || splits * m * n <= partials, "{m}x{n}x{k}");
+        assert_eq!(MMA_DENSE.splits(sms, 1, 32, 200, partials), 1);
+        // wgmma: a 4,096-token chunk's shared-expert gate (2 × 32 tiles) takes 3 splits; its
+        // GDN input projection (48 × 32) fills the GPU alone.
+        assert_eq!(WGMMA_DENSE.splits(sms, 4096, 512, 2048, partials), 3);
+        assert_eq!(WGMMA_DENSE.splits(sms, 4096, 12_288, 2048, partials), 1);
+        for tiling in [MMA_DENSE, WGMMA_DENSE] {
+            for m in [1, 7, 16, 33, 200, 2048, 4096] {
+                for n in [1, 32, 257, 512, 1024, 2048, 4096] {
+                    for k in [64, 512, 2048, 4096, 8192] {
+                        let splits = tiling.splits(sms, m, n, k, partials);
+                        assert!(splits >= 1 && splits <= (k / SPLIT_MIN_K).max(1));
+                        assert!(splits == 1 || splits * m * n <= partials, "{m}x{n}x{k}");
+                    }
                 }
             }
         }

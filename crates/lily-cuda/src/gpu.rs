@@ -12,6 +12,7 @@ use cudarc::driver::{
 use lily_core::config::ModelConfig;
 
 use crate::compile::{KERNEL_FILES, KvPrecision, compile, model_defines};
+use crate::gemm_wgmma::GemmPath;
 use crate::mat::MatArg;
 
 pub struct Gpu {
@@ -33,6 +34,8 @@ pub struct Gpu {
     pub shared_optin: usize,
     /// The GDN prefill route `LILY_GDN_PREFILL` forces, if any ([`crate::gdn_prefill::route_for`]).
     pub gdn_prefill_route: Option<crate::gdn_prefill::GdnPrefillRoute>,
+    /// Which kernels run the 4-bit prefill GEMMs ([`Gpu::set_gemm_path`]).
+    gemm_path: GemmPath,
     /// Partial sums of dense GEMMs split along K ([`crate::gemm::gemm`]); one launch at a time
     /// uses it, in stream order.
     pub(crate) gemm_partials: CudaSlice<f32>,
@@ -75,14 +78,19 @@ impl Gpu {
             bail!("GPU compute capability {major}.{minor} is below 8.0 (Ampere), which Lily needs");
         }
         let arch = format!("sm_{major}{minor}");
+        let gemm_path = GemmPath::choose(&arch)?;
         let name = ctx.name()?;
         let sms = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
         let defines = model_defines(config, kv);
         let mut functions = HashMap::new();
-        for file in &KERNEL_FILES {
-            let ptx = compile(file.name, file.source, &defines, &arch)?;
+        // Every file the GPU can run; an architecture-specific one for its own target (sm_90a).
+        for (file, target) in KERNEL_FILES
+            .iter()
+            .filter_map(|f| f.target(&arch).map(|t| (f, t)))
+        {
+            let ptx = compile(file.name, file.source, &defines, &target)?;
             let module = ctx
                 .load_module(ptx)
                 .with_context(|| format!("loading kernels {}.cu", file.name))?;
@@ -98,7 +106,8 @@ impl Gpu {
         let optin = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
         )? as usize;
-        let raised = crate::gemm::dynamic_shared()
+        let wgmma = GemmPath::supported(&arch).contains(&GemmPath::Wgmma);
+        let raised = crate::gemm::dynamic_shared(wgmma)
             .into_iter()
             .chain(crate::gdn_chunked::dynamic_shared(config, optin))
             .chain(crate::attention_prefill::dynamic_shared(config, optin));
@@ -134,7 +143,23 @@ impl Gpu {
             shared_optin: optin,
             gemm_partials,
             gdn_prefill_route: crate::gdn_prefill::forced_route()?,
+            gemm_path,
         })
+    }
+
+    /// Which kernels run the 4-bit prefill GEMMs: `LILY_GEMM`, else the GPU's fastest.
+    pub fn gemm_path(&self) -> GemmPath {
+        self.gemm_path
+    }
+
+    /// Runs the 4-bit prefill GEMMs on `path` from now on (tests compare the paths on one GPU);
+    /// an error where this GPU lacks it.
+    pub fn set_gemm_path(&mut self, path: GemmPath) -> Result<()> {
+        if !GemmPath::supported(&self.arch).contains(&path) {
+            bail!("the {path:?} GEMM path is not available on {}", self.arch);
+        }
+        self.gemm_path = path;
+        Ok(())
     }
 
     pub fn function(&self, name: &str) -> Result<&CudaFunction> {

@@ -10,6 +10,7 @@ pub mod compile;
 pub mod gdn_chunked;
 pub mod gdn_prefill;
 pub mod gemm;
+pub mod gemm_wgmma;
 pub mod gpu;
 pub mod mat;
 pub mod moe_prefill;
@@ -395,7 +396,12 @@ impl Backend for CudaBackend {
     }
 
     fn device_name(&self) -> String {
-        format!("{} ({})", self.gpu.name, self.gpu.arch)
+        // The GEMM path too, so that a benchmark records which kernels it timed (LILY_GEMM).
+        let gemm = match self.gpu.gemm_path() {
+            gemm_wgmma::GemmPath::MmaSync => "mma.sync",
+            gemm_wgmma::GemmPath::Wgmma => "wgmma",
+        };
+        format!("{} ({}, {gemm} GEMMs)", self.gpu.name, self.gpu.arch)
     }
 
     fn max_prefill_chunk(&self) -> usize {

@@ -1,5 +1,7 @@
-//! The tensor-core GEMM (kernels/gemm.cu) against CPU products. Needs a CUDA GPU: ignored by a
-//! plain `cargo test`, run on the H200 with `--include-ignored` (tools/gpu-check.sh).
+//! The tensor-core GEMMs (kernels/gemm.cu, and kernels/gemm_wgmma.cu on sm_90) against CPU
+//! products, on every GEMM path the GPU runs (`GemmPath`; the timed records are in
+//! gpu_gemm_speed.rs). Needs a CUDA GPU: ignored by a plain `cargo test`, run on the H200 with
+//! `--include-ignored` (tools/gpu-check.sh).
 //!
 //! Two references for every product: (a) x and the dequantised weight rounded to bf16 exactly as
 //! the kernel rounds them, summed in f64, so only the kernel's f32 summation order differs: held
@@ -9,20 +11,17 @@
 
 mod support;
 
-use std::time::Instant;
-
-use cudarc::driver::CudaSlice;
 use half::bf16;
-use lily_core::config::{ModelConfig, QWEN36_35B_A3B_CONFIG};
 use lily_core::rng::{mix64, uniform_at};
 use lily_core::synthetic::synthetic_config;
 use lily_core::weights::Linear;
 use lily_cuda::KvPrecision;
 use lily_cuda::gemm::{gemm, gemm_grouped};
+use lily_cuda::gemm_wgmma::{GemmPath, takes};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
-use lily_cuda::moe_prefill::{MoeTile, TileMap, max_tiles, sort};
-use support::{NEEDS_GPU, random_linear_grouped, time_ms};
+use lily_cuda::moe_prefill::{MoeTile, TileMap, max_tiles};
+use support::{NEEDS_GPU, gemm_paths, random_linear_grouped};
 
 /// A quiet NaN with a payload no arithmetic produces: a cell holding it was never written.
 const SENTINEL: u32 = 0x7fc0_dead;
@@ -36,6 +35,16 @@ const TOLERANCE: f64 = 1e-5;
 fn gpu() -> Gpu {
     let config = synthetic_config("tiny").unwrap();
     Gpu::new(&config, KvPrecision::Bf16).expect(NEEDS_GPU)
+}
+
+/// The kernel file `path` runs `w` on at tile `height` (dense: 64-row): the wgmma path leaves
+/// gemm_wgmma.cu's exceptions to gemm.cu.
+fn kernel_file(gpu: &Gpu, path: GemmPath, w: &DeviceMat, height: MoeTile) -> &'static str {
+    if path == GemmPath::Wgmma && height == MoeTile::Rows64 && takes(&w.arg(gpu), w.bits) {
+        "gemm_wgmma.cu"
+    } else {
+        "gemm.cu"
+    }
 }
 
 /// The weight as the kernel sees it: `scale·code + bias` by one fused multiply-add in f32, then
@@ -155,9 +164,13 @@ struct Dense {
     offset: usize,
 }
 
-/// Runs one dense product into `y[r, col0 + j]` of a wider, taller buffer and returns the errors
-/// against references (a) and (b).
-fn check_dense(gpu: &Gpu, c: &Dense) -> (f64, f64) {
+/// Runs one dense product into `y[r, col0 + j]` of a wider, taller buffer on each of `paths`
+/// and returns each path's errors against references (a) and (b).
+fn check_dense(
+    gpu: &mut Gpu,
+    c: &Dense,
+    paths: &[GemmPath],
+) -> Vec<(GemmPath, &'static str, f64, f64)> {
     let (m, n, k) = (c.m, c.n, c.k);
     let seed = (c.bits as u64) << 40 | (m as u64) << 20 | (n as u64) << 8 | k as u64;
     let l = random_linear_grouped(n, k, c.bits, c.group, seed);
@@ -166,47 +179,54 @@ fn check_dense(gpu: &Gpu, c: &Dense) -> (f64, f64) {
     let mut xbuf = vec![0f32; c.offset];
     xbuf.extend(&x);
     let dx = gpu.upload(&xbuf).unwrap();
-    // Three columns before the output, five after, one row below.
-    let (col0, ldy) = (3, n + 8);
-    let ylen = c.offset + (m + 1) * ldy;
-    let dy = gpu.upload(&vec![f32::from_bits(SENTINEL); ylen]).unwrap();
-    let (xp, yp) = (ptr(&dx, &gpu.stream), ptr(&dy, &gpu.stream));
-    let at = 4 * c.offset as u64;
-    gemm(gpu, &w, xp + at, m, yp + at, ldy, col0).unwrap();
-    let y = gpu.download(&dy).unwrap();
-    let y = &y[c.offset..];
-    for (i, v) in y.iter().enumerate() {
-        let (r, col) = (i / ldy, i % ldy);
-        let inside = r < m && (col0..col0 + n).contains(&col);
-        assert_eq!(
-            v.to_bits() == SENTINEL,
-            !inside,
-            "{}-bit m {m} n {n} k {k}: cell ({r}, {col}) {}",
-            c.bits,
-            if inside { "not written" } else { "overwritten" }
-        );
-    }
     let rows = rows_to_check(m);
-    let got: Vec<Vec<f32>> = rows
-        .iter()
-        .map(|&r| y[r * ldy + col0..r * ldy + col0 + n].to_vec())
-        .collect();
     let id = |r: usize| r;
     let zero = |_: usize| 0;
     let (wk, xk) = (kernel_weight(&l), bf16_round(&x));
-    let a = rel_diff(&got, &reference(&rows, n, k, &id, &zero, &xk, &wk));
-    let b = rel_diff(
-        &got,
-        &reference(&rows, n, k, &id, &zero, &x, &exact_weight(&l)),
-    );
-    (a, b)
+    let want_a = reference(&rows, n, k, &id, &zero, &xk, &wk);
+    let want_b = reference(&rows, n, k, &id, &zero, &x, &exact_weight(&l));
+    // Three columns before the output, five after, one row below. Offset 1 puts the output's
+    // column pairs on 8-byte boundaries (where ldy is even: the wgmma path's paired stores),
+    // offset 0 off them.
+    let (col0, ldy) = (3, n + 8);
+    let ylen = c.offset + (m + 1) * ldy;
+    let at = 4 * c.offset as u64;
+    let mut results = Vec::new();
+    for &path in paths {
+        gpu.set_gemm_path(path).unwrap();
+        let dy = gpu.upload(&vec![f32::from_bits(SENTINEL); ylen]).unwrap();
+        let (xp, yp) = (ptr(&dx, &gpu.stream), ptr(&dy, &gpu.stream));
+        gemm(gpu, &w, xp + at, m, yp + at, ldy, col0).unwrap();
+        let y = gpu.download(&dy).unwrap();
+        let y = &y[c.offset..];
+        for (i, v) in y.iter().enumerate() {
+            let (r, col) = (i / ldy, i % ldy);
+            let inside = r < m && (col0..col0 + n).contains(&col);
+            assert_eq!(
+                v.to_bits() == SENTINEL,
+                !inside,
+                "{path:?} {}-bit m {m} n {n} k {k}: cell ({r}, {col}) {}",
+                c.bits,
+                if inside { "not written" } else { "overwritten" }
+            );
+        }
+        let got: Vec<Vec<f32>> = rows
+            .iter()
+            .map(|&r| y[r * ldy + col0..r * ldy + col0 + n].to_vec())
+            .collect();
+        let file = kernel_file(gpu, path, &w, MoeTile::Rows64);
+        results.push((path, file, rel_diff(&got, &want_a), rel_diff(&got, &want_b)));
+    }
+    results
 }
 
-/// Every format at ragged and tile-sized shapes; aligned and 4-byte-aligned pointers.
+/// Every format at ragged and tile-sized shapes; aligned and 4-byte-aligned pointers; on every
+/// GEMM path.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn dense_gemm_matches_bf16_products() {
-    let gpu = gpu();
+    let mut gpu = gpu();
+    let paths = gemm_paths(&gpu);
     let formats = [(4u32, 64usize), (8, 64), (8, 32), (4, 128), (32, 0)];
     let mut cases = Vec::new();
     for (bits, group) in formats {
@@ -234,6 +254,31 @@ fn dense_gemm_matches_bf16_products() {
             });
         }
     }
+    // 4-bit weights in groups of 32 (two a wgmma step), and ones the wgmma path leaves to
+    // gemm.cu: rows that end mid-step (K % 64 = 32; 544 also splits along K, the last split
+    // ragged) or hold a number of groups that is not a multiple of 4.
+    for (group, k) in [
+        (32usize, 256usize),
+        (32, 1024),
+        (32, 32),
+        (32, 96),
+        (32, 544),
+        (64, 384),
+        (128, 640),
+    ] {
+        for m in [1usize, 65, 130] {
+            for n in [72usize, 300] {
+                cases.push(Dense {
+                    bits: 4,
+                    group,
+                    m,
+                    n,
+                    k,
+                    offset: m % 2,
+                });
+            }
+        }
+    }
     // Dense weights as narrow as the tiny test models': K not a multiple of the 64-wide step,
     // of 8 or of 4 (the scalar loads); 530 also splits along K, the last split ragged.
     for k in [16usize, 48, 100, 37, 530] {
@@ -258,14 +303,15 @@ fn dense_gemm_matches_bf16_products() {
     }
     let mut failures = Vec::new();
     for c in &cases {
-        let (a, b) = check_dense(&gpu, c);
-        let what = format!(
-            "{}-bit (group {}) m {} n {} k {} offset {}",
-            c.bits, c.group, c.m, c.n, c.k, c.offset
-        );
-        eprintln!("gemm {what}: vs bf16 operands {a:.2e}, vs exact f32 operands {b:.2e}");
-        if a > TOLERANCE {
-            failures.push(format!("{what}: {a:e}"));
+        for (path, file, a, b) in check_dense(&mut gpu, c, &paths) {
+            let what = format!(
+                "{path:?} ({file}) {}-bit (group {}) m {} n {} k {} offset {}",
+                c.bits, c.group, c.m, c.n, c.k, c.offset
+            );
+            eprintln!("gemm {what}: vs bf16 operands {a:.2e}, vs exact f32 operands {b:.2e}");
+            if a > TOLERANCE {
+                failures.push(format!("{what}: {a:e}"));
+            }
         }
     }
     assert!(failures.is_empty(), "beyond {TOLERANCE:e}: {failures:#?}");
@@ -273,6 +319,7 @@ fn dense_gemm_matches_bf16_products() {
 
 struct Grouped<'a> {
     bits: u32,
+    group: usize,
     n: usize,
     k: usize,
     /// Rows routed to each expert, in expert order.
@@ -342,7 +389,8 @@ fn run_grouped(
         assert_eq!(
             v.to_bits() == SENTINEL,
             i >= pairs * n,
-            "grouped {height:?} counts {:?}: cell ({}, {}) wrongly {}",
+            "grouped {:?} {height:?} counts {:?}: cell ({}, {}) wrongly {}",
+            gpu.gemm_path(),
             c.counts,
             i / n,
             i % n,
@@ -356,13 +404,17 @@ fn run_grouped(
     y
 }
 
-/// Runs one grouped product at every tile height; returns each height's errors against
-/// references (a) and (b), which do not depend on the height.
-fn check_grouped(gpu: &Gpu, c: &Grouped) -> [(MoeTile, f64, f64); 2] {
+/// Runs one grouped product at every tile height on each of `paths`; returns each path's and
+/// height's errors against references (a) and (b), which depend on neither.
+fn check_grouped(
+    gpu: &mut Gpu,
+    c: &Grouped,
+    paths: &[GemmPath],
+) -> Vec<(GemmPath, &'static str, MoeTile, f64, f64)> {
     let (n, k, experts) = (c.n, c.k, c.counts.len());
     let pairs: usize = c.counts.iter().sum();
     let seed = (c.bits as u64) << 40 | (pairs as u64) << 16 | n as u64;
-    let l = random_linear_grouped(experts * n, k, c.bits, 64, seed);
+    let l = random_linear_grouped(experts * n, k, c.bits, c.group, seed);
     let w = DeviceMat::upload(gpu, &l).unwrap();
     let slot_expert: Vec<usize> = (0..experts)
         .flat_map(|e| std::iter::repeat_n(e, c.counts[e]))
@@ -392,14 +444,25 @@ fn check_grouped(gpu: &Gpu, c: &Grouped) -> [(MoeTile, f64, f64); 2] {
     let (wk, xk) = (kernel_weight(&l), bf16_round(&x));
     let want_a = reference(&rows, n, k, &x_row, &w_row0, &xk, &wk);
     let want_b = reference(&rows, n, k, &x_row, &w_row0, &x, &exact_weight(&l));
-    MoeTile::ALL.map(|height| {
-        let y = run_grouped(gpu, c, &w, ptr(&dx, &gpu.stream), gather_ptr, height);
-        let got: Vec<Vec<f32>> = rows
-            .iter()
-            .map(|&s| y[s * n..(s + 1) * n].to_vec())
-            .collect();
-        (height, rel_diff(&got, &want_a), rel_diff(&got, &want_b))
-    })
+    let mut results = Vec::new();
+    for &path in paths {
+        gpu.set_gemm_path(path).unwrap();
+        for height in MoeTile::ALL {
+            let y = run_grouped(gpu, c, &w, ptr(&dx, &gpu.stream), gather_ptr, height);
+            let got: Vec<Vec<f32>> = rows
+                .iter()
+                .map(|&s| y[s * n..(s + 1) * n].to_vec())
+                .collect();
+            results.push((
+                path,
+                kernel_file(gpu, path, &w, height),
+                height,
+                rel_diff(&got, &want_a),
+                rel_diff(&got, &want_b),
+            ));
+        }
+    }
+    results
 }
 
 /// `m` rows spread at random over `experts` experts, every third one (from expert 1) left empty.
@@ -414,11 +477,13 @@ fn spread(m: usize, experts: usize, seed: u64) -> Vec<usize> {
 
 /// At both tile heights, in every format, with and without a gather list, with fewer live tiles
 /// than the grid: m rows spread over experts with empty ones among them, and all on one expert,
-/// for the m of the issue's list; then counts at and either side of both heights.
+/// for the m of the issue's list; then counts at and either side of both heights. On every GEMM
+/// path.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn grouped_gemm_matches_bf16_products() {
-    let gpu = gpu();
+    let mut gpu = gpu();
+    let paths = gemm_paths(&gpu);
     let mut routings: Vec<Vec<usize>> = Vec::new();
     for m in [1usize, 7, 16, 33, 200, 2048, 4096] {
         routings.push(spread(m, 12, m as u64));
@@ -429,21 +494,30 @@ fn grouped_gemm_matches_bf16_products() {
     let mut failures = Vec::new();
     for bits in [4u32, 8, 32] {
         for counts in &routings {
-            for (n, k) in [(192usize, 512usize), (64, 2048), (72, 48)] {
-                if bits != 32 && k % 64 != 0 {
+            // Groups of 64, and of 32: 8 a row (for 4 bits, two a wgmma step) and 3 (K ending
+            // mid-step, which the wgmma path leaves to gemm.cu).
+            for (n, k, group) in [
+                (192usize, 512usize, 64usize),
+                (64, 2048, 64),
+                (72, 48, 64),
+                (300, 256, 32),
+                (300, 96, 32),
+            ] {
+                if bits != 32 && k % group != 0 {
                     continue;
                 }
                 for gather_tokens in [None, Some(37)] {
                     let c = Grouped {
                         bits,
+                        group,
                         n,
                         k,
                         counts,
                         gather_tokens,
                     };
-                    for (height, a, b) in check_grouped(&gpu, &c) {
+                    for (path, file, height, a, b) in check_grouped(&mut gpu, &c, &paths) {
                         let what = format!(
-                            "{bits}-bit {height:?} n {n} k {k} counts {counts:?} gather {gather_tokens:?}"
+                            "{path:?} ({file}) {bits}-bit {height:?} n {n} k {k} group {group} counts {counts:?} gather {gather_tokens:?}"
                         );
                         eprintln!(
                             "grouped gemm {what}: vs bf16 operands {a:.2e}, vs exact f32 operands {b:.2e}"
@@ -457,127 +531,4 @@ fn grouped_gemm_matches_bf16_products() {
         }
     }
     assert!(failures.is_empty(), "beyond {TOLERANCE:e}: {failures:#?}");
-}
-
-/// Dense prefill-sized products at the real model's shapes (4,096 tokens, hidden 2,048), timed: a
-/// record of TFLOP/s, not a pass/fail (beyond finite outputs).
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn gemm_speed_at_prefill_shapes() {
-    let gpu = gpu();
-    let t = 4096usize;
-    let started = Instant::now();
-    let x: Vec<f32> = (0..t * 4096).map(|i| uniform_at(5, i as u64)).collect();
-    let dx = gpu.upload(&x).unwrap();
-    let xp = ptr(&dx, &gpu.stream);
-    for (bits, n, k) in [
-        (4u32, 2048usize, 2048usize),
-        (4, 8192, 2048),
-        (4, 2048, 4096),
-        (8, 2048, 2048),
-    ] {
-        let w = DeviceMat::upload(&gpu, &random_linear_grouped(n, k, bits, 64, 9)).unwrap();
-        let dy = gpu.zeros::<f32>(t * n).unwrap();
-        let yp = ptr(&dy, &gpu.stream);
-        let ms = time_ms(&gpu, &|| gemm(&gpu, &w, xp, t, yp, n, 0).unwrap());
-        let tflops = 2.0 * (t * n * k) as f64 / (ms * 1e-3) / 1e12;
-        eprintln!("dense {bits}-bit {t}x{k} · {n}x{k}: {ms:.3} ms, {tflops:.0} TFLOP/s");
-        assert!(gpu.download(&dy).unwrap().iter().all(|v| v.is_finite()));
-    }
-    eprintln!("speed test took {:.1} s", started.elapsed().as_secs_f64());
-}
-
-/// Expert ids for `t` tokens that each choose `top_k` distinct experts uniformly at random, laid
-/// out as routing lays them out (pair p = token · top_k + k).
-fn random_routing(t: usize, top_k: usize, experts: usize, seed: u64) -> Vec<i32> {
-    let mut ids = Vec::with_capacity(t * top_k);
-    for token in 0..t {
-        let mut chosen: Vec<i32> = Vec::with_capacity(top_k);
-        for draw in 0u64.. {
-            if chosen.len() == top_k {
-                break;
-            }
-            let e = (mix64(seed ^ mix64((token as u64) << 32 | draw)) % experts as u64) as i32;
-            if !chosen.contains(&e) {
-                chosen.push(e);
-            }
-        }
-        ids.extend(chosen);
-    }
-    ids
-}
-
-/// The grouped expert GEMMs of one MoE layer at the production shapes (hidden 2,048, 256 experts
-/// of 512 rows, top 8, 4-bit weights in groups of 64), for chunks of 128 to 4,096 tokens routed
-/// at random and sorted by moe_sort, at both tile heights: the record to set
-/// ROWS64_FROM_ROWS_PER_EXPERT from. Gate and up are launches of one shape, so gate stands for
-/// both; a layer's expert GEMMs take two of it and one down. A record, not a pass/fail (beyond
-/// finite outputs). At 4,096 tokens and 64-row tiles it takes over from the evenly routed grouped
-/// timing that gemm_speed_at_prefill_shapes made before (docs/BENCHMARKS.md's grouped TFLOP/s).
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn grouped_gemm_speed_by_tokens() {
-    let c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
-    // moe_sort is compiled for the model's expert count and top-k.
-    let gpu = Gpu::new(&c, KvPrecision::Bf16).expect(NEEDS_GPU);
-    let (h, inter) = (c.hidden_size, c.moe_intermediate_size);
-    let (experts, top_k) = (c.num_experts, c.experts_per_token);
-    let upload = |rows, cols, seed| {
-        DeviceMat::upload(&gpu, &random_linear_grouped(rows, cols, 4, 64, seed)).unwrap()
-    };
-    let (gate, down) = (
-        upload(experts * inter, h, 21),
-        upload(experts * h, inter, 22),
-    );
-    let s = &gpu.stream;
-    let finite = |b: &CudaSlice<f32>| gpu.download(b).unwrap().iter().all(|v| v.is_finite());
-    for t in [128usize, 256, 512, 1024, 2048, 4096] {
-        let pairs = t * top_k;
-        let x: Vec<f32> = (0..t * h).map(|i| uniform_at(23, i as u64)).collect();
-        let dx = gpu.upload(&x).unwrap();
-        let ids = gpu
-            .upload(&random_routing(t, top_k, experts, t as u64))
-            .unwrap();
-        let gather = gpu.zeros::<i32>(pairs).unwrap();
-        let slot_of = gpu.zeros::<i32>(pairs).unwrap();
-        let tiles = gpu
-            .zeros::<i32>(3 * max_tiles(pairs, experts, MoeTile::Rows16))
-            .unwrap();
-        let num_tiles = gpu.zeros::<i32>(1).unwrap();
-        let act = gpu.zeros::<f32>(pairs * inter).unwrap();
-        let out = gpu.zeros::<f32>(pairs * h).unwrap();
-        let (xp, gp, ap, op) = (ptr(&dx, s), ptr(&gather, s), ptr(&act, s), ptr(&out, s));
-        let chosen = MoeTile::for_chunk(t, top_k, experts);
-        for height in MoeTile::ALL {
-            let map = TileMap {
-                tiles: ptr(&tiles, s),
-                num_tiles: ptr(&num_tiles, s),
-                height,
-                max_tiles: max_tiles(pairs, experts, height),
-            };
-            sort(&gpu, ptr(&ids, s), pairs, gp, ptr(&slot_of, s), &map).unwrap();
-            let live = gpu.download(&num_tiles).unwrap()[0];
-            let gate_ms = time_ms(&gpu, &|| {
-                gemm_grouped(&gpu, &gate, inter, xp, gp, &map, ap).unwrap()
-            });
-            let down_ms = time_ms(&gpu, &|| {
-                gemm_grouped(&gpu, &down, h, ap, 0, &map, op).unwrap()
-            });
-            let tflops = |ms: f64| 2.0 * (pairs * inter * h) as f64 / (ms * 1e-3) / 1e12;
-            eprintln!(
-                "grouped t {t} ({:.1} rows per expert), {height:?}{}: {live} tiles; gate|up \
-                 {gate_ms:.3} ms ({:.0} TFLOP/s), down {down_ms:.3} ms ({:.0} TFLOP/s); \
-                 a layer's 2 gate|up + down {:.3} ms",
-                pairs as f64 / experts as f64,
-                if height == chosen { " (chosen)" } else { "" },
-                tflops(gate_ms),
-                tflops(down_ms),
-                2.0 * gate_ms + down_ms
-            );
-            assert!(
-                finite(&act) && finite(&out),
-                "t {t} {height:?}: non-finite outputs"
-            );
-        }
-    }
 }

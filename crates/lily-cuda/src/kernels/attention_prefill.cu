@@ -86,13 +86,6 @@ extern "C" __global__ void attn_prep_rows(const float* qkv, int ld, const float*
 // reads hit distinct banks (FA_SWZ: the largest power of two up to 8 dividing FA_CHUNKS).
 #define FA_SWZ (FA_CHUNKS % 8 == 0 ? 8 : FA_CHUNKS % 4 == 0 ? 4 : 2)
 
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
-    u32 r;
-    // cvt puts its first source in the upper half; rounds to nearest even like f32_to_bf16.
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 __device__ __forceinline__ float fa_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -94,6 +94,53 @@ struct Mat {
     int group;
 };
 
+// ---- bf16 pairs for the tensor-core kernels (gemm.cu, gemm_wgmma.cu, attention_prefill.cu) ----
+
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    // cvt puts its first source in the upper half; rounds to nearest even like f32_to_bf16.
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Bytes of {b, a} picked by the four selector nibbles (prmt: bytes 0-3 are a's, 4-7 b's).
+__device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// a · b + c on bf16 pairs, rounded once.
+__device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// The bf16 pair (v, v) of group sub (0-3) of a window of 4 bf16 in two words.
+__device__ __forceinline__ u32 window_pair(const u32 (&win)[2], int sub) {
+    return byte_perm(win[0], win[1], 0x1010u + 0x2222u * (u32)sub);
+}
+
+// The 8 4-bit codes of word q (code i in bits 4i..4i+3) as 8 bf16 scale·code + bias, one 16-byte
+// chunk; s2 and b2 hold the scale and bias as bf16 pairs (v, v). No float conversions: pair m
+// (codes 2m, 2m+1) is byte m of q and of q >> 4, whose low nibbles a byte permute and a masked OR
+// put into the mantissas of a bf16 pair 128 + code; one bf16x2 fma subtracts 128 (exact), one
+// more computes scale·code + bias with a single rounding. That is the bf16 of the f32
+// fmaf(scale, code, bias) whenever the f32 result is exact, as it is for MLX's groups: the bias
+// is 0 or q0·scale with 1 ≤ |q0| ≤ 15, so scale·code + bias spans at most 20 bits.
+__device__ __forceinline__ uint4 dequant_b4x8(u32 q, u32 s2, u32 b2) {
+    const u32 q4 = q >> 4;
+    u32 out[4];
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        const u32 biased = (byte_perm(q, q4, (u32)m | ((u32)(4 + m) << 8)) & 0x000f000fu) | 0x43004300u;
+        const u32 code = fma_bf16x2(biased, 0x3f803f80u, 0xc300c300u);  // (128 + c)·1 − 128
+        out[m] = fma_bf16x2(code, s2, b2);
+    }
+    return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
 // An integer code below 2^23 as a float without the quarter-rate int-to-float conversion: the
 // code becomes the mantissa of 2^23 + code, and 2^23 is subtracted (exact). Dequantisation is the
 // hot loop of every decode GEMV.

@@ -22,11 +22,7 @@
 // a weight row, a line per row and array whatever their size, are loaded four groups at a time
 // (8 bytes) and only when the step enters a new window of groups, not every step.
 //
-// 4-bit codes become bf16 without float conversions: a byte permute and a masked OR put two codes
-// into the mantissas of a bf16 pair 128 + code, one bf16x2 fma subtracts 128 (exact), one more
-// computes scale·code + bias with a single rounding. That is the bf16 of the f32
-// fmaf(scale, code, bias) whenever the f32 result is exact, as it is for MLX's groups: the bias
-// is 0 or q0·scale with 1 ≤ |q0| ≤ 15, so scale·code + bias spans at most 20 bits. 8-bit codes
+// 4-bit codes become bf16 without float conversions (dequant_b4x8, common.cuh); 8-bit codes
 // (byte permutes into 2^23 + code) keep the f32 fmaf.
 //
 // Shared tiles are rows of 32 bf16 (4 chunks of 16 bytes) with chunk c of row r stored at
@@ -42,27 +38,6 @@
 
 // Dynamic shared memory of a block: two bf16 X tiles, then two bf16 W tiles.
 __host__ __device__ constexpr int gemm_shared_bytes(int bm, int bn) { return 2 * (bm + bn) * GEMM_BK * 2; }
-
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
-    u32 r;
-    // cvt puts its first source in the upper half; rounds to nearest even like f32_to_bf16.
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-// Bytes of {b, a} picked by the four selector nibbles (prmt: bytes 0-3 are a's, 4-7 b's).
-__device__ __forceinline__ u32 byte_perm(u32 a, u32 b, u32 sel) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-    return r;
-}
-
-// a · b + c on bf16 pairs, rounded once.
-__device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
-    u32 r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
 
 // Element offset of (row, 16-byte chunk) in a swizzled shared tile.
 __device__ __forceinline__ int swizzled(int row, int chunk) {
@@ -295,11 +270,6 @@ __device__ __forceinline__ void load_w(WLoad<BITS, BN>& r, const Mat& w, long ro
     }
 }
 
-// The bf16 pair (v, v) of group sub (0-3) of a window of 4 bf16 in two words.
-__device__ __forceinline__ u32 window_pair(const u32 (&win)[2], int sub) {
-    return byte_perm(win[0], win[1], 0x1010u + 0x2222u * (u32)sub);
-}
-
 // Where store_w puts this thread's first chunk in a W tile (elements). Its chunk t is at
 // slot ^ 8·t: a span of 2 or 4 chunks starts at a multiple of its size, so chunk0 + t =
 // chunk0 ^ t, and the swizzle is an XOR too.
@@ -324,20 +294,10 @@ __device__ __forceinline__ void store_w(const WLoad<BITS, BN>& r, u16* sw, int s
             *(uint4*)(sw + (slot ^ (8 * chunk))) = out;
         } else if constexpr (BITS == 4) {
             const u32 s2 = window_pair(r.scales[l], r.sub[l]), b2 = window_pair(r.biases[l], r.sub[l]);
-            // A word holds 8 codes (code i in bits 4i..4i+3): one 16-byte chunk of bf16. Pair m
-            // (codes 2m, 2m+1) is byte m of the word and byte m of the word >> 4, low nibbles.
+            // A word holds 8 codes: one 16-byte chunk of bf16.
 #pragma unroll
-            for (int j = 0; j < L::WORDS; j++) {
-                const u32 q = words[j], q4 = q >> 4;
-                u32 out[4];
-#pragma unroll
-                for (int m = 0; m < 4; m++) {
-                    const u32 biased = (byte_perm(q, q4, (u32)m | ((u32)(4 + m) << 8)) & 0x000f000fu) | 0x43004300u;
-                    const u32 code = fma_bf16x2(biased, 0x3f803f80u, 0xc300c300u);  // (128 + c)·1 − 128
-                    out[m] = fma_bf16x2(code, s2, b2);
-                }
-                *(uint4*)(sw + (slot ^ (8 * (chunk + j)))) = make_uint4(out[0], out[1], out[2], out[3]);
-            }
+            for (int j = 0; j < L::WORDS; j++)
+                *(uint4*)(sw + (slot ^ (8 * (chunk + j)))) = dequant_b4x8(words[j], s2, b2);
         } else {
             const float s = __uint_as_float(window_pair(r.scales[l], r.sub[l]) & 0xffff0000u);
             const float b = __uint_as_float(window_pair(r.biases[l], r.sub[l]) & 0xffff0000u);

@@ -12,6 +12,7 @@ use lily_core::quant::QuantMatrix;
 use lily_core::rng::uniform_at;
 use lily_core::sampling::{Sampler, SamplingParams};
 use lily_core::weights::{Linear, Matrix};
+use lily_cuda::gemm_wgmma::GemmPath;
 
 pub const NEEDS_GPU: &str = "needs a CUDA GPU";
 
@@ -106,6 +107,19 @@ pub fn dense_of(l: &Linear) -> Vec<f32> {
         Linear::Dense(m) => m.data.clone(),
         Linear::Affine(q) => q.dequantize(),
     }
+}
+
+/// The GEMM paths this GPU runs, each announced, and each it cannot run announced as not run.
+pub fn gemm_paths(gpu: &lily_cuda::gpu::Gpu) -> Vec<GemmPath> {
+    let supported = GemmPath::supported(&gpu.arch);
+    for path in GemmPath::ALL {
+        if supported.contains(&path) {
+            eprintln!("GEMM path {path:?}: runs on {}", gpu.arch);
+        } else {
+            eprintln!("GEMM path {path:?}: not available on {}, not run", gpu.arch);
+        }
+    }
+    supported
 }
 
 /// Milliseconds per call of `f`, the mean of 20 after 3 warm-ups, on the GPU's clock (for the
