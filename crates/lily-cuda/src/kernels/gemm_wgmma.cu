@@ -241,8 +241,8 @@ __device__ __forceinline__ void wg_store_w(const WgWLoad& r, u32 tile, u32 slot)
 
 // One block's tile: Y[y_row0 + i, y_col0 + j] = Σ_k X[row i] · W[w_row0 + j] for i < m_valid,
 // j < n_valid, k in [k0, k1) (whole steps). X row i is x_row0 + i, or gather[x_row0 + i] when
-// GATHER; X rows have K = w.cols values; m_valid ≤ BM. BM 128: dense (warpgroups split the rows);
-// BM 64: grouped (warpgroups split the columns).
+// GATHER and gather is given; X rows have K = w.cols values; m_valid ≤ BM. BM 128: dense
+// (warpgroups split the rows); BM 64: grouped (warpgroups split the columns).
 template <int BM, bool GATHER>
 __device__ __forceinline__ void wgmma_tile(const Mat& w, long w_row0, int n_valid, const float* __restrict__ x,
                                            const int* __restrict__ gather, long x_row0, int m_valid,
@@ -284,7 +284,10 @@ __device__ __forceinline__ void wgmma_tile(const Mat& w, long w_row0, int n_vali
     for (int i = 0; i < XP; i++) {
         const int r = tid / 16 + 16 * i;
         if (r < m_valid) x_rows.live = i + 1;
-        if (GATHER) x_rows.index[i] = gather[x_row0 + min(r, m_valid - 1)];
+        // Without a gather (the down projection reads the SwiGLU rows in slot order) slot s is
+        // row s, as in gemm.cu.
+        const long slot = x_row0 + min(r, m_valid - 1);
+        if (GATHER) x_rows.index[i] = gather != nullptr ? gather[slot] : (int)slot;
     }
     const int x_col = 4 * (tid % 16);
     const u32 xs = swizzle128(tid / 16, (tid % 16) / 2) + 8 * (tid % 2);
