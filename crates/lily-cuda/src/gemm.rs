@@ -231,6 +231,16 @@ pub fn gemm(
     Ok(())
 }
 
+/// The path the grouped GEMM's 64-row tiles of `w` run on: wgmma where the GPU runs it and
+/// gemm_wgmma.cu takes the weight, else mma.sync (16-row tiles always run on mma.sync).
+pub fn grouped_tall_path(gpu: &Gpu, w: &DeviceMat) -> GemmPath {
+    if gpu.gemm_path() == GemmPath::Wgmma && gemm_wgmma::takes(&w.arg(gpu), w.bits) {
+        GemmPath::Wgmma
+    } else {
+        GemmPath::MmaSync
+    }
+}
+
 /// The grouped GEMM over experts stacked in `w` (`n` rows each), one block row per tile of
 /// `map`, by the entry of the map's height (gemm_wgmma.cu's for 64-row tiles on the wgmma path,
 /// where it takes `w`); the grid covers `map.max_tiles` tiles, and blocks past the live count
@@ -260,9 +270,7 @@ pub fn gemm_grouped(
         "{max_tiles} expert tiles are too many for one GEMM launch"
     );
     let warg = w.arg(gpu);
-    let wgmma = map.height == MoeTile::Rows64
-        && gpu.gemm_path() == GemmPath::Wgmma
-        && gemm_wgmma::takes(&warg, w.bits);
+    let wgmma = map.height == MoeTile::Rows64 && grouped_tall_path(gpu, w) == GemmPath::Wgmma;
     let (name, shared) = if wgmma {
         (gemm_wgmma::GROUPED_ENTRY.to_string(), WGMMA_GROUPED_SHARED)
     } else {

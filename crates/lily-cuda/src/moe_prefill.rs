@@ -6,6 +6,7 @@
 
 use anyhow::{Context, Result};
 
+use crate::gemm_wgmma::GemmPath;
 use crate::gpu::Gpu;
 use crate::launch;
 
@@ -20,7 +21,7 @@ const COMBINE_BLOCK: u32 = 256;
 
 /// The average rows per expert (`tokens · top_k / experts`) from which a chunk's experts are cut
 /// into 64-row tiles rather than 16-row ones. Measured on the H200 at the production shapes
-/// (`grouped_gemm_speed_by_tokens`, a layer's expert GEMMs, d4f45b1): 16-row tiles win at 4 and 8
+/// (`grouped_gemm_speed_by_tokens`, a layer's expert GEMMs, mma.sync, d4f45b1): 16-row tiles win at 4 and 8
 /// rows an expert (0.38 against 0.50 ms, 0.39 against 0.51), 64-row ones from 16 on (0.52 against
 /// 0.56 ms, and 0.56 against 0.92 at 32), where the 16-row tiles' repeated weight loads and
 /// dequantisation cost more than the padding they save.
@@ -44,11 +45,15 @@ impl MoeTile {
         }
     }
 
-    /// The height for a chunk of `tokens` tokens that each choose `top_k` of `experts` experts.
-    /// Only the average rows per expert decides: the counts themselves are known only on the
-    /// device, after routing, and the host enqueues the whole chunk before any of it runs.
-    pub fn for_chunk(tokens: usize, top_k: usize, experts: usize) -> MoeTile {
-        if tokens * top_k < ROWS64_FROM_ROWS_PER_EXPERT * experts {
+    /// The height for a chunk of `tokens` tokens that each choose `top_k` of `experts` experts,
+    /// the 64-row tiles running on `tall_path`. Only the average rows per expert decides: the
+    /// counts themselves are known only on the device, after routing, and the host enqueues the
+    /// whole chunk before any of it runs. On the wgmma path 64-row tiles win at every length
+    /// (H200, `grouped_gemm_speed_by_tokens`: a layer's expert GEMMs 0.372 / 0.380 ms at 4 / 8
+    /// rows an expert against 0.384 / 0.394 with 16-row tiles on mma.sync).
+    pub fn for_chunk(tokens: usize, top_k: usize, experts: usize, tall_path: GemmPath) -> MoeTile {
+        if tall_path == GemmPath::MmaSync && tokens * top_k < ROWS64_FROM_ROWS_PER_EXPERT * experts
+        {
             MoeTile::Rows16
         } else {
             MoeTile::Rows64
@@ -193,7 +198,7 @@ mod tests {
         for (top_k, experts) in [(8, 256), (4, 16)] {
             // The fewest tokens whose pairs average the threshold's rows per expert.
             let first_tall = ROWS64_FROM_ROWS_PER_EXPERT * experts / top_k;
-            let height = |tokens| MoeTile::for_chunk(tokens, top_k, experts);
+            let height = |tokens| MoeTile::for_chunk(tokens, top_k, experts, GemmPath::MmaSync);
             assert_eq!(height(1), MoeTile::Rows16);
             assert_eq!(
                 height(first_tall - 1),
@@ -202,6 +207,10 @@ mod tests {
             );
             assert_eq!(height(first_tall), MoeTile::Rows64, "{top_k} of {experts}");
             assert_eq!(height(4096), MoeTile::Rows64);
+            for tokens in [1, first_tall - 1, first_tall, 4096] {
+                let on_wgmma = MoeTile::for_chunk(tokens, top_k, experts, GemmPath::Wgmma);
+                assert_eq!(on_wgmma, MoeTile::Rows64, "{tokens} tokens");
+            }
         }
     }
 }

@@ -309,7 +309,8 @@ fn encode_moe(
     gemm::gemm(gpu, &m.router, p(&s.x), t, p(&s.router), ne + 1, 0)?;
     gemm::gemm(gpu, &m.shared_gate, p(&s.x), t, p(&s.router), ne + 1, ne)?;
     moe_prefill::topk_rows(gpu, p(&s.router), t, pi(&s.ids), p(&s.weights))?;
-    let height = MoeTile::for_chunk(t, c.experts_per_token, ne);
+    let tall_path = gemm::grouped_tall_path(gpu, &m.gate);
+    let height = MoeTile::for_chunk(t, c.experts_per_token, ne, tall_path);
     let map = TileMap {
         tiles: pi(&s.tiles),
         num_tiles: pi(&s.num_tiles),

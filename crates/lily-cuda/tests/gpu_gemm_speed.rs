@@ -134,7 +134,6 @@ fn grouped_gemm_speed_by_tokens() {
         let (xp, gp, ap, op) = (ptr(&dx, s), ptr(&gather, s), ptr(&act, s), ptr(&out, s));
         let (ids_p, slot_p) = (ptr(&ids, s), ptr(&slot_of, s));
         let (tiles_p, num_p) = (ptr(&tiles, s), ptr(&num_tiles, s));
-        let chosen = MoeTile::for_chunk(t, top_k, experts);
         for height in MoeTile::ALL {
             let map = TileMap {
                 tiles: tiles_p,
@@ -144,10 +143,20 @@ fn grouped_gemm_speed_by_tokens() {
             };
             sort(&gpu, ids_p, pairs, gp, slot_p, &map).unwrap();
             let live = gpu.download(&num_tiles).unwrap()[0];
+            // These weights run their 64-row tiles on whichever path is set (gemm_wgmma.cu takes
+            // them), so each path chooses the height for itself.
+            let choosers: Vec<String> = paths
+                .iter()
+                .filter(|&&path| MoeTile::for_chunk(t, top_k, experts, path) == height)
+                .map(|path| format!("{path:?}"))
+                .collect();
+            let mark = match choosers.is_empty() {
+                true => String::new(),
+                false => format!(" (chosen on {})", choosers.join(", ")),
+            };
             let mut line = format!(
-                "grouped t {t} ({:.1} rows per expert), {height:?}{}: {live} tiles;",
+                "grouped t {t} ({:.1} rows per expert), {height:?}{mark}: {live} tiles;",
                 pairs as f64 / experts as f64,
-                if height == chosen { " (chosen)" } else { "" },
             );
             let flops = 2 * pairs * inter * h;
             for &path in &paths {

@@ -106,8 +106,9 @@ fn chunked_prefill_equals_one_chunk() {
 /// The real model's head structure (GQA group 8, head dim 256, 64 rotary dims, GDN 16/32 heads of
 /// 128, 256 experts top 8) at a small width, so every prefill kernel runs at its production
 /// constants, with prompts that cross chunk boundaries at ragged lengths. The expert tile height
-/// follows the chunk's length: the last prompt's first chunk is the shortest with 64-row tiles
-/// and its second takes 16-row ones.
+/// follows the chunk's length and the GEMM path: on mma.sync the last prompt's first chunk is the
+/// shortest with 64-row tiles and its second takes 16-row ones; on the wgmma path (sm_90's
+/// default) every chunk takes 64-row tiles, so run it with `LILY_GEMM=mma` too.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn prefill_at_production_shapes_matches_the_cpu() {
