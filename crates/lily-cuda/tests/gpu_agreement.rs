@@ -299,8 +299,8 @@ struct FullWidth {
 /// GPU prefill against both CPUs on a full-width model, for each prompt: against the f32 CPU the
 /// last-row logits must be within BF16_PREFILL, or within 4× the model's own sensitivity to one
 /// bf16 rounding where that is larger, and the greedy continuation may part only where the
-/// CPU's candidates are that close; against the bf16 CPU both within ORDER_MARGIN × its order
-/// twin's distance, or ORDER_FLOOR. One copy of the weights at a time: the CPUs share one, and
+/// CPU's candidates are that close (logits that far apart may rank them either way); against
+/// the bf16 CPU both within ORDER_MARGIN × its order twin's distance, or ORDER_FLOOR. One copy of the weights at a time: the CPUs share one, and
 /// the sensitivity's rounded copy is loaded after it is dropped.
 fn full_width_agreement(
     config: &ModelConfig,
@@ -342,14 +342,15 @@ fn full_width_agreement(
              against f32 {}; against bf16 {}",
             r.len, r.exact, r.rounded, r.rounding, r.twin, r.greedy_exact, r.greedy_rounded
         );
+        let f32_bound = BF16_PREFILL.max(4.0 * sensitivity);
         assert!(
-            r.exact <= BF16_PREFILL.max(4.0 * sensitivity),
-            "{label}, prompt {}: last logits against f32 {:e}",
+            r.exact <= f32_bound,
+            "{label}, prompt {}: last logits against f32 {:e} (bound {f32_bound:e})",
             r.len,
             r.exact
         );
         assert!(
-            r.greedy_exact.holds(NEAR_TIE.max(sensitivity)),
+            r.greedy_exact.holds(f32_bound),
             "{label}, prompt {}: greedy against f32 {}",
             r.len,
             r.greedy_exact
