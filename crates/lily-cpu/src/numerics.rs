@@ -9,9 +9,8 @@
 use std::borrow::Cow;
 
 use lily_core::weights::Linear;
-use rayon::prelude::*;
 
-use crate::ops::{dot, matmul, rows_from_columns};
+use crate::ops::{by_weight_rows, dot, matmul};
 
 /// The arithmetic of a prefill.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -76,25 +75,17 @@ pub fn bf16(x: f32) -> f32 {
 }
 
 /// `x · Wᵀ` for `x` already in bf16, with `W` rounded to bf16 as gemm.cu's tiles hold it and the
-/// products summed in f32. Each task rounds a block of weight rows once, for every row of `x`.
+/// products summed in f32. Each weight row is rounded once, for every row of `x`.
 fn bf16_matmul(x: &[f32], rows: usize, w: &Linear) -> Vec<f32> {
-    let (n, k) = (w.rows(), w.cols());
+    let k = w.cols();
     assert_eq!(x.len(), rows * k, "input shape");
-    const BLOCK: usize = 16;
-    let mut out_t = vec![0f32; n * rows];
-    out_t
-        .par_chunks_mut(BLOCK * rows)
-        .enumerate()
-        .for_each(|(b, chunk)| {
-            let mut weights = vec![0f32; k];
-            for (j, out) in chunk.chunks_mut(rows).enumerate() {
-                bf16_weight_row(w, b * BLOCK + j, &mut weights);
-                for (o, xr) in out.iter_mut().zip(x.chunks_exact(k)) {
-                    *o = dot(xr, &weights);
-                }
-            }
-        });
-    rows_from_columns(out_t, n, rows)
+    by_weight_rows(w.rows(), rows, 16, |j, out| {
+        let mut weights = vec![0f32; k];
+        bf16_weight_row(w, j, &mut weights);
+        for (o, xr) in out.iter_mut().zip(x.chunks_exact(k)) {
+            *o = dot(xr, &weights);
+        }
+    })
 }
 
 /// Row `r` of `w` in bf16, as gemm.cu dequantises it into shared memory: a dense value rounded,

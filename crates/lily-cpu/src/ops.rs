@@ -16,27 +16,34 @@ pub fn matmul(x: &[f32], rows: usize, w: &Linear) -> Vec<f32> {
 /// `x · Wᵀ` for a dense f32 `W`.
 pub fn dense_matmul(x: &[f32], rows: usize, w: &Matrix) -> Vec<f32> {
     debug_assert_eq!(x.len(), rows * w.cols);
-    let (n, k) = (w.rows, w.cols);
-    // Each task owns a block of weight rows and reads it once for every input row, so a weight
-    // row is pulled from memory once per call rather than once per token.
-    const BLOCK: usize = 16;
-    let mut out_t = vec![0f32; n * rows];
-    out_t
-        .par_chunks_mut(BLOCK * rows)
-        .enumerate()
-        .for_each(|(b, chunk)| {
-            for (j, out_row) in chunk.chunks_mut(rows).enumerate() {
-                let wr = &w.data[(b * BLOCK + j) * k..(b * BLOCK + j + 1) * k];
-                for (r, o) in out_row.iter_mut().enumerate() {
-                    *o = dot(&x[r * k..(r + 1) * k], wr);
-                }
-            }
-        });
-    rows_from_columns(out_t, n, rows)
+    let k = w.cols;
+    by_weight_rows(w.rows, rows, 16, |j, out| {
+        let wr = &w.data[j * k..(j + 1) * k];
+        for (o, xr) in out.iter_mut().zip(x.chunks_exact(k)) {
+            *o = dot(xr, wr);
+        }
+    })
 }
 
-/// `[rows, n]` from the `[n, rows]` that the products fill a weight row at a time.
-pub(crate) fn rows_from_columns(out_t: Vec<f32>, n: usize, rows: usize) -> Vec<f32> {
+/// `[rows, n]` products made a weight row at a time: `row(j, out)` writes weight row j's
+/// products with every input row into `out` (`rows` values). Each task owns `per_task` weight
+/// rows and reads (or dequantises) each once for every input row, so a weight row is pulled from
+/// memory once per call rather than once per token.
+pub(crate) fn by_weight_rows(
+    n: usize,
+    rows: usize,
+    per_task: usize,
+    row: impl Fn(usize, &mut [f32]) + Sync,
+) -> Vec<f32> {
+    let mut out_t = vec![0f32; n * rows];
+    out_t
+        .par_chunks_mut(per_task * rows)
+        .enumerate()
+        .for_each(|(task, chunk)| {
+            for (j, out) in chunk.chunks_mut(rows).enumerate() {
+                row(task * per_task + j, out);
+            }
+        });
     if rows == 1 {
         return out_t;
     }

@@ -16,9 +16,8 @@ mod portable;
 use std::sync::OnceLock;
 
 use lily_core::quant::QuantMatrix;
-use rayon::prelude::*;
 
-use crate::ops::rows_from_columns;
+use crate::ops::by_weight_rows;
 
 /// The instruction sets a kernel can use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,16 +83,7 @@ pub fn quant_matmul_with(isa: Isa, x: &[f32], rows: usize, w: &QuantMatrix) -> V
     // Tasks of at least 32 weight rows (tens of KB) keep rayon's overhead small next to the
     // memory traffic, yet split a 512-row expert matrix over many cores.
     let per_task = n.div_ceil(rayon::current_num_threads() * 4).max(32);
-    let mut out_t = vec![0f32; n * rows];
-    out_t
-        .par_chunks_mut(per_task * rows)
-        .enumerate()
-        .for_each(|(task, chunk)| {
-            for (j, out) in chunk.chunks_mut(rows).enumerate() {
-                dot_rows(isa, w, task * per_task + j, &xs, out);
-            }
-        });
-    rows_from_columns(out_t, n, rows)
+    by_weight_rows(n, rows, per_task, |j, out| dot_rows(isa, w, j, &xs, out))
 }
 
 /// `out[i] = W[row] · x_i` for every input row of `xs` (in the kernel's order).
