@@ -33,6 +33,16 @@ DEFINES = {
     "NORM_TOPK": "1", "KV_F32": "0",
 }
 KERNELS = os.path.join(os.path.dirname(__file__), "..", "crates", "lily-cuda", "src", "kernels")
+# The shared device code each file is compiled with after common.cuh (compile.rs, KernelFile::headers).
+HEADERS = {
+    "attention": ["attn_decode.cuh"],
+    "gdn": ["gdn_decode.cuh"],
+    "moe": ["moe_decode.cuh"],
+    "decode": ["gdn_decode.cuh", "attn_decode.cuh", "moe_decode.cuh"],
+}
+# decode.cu's weight formats (decode.rs, StepFormats::MLX_4BIT; --dense: every format f32).
+STEP_FORMATS = {"BITS_EMBED": 4, "BITS_LM": 4, "BITS_GDN_IN": 4, "BITS_GDN_OUT": 4, "BITS_ATTN_IN": 4,
+                "BITS_ATTN_OUT": 4, "BITS_ROUTER": 8, "BITS_EXPERT": 4}
 
 
 def compile_cubin(source, arch):
@@ -68,6 +78,9 @@ def ptxas_summary(log):
         if m:
             spills = f"spill stores {m.group(1)} B, loads {m.group(2)} B"
         m = re.search(r"Used (\d+) registers.*?(\d+) bytes smem", line) or re.search(r"Used (\d+) registers", line)
+        m2 = re.search(r"(\d+) bytes stack frame", line)
+        if m2 and int(m2.group(1)) and name:
+            print(f"{name:20s} {m2.group(1)} B stack frame")
         if m and name:
             smem = f", {m.group(2)} B shared" if m.lastindex == 2 else ""
             print(f"{name:20s} {m.group(1):>3s} registers, {spills}{smem}")
@@ -108,8 +121,13 @@ def main():
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--hot", action="store_true", help="take the aligned paths")
     ap.add_argument("--sass", help="also write the whole SASS here")
+    ap.add_argument("--dense", action="store_true", help="decode.cu with f32 weights")
     a = ap.parse_args()
+    for k, v in STEP_FORMATS.items():
+        DEFINES[k] = "32" if a.dense else str(v)
     source = open(os.path.join(KERNELS, "common.cuh")).read() + "\n"
+    for h in HEADERS.get(a.file, []):
+        source += open(os.path.join(KERNELS, h)).read() + "\n"
     kernel = open(os.path.join(KERNELS, a.file + ".cu")).read()
     if a.hot:
         kernel = re.sub(r"const bool (x|w)_vec = [^;]*;", r"const bool \1_vec = true;", kernel)

@@ -14,6 +14,8 @@ use lily_core::config::ModelConfig;
 pub struct KernelFile {
     pub name: &'static str,
     pub source: &'static str,
+    /// Device code the file shares with other files (`kernels/*.cuh`), prepended in order.
+    pub headers: &'static [&'static str],
     pub entries: &'static [&'static str],
     /// The architecture-specific target the file is written for ("sm_90a": its instructions exist
     /// on that GPU only), or None: any GPU Lily runs on.
@@ -36,6 +38,7 @@ impl KernelFile {
 pub const KERNEL_FILES: [KernelFile; 13] = [
     KernelFile {
         name: "gemv",
+        headers: &[],
         source: include_str!("kernels/gemv.cu"),
         entries: &[
             "gemv_b4",
@@ -55,24 +58,28 @@ pub const KERNEL_FILES: [KernelFile; 13] = [
     },
     KernelFile {
         name: "norm",
+        headers: &[],
         source: include_str!("kernels/norm.cu"),
         entries: &["add_rms_norm"],
         only_for: None,
     },
     KernelFile {
         name: "attention",
+        headers: &[ATTN_DECODE],
         source: include_str!("kernels/attention.cu"),
         entries: &["attn_prep", "attn_split", "attn_combine"],
         only_for: None,
     },
     KernelFile {
         name: "gdn",
+        headers: &[GDN_DECODE],
         source: include_str!("kernels/gdn.cu"),
         entries: &["gdn_conv", "gdn_step", "gdn_gated_norm"],
         only_for: None,
     },
     KernelFile {
         name: "moe",
+        headers: &[MOE_DECODE],
         source: include_str!("kernels/moe.cu"),
         entries: &[
             "moe_route_b4",
@@ -89,12 +96,14 @@ pub const KERNEL_FILES: [KernelFile; 13] = [
     },
     KernelFile {
         name: "sample",
+        headers: &[],
         source: include_str!("kernels/sample.cu"),
         entries: &["argmax_partial", "argmax_final", "advance"],
         only_for: None,
     },
     KernelFile {
         name: "gemm",
+        headers: &[],
         source: include_str!("kernels/gemm.cu"),
         entries: &[
             "gemm_b4",
@@ -112,18 +121,21 @@ pub const KERNEL_FILES: [KernelFile; 13] = [
     },
     KernelFile {
         name: "gemm_wgmma",
+        headers: &[],
         source: include_str!("kernels/gemm_wgmma.cu"),
         entries: &["gemm_wgmma_b4", "gemm_wgmma_grouped64_b4"],
         only_for: Some("sm_90a"),
     },
     KernelFile {
         name: "moe_prefill",
+        headers: &[],
         source: include_str!("kernels/moe_prefill.cu"),
         entries: &["moe_topk_rows", "moe_sort", "moe_swiglu", "moe_combine"],
         only_for: None,
     },
     KernelFile {
         name: "gdn_prefill",
+        headers: &[],
         source: include_str!("kernels/gdn_prefill.cu"),
         entries: &[
             "gdn_conv_rows",
@@ -135,12 +147,14 @@ pub const KERNEL_FILES: [KernelFile; 13] = [
     },
     KernelFile {
         name: "gdn_chunked",
+        headers: &[],
         source: include_str!("kernels/gdn_chunked.cu"),
         entries: &["gdn_chunk_prep", "gdn_chunk_scan"],
         only_for: None,
     },
     KernelFile {
         name: "attention_prefill",
+        headers: &[],
         source: include_str!("kernels/attention_prefill.cu"),
         entries: &[
             "attn_prep_rows",
@@ -152,6 +166,7 @@ pub const KERNEL_FILES: [KernelFile; 13] = [
     },
     KernelFile {
         name: "synthetic",
+        headers: &[],
         source: include_str!("kernels/synthetic.cu"),
         entries: &["synthetic_quant"],
         only_for: None,
@@ -159,6 +174,19 @@ pub const KERNEL_FILES: [KernelFile; 13] = [
 ];
 
 const COMMON: &str = include_str!("kernels/common.cuh");
+const GDN_DECODE: &str = include_str!("kernels/gdn_decode.cuh");
+const ATTN_DECODE: &str = include_str!("kernels/attn_decode.cuh");
+const MOE_DECODE: &str = include_str!("kernels/moe_decode.cuh");
+
+/// The persistent decode step. Compiled apart from [`KERNEL_FILES`], once the weights are laid out:
+/// their formats are constants of it too (`crate::decode::StepFormats`).
+pub const DECODE_FILE: KernelFile = KernelFile {
+    name: "decode",
+    headers: &[GDN_DECODE, ATTN_DECODE, MOE_DECODE],
+    source: include_str!("kernels/decode.cu"),
+    entries: &["decode_step", "decode_layout"],
+    only_for: None,
+};
 
 /// The most KV splits decode attention uses (its partial results are sized for this many).
 pub const MAX_ATTN_SPLITS: usize = 1024;
@@ -210,11 +238,17 @@ pub fn model_defines(c: &ModelConfig, kv: KvPrecision) -> Vec<(String, String)> 
 }
 
 /// Compiles one kernel file for `arch` (e.g. "sm_90"), using the on-disk cache when it can.
-pub fn compile(name: &str, source: &str, defines: &[(String, String)], arch: &str) -> Result<Ptx> {
+pub fn compile(file: &KernelFile, defines: &[(String, String)], arch: &str) -> Result<Ptx> {
+    let name = file.name;
     let mut options: Vec<String> = defines.iter().map(|(k, v)| format!("-D{k}={v}")).collect();
     options.push(format!("--gpu-architecture={arch}"));
     options.push("--std=c++17".to_string());
-    let full_source = format!("{COMMON}\n{source}");
+    let mut full_source = format!("{COMMON}\n");
+    for header in file.headers {
+        full_source.push_str(header);
+        full_source.push('\n');
+    }
+    full_source.push_str(file.source);
     let cache = cache_path(name, &full_source, &options);
     if let Some(path) = &cache
         && let Ok(text) = std::fs::read_to_string(path)
@@ -273,7 +307,7 @@ pub fn compile_all(
         .iter()
         .filter_map(|file| file.target(arch).map(|target| (file, target)))
         .map(|(file, target)| {
-            compile(file.name, file.source, &defines, &target)
+            compile(file, &defines, &target)
                 .map(|p| (file, target.clone(), p))
                 .with_context(|| format!("for {target}"))
         })
@@ -295,7 +329,14 @@ mod tests {
             assert!(!pieces.is_empty(), "{}.cu has no kernels", file.name);
             for piece in pieces {
                 let body = &piece[piece.find('{').expect("a kernel body")..];
-                let first = body.split(';').next().unwrap_or_default();
+                // The first statement after the block's shared-memory declarations.
+                let first = body
+                    .split(';')
+                    .find(|s| {
+                        !s.trim_start_matches(['{', ' ', '\n', '\\'])
+                            .starts_with("__shared__")
+                    })
+                    .unwrap_or_default();
                 let waits = first.contains("pdl_wait()")
                     || WAITING_BODIES.iter().any(|b| first.contains(b));
                 let name: String = piece.chars().take(80).collect();

@@ -40,17 +40,6 @@ pub enum GdnPrefillRoute {
     Chunked,
 }
 
-/// `LILY_GDN_PREFILL=scan|chunked` forces a route for every chunk length (for measuring one
-/// against the other); unset, [`route_for`] chooses.
-pub fn forced_route() -> Result<Option<GdnPrefillRoute>> {
-    match std::env::var("LILY_GDN_PREFILL").as_deref() {
-        Err(_) => Ok(None),
-        Ok("scan") => Ok(Some(GdnPrefillRoute::Scan)),
-        Ok("chunked") => Ok(Some(GdnPrefillRoute::Chunked)),
-        Ok(other) => anyhow::bail!("LILY_GDN_PREFILL must be scan or chunked, not {other:?}"),
-    }
-}
-
 /// Chunks shorter than this take the scan even where the chunked route fits. On the H200
 /// (`delta_rule_speed_by_length`, production heads; docs/BENCHMARKS.md) the chunked delta rule
 /// took 0.053 / 0.061 / 0.077 / 0.235 / 0.912 ms at 64 / 128 / 256 / 1,024 / 4,096 tokens and the
@@ -92,8 +81,8 @@ pub fn scratch_floats(c: &ModelConfig, t: usize, route: GdnPrefillRoute) -> usiz
 /// Floats of the scratch [`scan`] needs for a chunk of `t` tokens on any device: the chunked
 /// route's (128 MiB at a 4,096-token chunk) wherever [`route_for`] may take it (the memory plan
 /// is made before a device is opened), else the scan's.
-pub fn scan_scratch_floats(c: &ModelConfig, t: usize) -> usize {
-    let chunked = match forced_route().ok().flatten() {
+pub fn scan_scratch_floats(c: &ModelConfig, t: usize, forced: Option<GdnPrefillRoute>) -> usize {
+    let chunked = match forced {
         Some(route) => route == GdnPrefillRoute::Chunked,
         None => t >= CHUNKED_FROM_TOKENS && gdn_chunked::fits(c, usize::MAX).is_ok(),
     };

@@ -1,7 +1,7 @@
 //! The wgmma path of the prefill GEMM (kernels/gemm_wgmma.cu, sm_90a): which GPUs take it
 //! ([`GemmPath`]) and its block shapes. gemm.rs launches it in place of gemm.cu's 4-bit entries.
 
-use anyhow::{Result, bail, ensure};
+use anyhow::{Result, ensure};
 
 use crate::compile::KERNEL_FILES;
 use crate::gemm::{DenseTiling, GEMM_GROUPED_BN, SPLIT_MIN_K};
@@ -35,24 +35,16 @@ impl GemmPath {
         paths
     }
 
-    /// The path for a GPU of `arch`: `LILY_GEMM=mma|wgmma` if set (an error where the GPU lacks
-    /// it), else its default.
-    pub fn choose(arch: &str) -> Result<GemmPath> {
-        Self::choose_from(std::env::var("LILY_GEMM").ok().as_deref(), arch)
-    }
-
-    /// [`GemmPath::choose`] with the variable's value given.
-    fn choose_from(forced: Option<&str>, arch: &str) -> Result<GemmPath> {
+    /// The path for a GPU of `arch`: `forced` if given (an error where the GPU lacks it), else
+    /// its default.
+    pub fn choose(arch: &str, forced: Option<GemmPath>) -> Result<GemmPath> {
         let supported = Self::supported(arch);
-        let forced = match forced {
-            None => return Ok(supported[0]),
-            Some("mma") => GemmPath::MmaSync,
-            Some("wgmma") => GemmPath::Wgmma,
-            Some(other) => bail!("LILY_GEMM must be mma or wgmma, not {other:?}"),
+        let Some(forced) = forced else {
+            return Ok(supported[0]);
         };
         ensure!(
             supported.contains(&forced),
-            "LILY_GEMM={forced:?} is not available on an {arch} GPU"
+            "the {forced:?} GEMM path (LILY_GEMM) is not available on an {arch} GPU"
         );
         Ok(forced)
     }
@@ -169,17 +161,10 @@ pub(crate) mod tests {
         for arch in ["sm_80", "sm_86", "sm_89", "sm_100", "sm_120"] {
             assert_eq!(GemmPath::supported(arch), vec![MmaSync], "{arch}");
         }
-        assert_eq!(GemmPath::choose_from(None, "sm_90").unwrap(), Wgmma);
-        assert_eq!(GemmPath::choose_from(None, "sm_89").unwrap(), MmaSync);
-        assert_eq!(
-            GemmPath::choose_from(Some("mma"), "sm_90").unwrap(),
-            MmaSync
-        );
-        assert_eq!(
-            GemmPath::choose_from(Some("wgmma"), "sm_90").unwrap(),
-            Wgmma
-        );
-        assert!(GemmPath::choose_from(Some("wgmma"), "sm_80").is_err());
-        assert!(GemmPath::choose_from(Some("fast"), "sm_90").is_err());
+        assert_eq!(GemmPath::choose("sm_90", None).unwrap(), Wgmma);
+        assert_eq!(GemmPath::choose("sm_89", None).unwrap(), MmaSync);
+        assert_eq!(GemmPath::choose("sm_90", Some(MmaSync)).unwrap(), MmaSync);
+        assert_eq!(GemmPath::choose("sm_90", Some(Wgmma)).unwrap(), Wgmma);
+        assert!(GemmPath::choose("sm_80", Some(Wgmma)).is_err());
     }
 }

@@ -1,6 +1,7 @@
 //! The device, its stream, the compiled kernels and the launch helper.
 
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -14,6 +15,7 @@ use lily_core::config::ModelConfig;
 use crate::compile::{KERNEL_FILES, KvPrecision, compile, model_defines};
 use crate::gemm_wgmma::GemmPath;
 use crate::mat::MatArg;
+use crate::options::CudaOptions;
 
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
@@ -32,23 +34,13 @@ pub struct Gpu {
     pdl_now: AtomicBool,
     /// Bytes of shared memory one block may opt in to.
     pub shared_optin: usize,
-    /// The GDN prefill route `LILY_GDN_PREFILL` forces, if any ([`crate::gdn_prefill::route_for`]).
+    /// The GDN prefill route the options force, if any ([`crate::gdn_prefill::route_for`]).
     pub gdn_prefill_route: Option<crate::gdn_prefill::GdnPrefillRoute>,
     /// Which kernels run the 4-bit prefill GEMMs ([`Gpu::set_gemm_path`]).
     gemm_path: GemmPath,
     /// Partial sums of dense GEMMs split along K ([`crate::gemm::gemm`]); one launch at a time
     /// uses it, in stream order.
     pub(crate) gemm_partials: CudaSlice<f32>,
-}
-
-/// `LILY_PDL=0` turns programmatic dependent launch off (for measuring what it gives, and as a
-/// fallback should a driver mishandle it); it is on by default where the GPU has it (sm_90+).
-fn pdl_allowed() -> Result<bool> {
-    match std::env::var("LILY_PDL").as_deref() {
-        Err(_) | Ok("1") => Ok(true),
-        Ok("0") => Ok(false),
-        Ok(other) => bail!("LILY_PDL must be 0 or 1, not {other:?}"),
-    }
 }
 
 /// Whether a CUDA driver and at least one GPU are present (without panicking when not).
@@ -61,8 +53,15 @@ pub fn gpu_available() -> bool {
 }
 
 impl Gpu {
-    /// Opens GPU 0 and compiles every kernel for the model.
+    /// Opens GPU 0 and compiles every kernel for the model, with the environment's options
+    /// ([`CudaOptions::from_env`]) and the KV cache stored as `kv`.
     pub fn new(config: &ModelConfig, kv: KvPrecision) -> Result<Self> {
+        Self::with_options(config, &CudaOptions::from_env()?.with_kv(kv))
+    }
+
+    /// Opens GPU 0 and compiles every kernel for the model as `options` say.
+    pub fn with_options(config: &ModelConfig, options: &CudaOptions) -> Result<Self> {
+        let kv = options.kv;
         if !gpu_available() {
             bail!("no CUDA GPU found (the CUDA driver library is missing or sees no device)");
         }
@@ -78,7 +77,7 @@ impl Gpu {
             bail!("GPU compute capability {major}.{minor} is below 8.0 (Ampere), which Lily needs");
         }
         let arch = format!("sm_{major}{minor}");
-        let gemm_path = GemmPath::choose(&arch)?;
+        let gemm_path = GemmPath::choose(&arch, options.gemm)?;
         let name = ctx.name()?;
         let sms = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
@@ -90,7 +89,7 @@ impl Gpu {
             .iter()
             .filter_map(|f| f.target(&arch).map(|t| (f, t)))
         {
-            let ptx = compile(file.name, file.source, &defines, &target)?;
+            let ptx = compile(file, &defines, &target)?;
             let module = ctx
                 .load_module(ptx)
                 .with_context(|| format!("loading kernels {}.cu", file.name))?;
@@ -138,16 +137,16 @@ impl Gpu {
             kv,
             sms,
             resident_256,
-            pdl: major >= 9 && pdl_allowed()?,
+            pdl: major >= 9 && options.pdl,
             pdl_now: AtomicBool::new(false),
             shared_optin: optin,
             gemm_partials,
-            gdn_prefill_route: crate::gdn_prefill::forced_route()?,
+            gdn_prefill_route: options.gdn_prefill,
             gemm_path,
         })
     }
 
-    /// Which kernels run the 4-bit prefill GEMMs: `LILY_GEMM`, else the GPU's fastest.
+    /// Which kernels run the 4-bit prefill GEMMs: the options' choice, else the GPU's fastest.
     pub fn gemm_path(&self) -> GemmPath {
         self.gemm_path
     }
@@ -303,9 +302,6 @@ impl Gpu {
         shared: u32,
         args: &[KArg],
     ) -> Result<()> {
-        use cudarc::driver::sys;
-        use std::ffi::c_void;
-        self.ctx.bind_to_thread()?;
         // The driver reads each argument through a pointer; `values` outlives the call.
         let mut values = args.to_vec();
         let mut params: Vec<*mut c_void> = values
@@ -317,27 +313,56 @@ impl Gpu {
                 KArg::Mat(v) => v as *mut MatArg as *mut c_void,
             })
             .collect();
-        let mut attr = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value: sys::CUlaunchAttributeValue {
-                programmaticStreamSerializationAllowed: 1,
-            },
+        self.launch_raw(
+            f,
+            (shape.grid, shape.block),
+            shared,
+            &mut params,
+            LaunchKind::Programmatic,
+        )
+    }
+
+    /// Launches `f` with its arguments given as pointers to their values (`params`, in the
+    /// kernel's parameter order), as `kind` says.
+    pub fn launch_raw(
+        &self,
+        f: &CudaFunction,
+        (grid, block): ((u32, u32, u32), u32),
+        shared: u32,
+        params: &mut [*mut c_void],
+        kind: LaunchKind,
+    ) -> Result<()> {
+        use cudarc::driver::sys;
+        self.ctx.bind_to_thread()?;
+        let mut attr = match kind {
+            LaunchKind::Plain => None,
+            LaunchKind::Programmatic => Some(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue {
+                    programmaticStreamSerializationAllowed: 1,
+                },
+            }),
+            LaunchKind::Cooperative => Some(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue { cooperative: 1 },
+            }),
         };
         let config = sys::CUlaunchConfig {
-            gridDimX: shape.grid.0,
-            gridDimY: shape.grid.1,
-            gridDimZ: shape.grid.2,
-            blockDimX: shape.block,
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
             blockDimY: 1,
             blockDimZ: 1,
             sharedMemBytes: shared,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
+            attrs: attr.as_mut().map_or(std::ptr::null_mut(), |a| a as *mut _),
+            numAttrs: attr.is_some() as u32,
         };
-        // SAFETY: as in `launch`: the arguments match the kernel's signature; `params` points
-        // into `values`, which lives until the call returns (the driver copies the values).
+        // SAFETY: the caller passes pointers to values matching the kernel's signature, alive
+        // until the call returns (the driver copies the values).
         unsafe {
             sys::cuLaunchKernelEx(
                 &config,
@@ -349,6 +374,16 @@ impl Gpu {
         };
         Ok(())
     }
+}
+
+/// How [`Gpu::launch_raw`] launches a kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LaunchKind {
+    Plain,
+    /// Allowed to begin before the previous kernel ends (sm_90+; see [`Gpu::programmatic`]).
+    Programmatic,
+    /// Every block resident at once, or the launch fails (a grid barrier needs it).
+    Cooperative,
 }
 
 /// `launch!(gpu, "name", grid, block; args...)`: converts each argument to a [`KArg`].

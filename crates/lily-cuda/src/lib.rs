@@ -7,6 +7,7 @@
 
 pub mod attention_prefill;
 pub mod compile;
+pub mod decode;
 pub mod gdn_chunked;
 pub mod gdn_prefill;
 pub mod gemm;
@@ -14,6 +15,7 @@ pub mod gemm_wgmma;
 pub mod gpu;
 pub mod mat;
 pub mod moe_prefill;
+pub mod options;
 mod prefill;
 mod state;
 mod step;
@@ -31,8 +33,10 @@ use lily_core::weights::ModelWeights;
 
 pub use compile::KvPrecision;
 pub use gpu::gpu_available;
+pub use options::{CudaOptions, DEFAULT_PREFILL_CHUNK};
 pub use state::CudaState;
 
+use crate::decode::{DecodePath, PersistentStep};
 use crate::gpu::{Gpu, ptr};
 use crate::prefill::{Model, PrefillScratch, encode_chunk};
 use crate::step::{Scratch, Timeline, encode_step};
@@ -42,6 +46,8 @@ pub struct CudaBackend {
     config: ModelConfig,
     gpu: Gpu,
     weights: DeviceWeights,
+    /// The persistent decode step, or None where decode replays the graph of launches.
+    persistent: Option<PersistentStep>,
     /// One step or chunk runs at a time; the scratch activations are shared by every sequence.
     scratch: Mutex<Buffers>,
     prefill_chunk: usize,
@@ -52,15 +58,10 @@ struct Buffers {
     prefill: PrefillScratch,
 }
 
-/// Tokens per prefill chunk unless told otherwise. Measured on the H200 (a 4K prompt of the
-/// full-size model): chunks of 1,024, 2,048 and 4,096 tokens gave 12.4K, 15.0K and 16.2K tok/s;
-/// longer chunks fill more of each expert's 64-row GEMM tiles. A 4,096-token chunk's activations
-/// take about 1.3 GB at the real shapes.
-pub const DEFAULT_PREFILL_CHUNK: usize = 4096;
 /// Device memory the backend takes beyond weights and sequence state: the prefill chunk's
 /// activations, plus 256 MiB for the decode step's scratch and allocator slack.
-pub fn activation_bytes(c: &ModelConfig, prefill_chunk: usize) -> usize {
-    PrefillScratch::bytes(c, prefill_chunk) + (256 << 20)
+pub fn activation_bytes(c: &ModelConfig, options: &CudaOptions) -> usize {
+    PrefillScratch::bytes(c, options.prefill_chunk, options.gdn_prefill) + (256 << 20)
 }
 
 /// Logit rows computed per lm_head GEMM when every row is wanted (teacher-forced scoring): a
@@ -73,23 +74,23 @@ unsafe impl Sync for CudaBackend {}
 unsafe impl Send for CudaBackend {}
 
 impl CudaBackend {
+    /// The host model on the GPU, with the environment's options ([`CudaOptions::from_env`]).
     pub fn new(config: ModelConfig, host: &ModelWeights) -> Result<Self> {
-        Self::with_kv(config, host, KvPrecision::Bf16)
+        Self::with_options(config, host, &CudaOptions::from_env()?)
     }
 
-    /// As [`CudaBackend::new`] with a chosen KV-cache precision.
+    /// As [`CudaBackend::new`] with the KV cache stored as `kv`.
     pub fn with_kv(config: ModelConfig, host: &ModelWeights, kv: KvPrecision) -> Result<Self> {
-        Self::with_options(config, host, kv, DEFAULT_PREFILL_CHUNK)
+        Self::with_options(config, host, &CudaOptions::from_env()?.with_kv(kv))
     }
 
-    /// As [`CudaBackend::new`] with a chosen KV-cache precision and prefill chunk length.
+    /// The host model on the GPU, as `options` say.
     pub fn with_options(
         config: ModelConfig,
         host: &ModelWeights,
-        kv: KvPrecision,
-        prefill_chunk: usize,
+        options: &CudaOptions,
     ) -> Result<Self> {
-        Self::from_source(config, &mut HostWeights(host), kv, prefill_chunk)
+        Self::from_source(config, &mut HostWeights(host), options)
     }
 
     /// A backend whose weights come from `src`: the host model ([`HostWeights`]), or a synthetic
@@ -97,22 +98,22 @@ impl CudaBackend {
     pub fn from_source(
         config: ModelConfig,
         src: &mut dyn WeightSource,
-        kv: KvPrecision,
-        prefill_chunk: usize,
+        options: &CudaOptions,
     ) -> Result<Self> {
+        let prefill_chunk = options.prefill_chunk;
         check_shapes(&config)?;
         ensure!(
             prefill_chunk > 0,
             "the prefill chunk must hold at least one token"
         );
-        let gpu = Gpu::new(&config, kv)?;
+        let gpu = Gpu::with_options(&config, options)?;
         // Refused here rather than at the first prompt: a device without the shared memory for
         // any prefill attention block shape.
         attention_prefill::block_for(&gpu, &config)?;
         // The memory plan, before anything is allocated: weights as stored, the prefill chunk's
         // activations, and 256 MiB for the decode step and the first sequence's state
         // (new_state checks its own KV cache).
-        let activations = activation_bytes(&config, prefill_chunk);
+        let activations = activation_bytes(&config, options);
         let need = src.device_bytes(&config) + activations;
         let (free, total) = gpu.memory()?;
         ensure!(
@@ -126,6 +127,12 @@ impl CudaBackend {
             total as f64 / 1e9
         );
         let weights = DeviceWeights::build(&gpu, &config, src).context("loading the weights")?;
+        let persistent = match options.decode {
+            DecodePath::Persistent => Some(PersistentStep::new(&gpu, &config, &weights).context(
+                "the persistent decode step (LILY_DECODE=graph replays launches instead)",
+            )?),
+            DecodePath::Graph => None,
+        };
         let scratch = Mutex::new(Buffers {
             decode: Scratch::new(&gpu, &config)?,
             prefill: PrefillScratch::new(&gpu, &config, prefill_chunk)?,
@@ -137,9 +144,15 @@ impl CudaBackend {
             config,
             gpu,
             weights,
+            persistent,
             scratch,
             prefill_chunk,
         })
+    }
+
+    /// Whether decode steps run the persistent kernel (else the graph of launches).
+    pub fn persistent_decode(&self) -> bool {
+        self.persistent.is_some()
     }
 
     fn model(&self) -> Model<'_> {
@@ -160,6 +173,24 @@ impl CudaBackend {
     /// graph, capturing it on first use or when its argmax must range over other `choices`
     /// (`None`: the choice is not wanted, any graph will do).
     fn step(&self, state: &mut CudaState, scratch: &Scratch, choices: Option<usize>) -> Result<()> {
+        if let Some(step) = &self.persistent {
+            if state.step_table.is_none() {
+                state.step_table = Some(step.state_table(&self.gpu, state)?);
+            }
+            let table = state.step_table.as_ref().context("no state table")?;
+            let choices = choices.unwrap_or(self.config.vocab_size);
+            step.launch(
+                &self.gpu,
+                &self.config,
+                scratch,
+                state,
+                table,
+                choices,
+                None,
+            )?;
+            state.len += 1;
+            return Ok(());
+        }
         let stale = match (&state.graph, choices) {
             (None, _) => true,
             (Some((_, had)), Some(want)) => *had != want,
@@ -208,6 +239,9 @@ impl CudaBackend {
             "no room for {steps} profiled steps"
         );
         let scratch = self.lock()?;
+        if let Some(step) = &self.persistent {
+            return self.profile_persistent(step, state, &scratch.decode, steps);
+        }
         let mut timeline = Timeline::default();
         for _ in 0..steps {
             self.gpu.programmatic(|| {
@@ -228,6 +262,46 @@ impl CudaBackend {
         let mut totals = timeline.totals()?;
         totals.iter_mut().for_each(|(_, ms)| *ms /= steps as f64);
         totals.retain(|(family, _)| *family != "start");
+        Ok(totals)
+    }
+
+    /// [`Self::profile_decode`] on the persistent step: the kernel's own timestamps, one as block
+    /// 0 leaves each op (so an op's time includes its barrier).
+    fn profile_persistent(
+        &self,
+        step: &PersistentStep,
+        state: &mut CudaState,
+        scratch: &Scratch,
+        steps: usize,
+    ) -> Result<Vec<(&'static str, f64)>> {
+        if state.step_table.is_none() {
+            state.step_table = Some(step.state_table(&self.gpu, state)?);
+        }
+        let table = state.step_table.as_ref().context("no state table")?;
+        let marks = decode::op_families(&self.config).len() + 1;
+        let timeline = self.gpu.zeros::<u64>(marks)?;
+        let mut totals: Vec<(&'static str, f64)> = Vec::new();
+        for _ in 0..steps {
+            let vocab = self.config.vocab_size;
+            step.launch(
+                &self.gpu,
+                &self.config,
+                scratch,
+                state,
+                table,
+                vocab,
+                Some(&timeline),
+            )?;
+            state.len += 1;
+            let stamps = self.gpu.download(&timeline)?;
+            for (family, ms) in decode::family_times(&self.config, &stamps) {
+                match totals.iter_mut().find(|(f, _)| *f == family) {
+                    Some((_, t)) => *t += ms / steps as f64,
+                    None => totals.push((family, ms / steps as f64)),
+                }
+            }
+        }
+        state.device_token = None;
         Ok(totals)
     }
 
@@ -401,7 +475,15 @@ impl Backend for CudaBackend {
             gemm_wgmma::GemmPath::MmaSync => "mma.sync",
             gemm_wgmma::GemmPath::Wgmma => "wgmma",
         };
-        format!("{} ({}, {gemm} GEMMs)", self.gpu.name, self.gpu.arch)
+        let decode = if self.persistent.is_some() {
+            "persistent"
+        } else {
+            "graph"
+        };
+        format!(
+            "{} ({}, {gemm} GEMMs, {decode} decode)",
+            self.gpu.name, self.gpu.arch
+        )
     }
 
     fn max_prefill_chunk(&self) -> usize {

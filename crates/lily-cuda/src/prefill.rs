@@ -10,6 +10,7 @@ use cudarc::driver::CudaSlice;
 use lily_core::config::ModelConfig;
 
 use crate::attention_prefill::{self, AttnChunk};
+use crate::gdn_prefill::GdnPrefillRoute;
 use crate::gpu::{Gpu, ptr};
 use crate::launch;
 use crate::moe_prefill::{MoeTile, TileMap};
@@ -62,12 +63,13 @@ fn proj_widths(c: &ModelConfig) -> (usize, usize) {
 
 impl PrefillScratch {
     /// Device bytes the scratch of a `chunk`-token chunk takes (for the memory plan).
-    pub fn bytes(c: &ModelConfig, chunk: usize) -> usize {
-        Self::sizes(c, chunk).iter().sum::<usize>() * 4
+    /// With the GDN prefill route forced or not (CudaOptions::gdn_prefill).
+    pub fn bytes(c: &ModelConfig, chunk: usize, gdn: Option<GdnPrefillRoute>) -> usize {
+        Self::sizes(c, chunk, gdn).iter().sum::<usize>() * 4
     }
 
     /// Element counts of every buffer, in field order (all 4-byte elements).
-    fn sizes(c: &ModelConfig, chunk: usize) -> [usize; 25] {
+    fn sizes(c: &ModelConfig, chunk: usize, route: Option<GdnPrefillRoute>) -> [usize; 25] {
         let (gdn, attn) = proj_widths(c);
         let (h, t) = (c.hidden_size, chunk);
         let pairs = t * c.experts_per_token;
@@ -84,7 +86,7 @@ impl PrefillScratch {
             t * h,
             t * gdn.max(attn),
             t * c.gdn_conv_dim(),
-            gdn_prefill::scan_scratch_floats(c, t),
+            gdn_prefill::scan_scratch_floats(c, t, route),
             t * c.gdn_value_dim(),
             t * c.gdn_value_dim(),
             t * heads,
@@ -108,7 +110,7 @@ impl PrefillScratch {
     }
 
     pub fn new(gpu: &Gpu, c: &ModelConfig, chunk: usize) -> Result<Self> {
-        let n = Self::sizes(c, chunk);
+        let n = Self::sizes(c, chunk, gpu.gdn_prefill_route);
         Ok(PrefillScratch {
             chunk,
             tokens: gpu.zeros(n[0])?,

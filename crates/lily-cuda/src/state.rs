@@ -5,8 +5,14 @@ use anyhow::Result;
 use cudarc::driver::{CudaGraph, CudaSlice};
 use lily_core::config::{LayerKind, ModelConfig};
 
-use crate::compile::attn_splits;
+use crate::compile::{KvPrecision, attn_splits};
 use crate::gpu::Gpu;
+
+/// The u16 elements of one layer's K (or V) cache for `max_seq` positions: one per bf16 value,
+/// two per f32 one. (It once passed the byte count as the element count: twice the plan.)
+fn kv_cache_halves(c: &ModelConfig, max_seq: usize, kv: KvPrecision) -> usize {
+    max_seq * c.num_kv_heads * c.head_dim * kv.bytes() / 2
+}
 
 pub struct CudaState {
     pub(crate) len: usize,
@@ -22,6 +28,8 @@ pub struct CudaState {
     pub(crate) layers: Vec<LayerState>,
     /// The captured step and the number of tokens its argmax ranges over.
     pub(crate) graph: Option<(CudaGraph, usize)>,
+    /// The persistent step's table of this state's buffers (decode.rs), made at its first step.
+    pub(crate) step_table: Option<CudaSlice<u8>>,
 }
 
 pub(crate) enum LayerState {
@@ -56,7 +64,7 @@ impl CudaState {
             .map(|kind| {
                 Ok(match kind {
                     LayerKind::Attention => {
-                        let n = max_seq * c.num_kv_heads * c.head_dim * gpu.kv.bytes();
+                        let n = kv_cache_halves(c, max_seq, gpu.kv);
                         LayerState::Attention {
                             k: gpu.zeros(n)?,
                             v: gpu.zeros(n)?,
@@ -82,6 +90,7 @@ impl CudaState {
             device_token: None,
             layers,
             graph: None,
+            step_table: None,
         })
     }
 
@@ -113,6 +122,30 @@ impl CudaState {
             device_token: self.device_token,
             layers,
             graph: None,
+            step_table: None,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lily_core::config::QWEN36_35B_A3B_CONFIG;
+
+    use super::*;
+
+    /// What the caches allocate is what the memory plan counts (perf.md: 20 KiB a token of
+    /// context in bf16 at the real shapes).
+    #[test]
+    fn the_kv_cache_allocates_the_bytes_the_plan_counts() {
+        let c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
+        for (kv, per_token) in [(KvPrecision::Bf16, 20_480), (KvPrecision::F32, 40_960)] {
+            let max_seq = 1000;
+            let allocated = c.num_attention_layers() * 2 * kv_cache_halves(&c, max_seq, kv) * 2;
+            assert_eq!(
+                allocated as u64,
+                c.kv_bytes_per_token(kv.bytes()) * max_seq as u64
+            );
+            assert_eq!(allocated, per_token * max_seq, "{kv:?}");
+        }
     }
 }

@@ -319,7 +319,8 @@ pub fn encode_step(
                 let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
                 let kp = ptr(k, &gpu.stream);
                 let vp = ptr(v, &gpu.stream);
-                launch!(gpu, "attn_prep", ((nh + nkv) as u32, 1, 1), round_up_warp(hd);
+                // One warp per head (head_norm_rope).
+                launch!(gpu, "attn_prep", ((nh + nkv) as u32, 1, 1), 32;
                     p(&s.proj), p(q_norm), p(k_norm), pos, p(&s.q), kp, vp, eps);
                 let splits = state.attn_splits;
                 // 128 threads: attn_split is written for four warps (AS_WARPS).

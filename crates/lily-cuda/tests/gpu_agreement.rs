@@ -49,7 +49,7 @@ use lily_core::synthetic::SyntheticSource;
 use lily_core::weights::ModelWeights;
 use lily_cpu::{CpuBackend, GdnForm, Numerics};
 use lily_cuda::{CudaBackend, KvPrecision};
-use support::{BF16_PREFILL, argmax, fixture, greedy, rel_diff, tokens};
+use support::{BF16_PREFILL, argmax, fixture, greedy, options, rel_diff, tokens};
 
 /// How many times the order twin's distance from the bf16 CPU the GPU may be from it.
 const ORDER_MARGIN: f32 = 4.0;
@@ -200,7 +200,8 @@ fn prefill_matches_both_cpus_on_the_fixtures() {
         for kv in [KvPrecision::F32, KvPrecision::Bf16] {
             let (config, source) = ModelRef::Dir(fixture(name)).open().unwrap();
             let weights = Arc::new(ModelWeights::load(&config, source).unwrap());
-            let gpu = CudaBackend::with_options(config.clone(), &weights, kv, 48).unwrap();
+            let gpu =
+                CudaBackend::with_options(config.clone(), &weights, &options(kv, 48)).unwrap();
             let cpus = Cpus::new(&config, &weights, kv);
             let vocab = config.vocab_size;
             let prompt = tokens(100, vocab, 1);

@@ -15,7 +15,7 @@ use lily_core::weights::ModelWeights;
 use lily_cpu::CpuBackend;
 use lily_cuda::moe_prefill::ROWS64_FROM_ROWS_PER_EXPERT;
 use lily_cuda::{CudaBackend, KvPrecision};
-use support::{BF16_PREFILL, argmax, fixture, rel_diff, tokens};
+use support::{BF16_PREFILL, argmax, fixture, options, rel_diff, tokens};
 
 /// The first token after a prefill and the tokens of the decode steps after it, chosen on the
 /// device (`prefill_sample`, `decode_sample`), are what the host sampler picks from the same
@@ -29,7 +29,8 @@ fn greedy_choices_on_the_device_equal_the_hosts() {
         let (config, source) = ModelRef::Dir(fixture(name)).open().unwrap();
         let weights = ModelWeights::load(&config, source).unwrap();
         let gpu =
-            CudaBackend::with_options(config.clone(), &weights, KvPrecision::Bf16, 48).unwrap();
+            CudaBackend::with_options(config.clone(), &weights, &options(KvPrecision::Bf16, 48))
+                .unwrap();
         let vocab = config.vocab_size;
         for len in [1, 60] {
             let prompt = tokens(len, vocab, 7);
@@ -82,7 +83,8 @@ fn chunked_prefill_equals_one_chunk() {
         let (config, source) = ModelRef::Dir(fixture(name)).open().unwrap();
         let weights = ModelWeights::load(&config, source).unwrap();
         let f32kv = KvPrecision::F32;
-        let one = CudaBackend::with_options(config.clone(), &weights, f32kv, 512).unwrap();
+        let one =
+            CudaBackend::with_options(config.clone(), &weights, &options(f32kv, 512)).unwrap();
         let prompt = tokens(150, config.vocab_size, 2);
         let probe = tokens(6, config.vocab_size, 3);
         let run = |b: &CudaBackend| {
@@ -95,7 +97,8 @@ fn chunked_prefill_equals_one_chunk() {
         };
         let reference = run(&one);
         for chunk in [1, 7, 16, 33, 149] {
-            let cut = CudaBackend::with_options(config.clone(), &weights, f32kv, chunk).unwrap();
+            let cut = CudaBackend::with_options(config.clone(), &weights, &options(f32kv, chunk))
+                .unwrap();
             let d = rel_diff(&run(&cut), &reference);
             eprintln!("{name}: chunks of {chunk} against one chunk, max rel diff {d:e}");
             assert!(d <= 1e-5, "{name}, chunk {chunk}: {d:e}");
@@ -131,7 +134,8 @@ fn prefill_at_production_shapes_matches_the_cpu() {
     let weights = ModelWeights::load(&config, Box::new(SyntheticSource::new(7))).unwrap();
     let first_tall = ROWS64_FROM_ROWS_PER_EXPERT * config.num_experts / config.experts_per_token;
     let backend = |chunk| {
-        CudaBackend::with_options(config.clone(), &weights, KvPrecision::F32, chunk).unwrap()
+        CudaBackend::with_options(config.clone(), &weights, &options(KvPrecision::F32, chunk))
+            .unwrap()
     };
     let (short, tall) = (backend(200), backend(first_tall));
     let cpu = CpuBackend::new(config.clone(), weights);

@@ -19,7 +19,7 @@ use lily_cuda::mat::DeviceMat;
 use lily_cuda::synthetic::{SyntheticWeights, generate};
 use lily_cuda::weights::{DeviceWeights, HostWeights, WeightSource};
 use lily_cuda::{CudaBackend, DEFAULT_PREFILL_CHUNK, KvPrecision};
-use support::NEEDS_GPU;
+use support::{NEEDS_GPU, options};
 
 /// Where two byte strings first differ, if they do.
 fn first_difference(a: &[u8], b: &[u8]) -> Option<String> {
@@ -227,8 +227,12 @@ fn backend_on_device_generated_weights_equals_the_uploaded_one() {
     let kv = KvPrecision::F32;
     let uploaded = CudaBackend::with_kv(config.clone(), &host, kv).expect(NEEDS_GPU);
     let mut source = SyntheticWeights::new(SYNTHETIC_SEED);
-    let generated =
-        CudaBackend::from_source(config.clone(), &mut source, kv, DEFAULT_PREFILL_CHUNK).unwrap();
+    let generated = CudaBackend::from_source(
+        config.clone(),
+        &mut source,
+        &options(kv, DEFAULT_PREFILL_CHUNK),
+    )
+    .unwrap();
     let tokens = [9419u32, 11, 1814, 13, 576, 374];
     let run = |b: &CudaBackend| -> Vec<u32> {
         let mut state = b.new_state(tokens.len()).unwrap();

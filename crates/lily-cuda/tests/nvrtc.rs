@@ -75,3 +75,41 @@ fn every_kernel_compiles_for_every_architecture() {
     }
     let _ = std::fs::remove_dir_all(cache);
 }
+
+/// The persistent decode step compiles for every architecture, model shape and weight format
+/// it is built for, and its one parameter has the size of the host's `DecArgs` (a field added
+/// on one side only shows here, without a GPU).
+#[test]
+#[ignore = "needs libnvrtc.so.13 on LD_LIBRARY_PATH; scripts/test.sh installs it and runs this"]
+fn the_persistent_decode_step_compiles_with_the_hosts_argument_layout() {
+    use lily_cuda::compile::{DECODE_FILE, compile};
+    use lily_cuda::decode::{StepFormats, args_bytes, step_defines};
+    let cache = std::env::temp_dir().join(format!("lily-nvrtc-decode-{}", std::process::id()));
+    // SAFETY: set before any thread of this test binary reads the environment.
+    unsafe { std::env::set_var("LILY_KERNEL_CACHE", &cache) };
+    let models = [
+        (
+            "qwen3.6-35b-a3b",
+            synthetic_config("qwen3.6-35b-a3b").unwrap(),
+        ),
+        ("tiny", synthetic_config("tiny").unwrap()),
+        ("tiny-a", fixture_config("tiny-a")),
+    ];
+    for (name, config) in models {
+        for formats in [StepFormats::MLX_4BIT, StepFormats::DENSE] {
+            for arch in ["sm_80", "sm_90"] {
+                let defines = step_defines(&config, KvPrecision::Bf16, &formats);
+                let ptx = compile(&DECODE_FILE, &defines, arch)
+                    .unwrap_or_else(|e| panic!("{name} {formats:?} for {arch}: {e:#}"));
+                let text = ptx.to_src();
+                let param = format!(".param .align 8 .b8 decode_step_param_0[{}]", args_bytes());
+                assert!(
+                    text.contains(&param),
+                    "{name}: decode_step's parameter is not {} bytes",
+                    args_bytes()
+                );
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(cache);
+}

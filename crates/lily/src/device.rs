@@ -6,7 +6,7 @@ use lily_core::load::load_weights;
 use lily_core::model_ref::{ModelRef, SYNTHETIC_SEED};
 use lily_cpu::CpuBackend;
 use lily_cuda::synthetic::SyntheticWeights;
-use lily_cuda::{CudaBackend, KvPrecision};
+use lily_cuda::{CudaBackend, CudaOptions};
 
 use crate::backends::AnyBackend;
 use crate::progress::LoadBar;
@@ -33,45 +33,24 @@ pub fn load_with(model: &str, device: Device, quantize: bool) -> Result<AnyBacke
     };
     let model = crate::cmd::pull::resolve_model(model)?;
     if use_cuda {
-        let (kv, chunk) = (kv_precision()?, prefill_chunk()?);
+        let options = CudaOptions::from_env()?;
         let backend = match &model {
             // Synthetic weights are made on the GPU, where they live: the host makes only the
             // small tensors. (`--quantize` rounds those to bf16, so it takes the host path.)
             ModelRef::Synthetic(_) if !quantize => {
                 let mut source = SyntheticWeights::new(SYNTHETIC_SEED);
-                CudaBackend::from_source(model.config()?, &mut source, kv, chunk)?
+                CudaBackend::from_source(model.config()?, &mut source, &options)?
             }
             _ => {
                 // Made in host memory first, then uploaded; this checks they fit there.
                 let (config, weights) = load_weights(&model, quantize, LoadBar::wrap)?;
-                CudaBackend::with_options(config, &weights, kv, chunk)?
+                CudaBackend::with_options(config, &weights, &options)?
             }
         };
         return Ok(AnyBackend::Cuda(Box::new(backend)));
     }
     let (config, weights) = load_weights(&model, quantize, LoadBar::wrap)?;
     Ok(AnyBackend::Cpu(Box::new(CpuBackend::new(config, weights))))
-}
-
-/// The GPU's KV-cache precision: bf16 (20 KiB per token), or f32 with `LILY_KV_CACHE=f32` to
-/// compare with the f32 CPU reference token for token.
-fn kv_precision() -> Result<KvPrecision> {
-    match std::env::var("LILY_KV_CACHE").as_deref() {
-        Err(_) | Ok("bf16") => Ok(KvPrecision::Bf16),
-        Ok("f32") => Ok(KvPrecision::F32),
-        Ok(other) => anyhow::bail!("LILY_KV_CACHE={other:?}: expected bf16 or f32"),
-    }
-}
-
-/// Tokens per GPU prefill chunk: `LILY_PREFILL_CHUNK`, else the backend's measured default.
-fn prefill_chunk() -> Result<usize> {
-    match std::env::var("LILY_PREFILL_CHUNK") {
-        Err(_) => Ok(lily_cuda::DEFAULT_PREFILL_CHUNK),
-        Ok(v) => match v.parse::<usize>() {
-            Ok(n) if n > 0 => Ok(n),
-            _ => anyhow::bail!("LILY_PREFILL_CHUNK={v:?}: expected a positive number of tokens"),
-        },
-    }
 }
 
 /// `MemAvailable` from /proc/meminfo, where there is one.

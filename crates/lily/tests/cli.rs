@@ -207,6 +207,67 @@ fn bench_prints_its_table() {
     );
 }
 
+/// The "× llama.cpp" column divides by the peer's figures of the same run (llama-bench JSON),
+/// only where the peer measured the same phase and length; a file that is not llama-bench's is
+/// refused before the model loads.
+#[test]
+fn bench_compares_with_the_peer_results_it_is_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let peer = dir.path().join("llama.json");
+    // A prefill figure at 16 tokens and a decode figure at depth 8; nothing at 33.
+    std::fs::write(
+        &peer,
+        r#"[{"n_prompt": 16, "n_gen": 0, "n_depth": 0, "avg_ts": 0.001},
+            {"n_prompt": 0, "n_gen": 64, "n_depth": 8, "avg_ts": 0.001}]"#,
+    )
+    .unwrap();
+    let args = |peer: &str| {
+        lily(&[
+            "bench",
+            "--model",
+            "synthetic:tiny",
+            "--device",
+            "cpu",
+            "--prompt-lens",
+            "16,33",
+            "--contexts",
+            "8",
+            "--decode-steps",
+            "2",
+            "--runs",
+            "1",
+            "--peer",
+            peer,
+        ])
+    };
+    let o = args(peer.to_str().unwrap());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let ratio = |prefix: &str| -> String {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("{out}"));
+        line.trim_end_matches(" |")
+            .rsplit("| ")
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    // Any real speed over 0.001 tok/s is a ratio far above 1; no figure at 33 gives none.
+    for row in ["| prefill | 16 |", "| decode | 8 |"] {
+        let r: f64 = ratio(row)
+            .parse()
+            .unwrap_or_else(|_| panic!("{row}: {out}"));
+        assert!(r > 10.0, "{row}: {r}");
+    }
+    assert_eq!(ratio("| prefill | 33 |"), "—", "{out}");
+    std::fs::write(&peer, "{\"not\": \"a list\"}").unwrap();
+    let o = args(peer.to_str().unwrap());
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("llama-bench JSON"), "{}", stderr(&o));
+}
+
 /// Copies tiny-a with its tensors edited, then checks `score` fails cleanly naming the problem.
 #[test]
 fn broken_checkpoints_fail_with_a_clear_error() {

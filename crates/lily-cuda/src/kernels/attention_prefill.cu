@@ -4,44 +4,34 @@
 
 #define GROUP (NH / NKV)
 
-// Per (head, token): RMSNorm (q_norm / k_norm) and rotate-half RoPE on the first ROT dims at
-// position pos0 + token, as attn_prep does for one token. Blocks x 0..NH-1 are query heads,
+// Per (head, token), one warp a block: RMSNorm and RoPE at position pos0 + token
+// (head_norm_rope, as attn_prep does for one token). Blocks x 0..NH-1 are query heads,
 // NH..NH+NKV-1 KV heads; block y is the token. qkv rows (stride ld) are
 // [q|gate per head (NH·2·HD) | k (NKV·HD) | v (NKV·HD)]; queries go to q_out [T, NH·HD].
 extern "C" __global__ void attn_prep_rows(const float* qkv, int ld, const float* q_norm,
                                           const float* k_norm, int pos0, float* q_out,
                                           kv_t* k_cache, kv_t* v_cache, float eps) {
     pdl_wait();
-    __shared__ float scratch[32];
-    __shared__ float normed[HD];
-    int d = threadIdx.x;
-    int head = blockIdx.x, row = blockIdx.y;
+    __shared__ float tmp[HD];
+    int head = blockIdx.x, row = blockIdx.y, lane = threadIdx.x;
     bool is_q = head < NH;
     int kv = head - NH;
     const float* in = qkv + (long)row * ld;
     const float* src = is_q ? in + head * 2 * HD : in + NH * 2 * HD + kv * HD;
-    const float* scale = is_q ? q_norm : k_norm;
-    float x = d < HD ? src[d] : 0.f;
-    float inv = rsqrtf(block_sum(x * x, scratch) / HD + eps);
-    if (d < HD) normed[d] = x * inv * scale[d];
-    __syncthreads();
-    if (d >= HD) return;
     int pos = pos0 + row;
-    float y = normed[d];
-    const int half = ROT / 2;
-    if (d < ROT) {
-        int i = d < half ? d : d - half;
-        float inv_freq = 1.f / powf((float)ROPE_THETA, (float)(2 * i) / (float)ROT);
-        float s, c;
-        sincosf((float)pos * inv_freq, &s, &c);
-        y = d < half ? normed[d] * c - normed[d + half] * s : normed[d] * c + normed[d - half] * s;
-    }
-    if (is_q) {
-        q_out[((long)row * NH + head) * HD + d] = y;
-    } else {
-        long at = ((long)pos * NKV + kv) * HD + d;
-        k_cache[at] = kv_store(y);
-        v_cache[at] = kv_store(in[NH * 2 * HD + NKV * HD + kv * HD + d]);
+    float y[HEAD_PER_LANE];
+    head_norm_rope(src, is_q ? q_norm : k_norm, eps, pos, tmp, lane, y);
+#pragma unroll
+    for (int i = 0; i < HEAD_PER_LANE; i++) {
+        int d = lane + WARP * i;
+        if (d >= HD) continue;
+        if (is_q) {
+            q_out[((long)row * NH + head) * HD + d] = y[i];
+        } else {
+            long at = ((long)pos * NKV + kv) * HD + d;
+            k_cache[at] = kv_store(y[i]);
+            v_cache[at] = kv_store(in[NH * 2 * HD + NKV * HD + kv * HD + d]);
+        }
     }
 }
 

@@ -42,6 +42,43 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// Loads of activations through L2 only (ld.global.cg). Within the persistent decode step a buffer
+// is rewritten by other SMs between two reads of it (every layer reuses the same scratch), and an
+// SM's L1 may still hold the earlier lines; L2 is coherent across the GPU.
+__device__ __forceinline__ float ldcg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ int ldcg_int(const int* p) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float4 ldcg4(const float* p) {
+    float4 v;
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// Loads of weights, which nothing writes while a kernel runs: through the read-only path, and not
+// kept in L1 (each byte is read once a step). Explicitly global, so that a pointer read from a
+// table in memory (the persistent step's) still gives a global load, not a generic one.
+__device__ __forceinline__ uint4 ld_weight4(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+__device__ __forceinline__ u16 ld_weight16(const u16* p) {
+    u16 v;
+    asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+
 // Asks L2 for the line holding p (weights a kernel will read after pdl_wait).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
@@ -267,20 +304,19 @@ __device__ __forceinline__ float xs_prescale(int c) {
 __device__ float block_inv_rms(const float* h, int n, float eps, float* scratch) {
     float ss = 0.f;
     if (n % 4 == 0) {
-        const float4* h4 = (const float4*)h;
         for (int i = threadIdx.x; i < n / 4; i += blockDim.x * STAGE_UNROLL) {
             float4 v[STAGE_UNROLL];
 #pragma unroll
             for (int u = 0; u < STAGE_UNROLL; u++) {
                 int j = i + u * blockDim.x;
-                v[u] = j < n / 4 ? h4[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+                v[u] = j < n / 4 ? ldcg4(h + 4 * j) : make_float4(0.f, 0.f, 0.f, 0.f);
             }
 #pragma unroll
             for (int u = 0; u < STAGE_UNROLL; u++)
                 ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
         }
     } else {
-        for (int i = threadIdx.x; i < n; i += blockDim.x) ss += h[i] * h[i];
+        for (int i = threadIdx.x; i < n; i += blockDim.x) ss += ldcg(h + i) * ldcg(h + i);
     }
     return rsqrtf(block_sum(ss, scratch) / n + eps);
 }
@@ -315,7 +351,7 @@ __device__ void stage_x(int cols, const float* x, const float* norm_w, float inv
 #pragma unroll
             for (int u = 0; u < STAGE_UNROLL; u++) {
                 int j = c + u * blockDim.x;
-                v[u] = j < cols ? (norm_w ? x[j] * inv * norm_w[j] : x[j]) : 0.f;
+                v[u] = j < cols ? (norm_w ? ldcg(x + j) * inv * norm_w[j] : ldcg(x + j)) : 0.f;
             }
 #pragma unroll
             for (int u = 0; u < STAGE_UNROLL; u++)
@@ -324,7 +360,6 @@ __device__ void stage_x(int cols, const float* x, const float* norm_w, float inv
     } else {
         // One float4 of x per thread and step; a chunk's values are adjacent threads' float4s.
         int n4 = cols / 4, end = (n4 + WARP - 1) / WARP * WARP;
-        const float4* x4 = (const float4*)x;
         const float4* w4 = (const float4*)norm_w;
         for (int c = threadIdx.x; c < end; c += blockDim.x * STAGE_UNROLL) {
             float4 v[STAGE_UNROLL];
@@ -333,7 +368,7 @@ __device__ void stage_x(int cols, const float* x, const float* norm_w, float inv
                 int j = c + u * blockDim.x;
                 v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
                 if (j < n4) {
-                    v[u] = x4[j];
+                    v[u] = ldcg4(x + 4 * j);
                     if (norm_w) {
                         float4 w = w4[j];
                         v[u] = make_float4(v[u].x * inv * w.x, v[u].y * inv * w.y, v[u].z * inv * w.z,
@@ -368,9 +403,9 @@ __device__ __forceinline__ void load_batch(Batch<BITS, R, NB>& b, const RowRef (
             int g = ch * PER / group;
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                b.q[r][j] = ((const uint4*)rows[r].w)[ch];
-                b.scale[r][j] = rows[r].scales[g];
-                b.bias[r][j] = rows[r].biases[g];
+                b.q[r][j] = ld_weight4((const uint4*)rows[r].w + ch);
+                b.scale[r][j] = ld_weight16(rows[r].scales + g);
+                b.bias[r][j] = ld_weight16(rows[r].biases + g);
             }
         }
     }
@@ -448,15 +483,18 @@ __device__ __forceinline__ void prefetch_rows(const RowRef (&rows)[R], int cols,
 // rows, xoff) fills the unit's row references (clamping ragged ones to a valid row); store(u, acc)
 // gets the lanes' unreduced partials. The first unit's weights are requested before x is staged
 // (stage() must stage with stage_x), so the two latencies overlap. Every thread must call this.
+//
+// The units are spread over blocks blk of nblk (blockIdx.x of gridDim.x for a kernel of its own;
+// the persistent decode step passes the blocks it gives the stage).
 template <int BITS, int R, int NB, bool SHARED_X, bool ROWS_FIXED, class RowsOf, class Stage, class Store>
 __device__ void staged_units(long units, int cols, int group, RowsOf rows_of, Stage stage,
-                             Store store, const float* xs, const float* xsum) {
+                             Store store, const float* xs, const float* xsum, int blk, int nblk) {
     int lane = threadIdx.x % WARP;
-    long stride = (long)gridDim.x * (blockDim.x / WARP);
+    long stride = (long)nblk * (blockDim.x / WARP);
     // Block-fastest numbering: when the units do not divide evenly among the warps, the extra
     // ones (u ≥ stride) spread over every block, so over every SM, instead of piling onto the
     // first blocks' SMs.
-    long u = (long)(threadIdx.x / WARP) * gridDim.x + blockIdx.x;
+    long u = (long)(threadIdx.x / WARP) * nblk + blk;
     RowRef rows[R];
     int xoff[R];
     if constexpr (BITS == 32) {
@@ -513,25 +551,25 @@ __device__ void staged_units(long units, int cols, int group, RowsOf rows_of, St
 // Chunks per lane per row whose loads are issued together (2 covers a 2,048-wide 4-bit row).
 #define GEMV_BATCH 2
 
-// y = [m0 | m1 | m2 | m3] · x, outputs end to end, ROWS rows per warp and unit, NB chunks per lane
-// and row loaded together; unused matrices have no rows, and all share x
-// (so their columns). With norm_w, x is the residual stream and the rows see RMSNorm(x) · norm_w,
-// computed by every block while staging. With add, y += W · x (the residual add of the mixer
-// output and expert projections, each element owned by one lane: no race).
-template <int BITS, int ROWS = GEMV_ROWS, int NB = GEMV_BATCH>
-__device__ void gemv_staged(Mat m0, Mat m1, Mat m2, Mat m3, const float* x, const float* norm_w,
-                            float eps, float* y, bool add) {
-    __shared__ __align__(16) float xs[XS_FLOATS(BITS)];
-    __shared__ float xsum[XSUM_FLOATS(BITS)];
-    __shared__ float scratch[32];
-    const Mat ms[4] = {m0, m1, m2, m3};
+// Rows [ms[0] | ... | ms[nm - 1]] · x, ROWS rows per warp and unit, NB chunks per lane and row
+// loaded together, over blocks blk of nblk; all the matrices share x (so their columns). ms may
+// point into global memory (the persistent step's weight table): each unit reads its matrix's
+// fields from there instead of the kernel holding every matrix in registers; a kernel of its own
+// passes its parameters as an array (Mat[4]), which stays in registers. stage() stages x
+// with stage_x into xs / xsum (after the first rows are requested); out(which, row, at, v) takes row
+// `row` of matrix `which` (at = row plus the rows of the matrices before it: its place when the
+// outputs lie end to end), once, from lane 0 of the warp that computed it.
+template <int BITS, int ROWS, int NB, class Mats, class Stage, class Out>
+__device__ void gemv_mats(const Mats& ms, int nm, Stage stage, Out out, const float* xs, const float* xsum, int blk,
+                          int nblk) {
     long units = 0;
-    for (int i = 0; i < 4; i++) units += (ms[i].rows + ROWS - 1) / ROWS;
-    // Unit u → its matrix, first row and output offset. Each matrix gets whole units.
+    for (int i = 0; i < nm; i++) units += (ms[i].rows + ROWS - 1) / ROWS;
+    // Unit u → its matrix, first row and the offset of that matrix's rows in y (the rows of the
+    // matrices before it). Each matrix gets whole units.
     auto locate = [&](long u, int& which, long& r0, long& base) {
         base = 0;
-        which = 3;
-        for (int i = 0; i < 4; i++) {
+        which = nm - 1;
+        for (int i = 0; i < nm; i++) {
             long n = (ms[i].rows + ROWS - 1) / ROWS;
             if (u < n) { which = i; break; }
             u -= n;
@@ -549,21 +587,142 @@ __device__ void gemv_staged(Mat m0, Mat m1, Mat m2, Mat m3, const float* x, cons
             xoff[r] = 0;
         }
     };
-    auto stage = [&]() {
-        float inv = norm_w ? block_inv_rms(x, m0.cols, eps, scratch) : 1.f;
-        stage_x<BITS>(m0.cols, x, norm_w, inv, xs, xsum);
-    };
     auto store = [&](long u, float (&acc)[ROWS]) {
         int which; long r0, base;
         locate(u, which, r0, base);
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             float v = warp_sum(acc[r]);
-            if (threadIdx.x % WARP == 0 && r0 + r < ms[which].rows) {
-                float* out = y + base + r0 + r;
-                *out = add ? *out + v : v;
-            }
+            if (threadIdx.x % WARP == 0 && r0 + r < ms[which].rows) out(which, r0 + r, base + r0 + r, v);
         }
     };
-    staged_units<BITS, ROWS, NB, true, true>(units, m0.cols, m0.group, rows_of, stage, store, xs, xsum);
+    staged_units<BITS, ROWS, NB, true, true>(units, ms[0].cols, ms[0].group, rows_of, stage, store, xs, xsum,
+                                              blk, nblk);
 }
+
+// Stages x, or RMSNorm(x) · norm_w when norm_w is given (x being the residual stream, normalised
+// by every block while staging: identical bits in every block).
+template <int BITS>
+__device__ void stage_maybe_normed(int cols, const float* x, const float* norm_w, float eps, float* xs,
+                                   float* xsum, float* scratch) {
+    float inv = norm_w ? block_inv_rms(x, cols, eps, scratch) : 1.f;
+    stage_x<BITS>(cols, x, norm_w, inv, xs, xsum);
+}
+
+// y = [m0 | m1 | m2 | m3] · x, outputs end to end. With norm_w, x is the residual stream and the
+// rows see RMSNorm(x) · norm_w. With add, y += W · x (the residual add of the mixer output and
+// expert projections, each element owned by one lane: no race).
+template <int BITS, int ROWS = GEMV_ROWS, int NB = GEMV_BATCH>
+__device__ void gemv_staged(Mat m0, Mat m1, Mat m2, Mat m3, const float* x, const float* norm_w,
+                            float eps, float* y, bool add) {
+    __shared__ __align__(16) float xs[XS_FLOATS(BITS)];
+    __shared__ float xsum[XSUM_FLOATS(BITS)];
+    __shared__ float scratch[32];
+    const Mat ms[4] = {m0, m1, m2, m3};
+    auto stage = [&]() { stage_maybe_normed<BITS>(m0.cols, x, norm_w, eps, xs, xsum, scratch); };
+    auto out = [&](int, long, long at, float v) { y[at] = add ? y[at] + v : v; };
+    gemv_mats<BITS, ROWS, NB>(ms, 4, stage, out, xs, xsum, blockIdx.x, gridDim.x);
+}
+
+// ---- The router's choice (moe.cu, moe_prefill.cu, decode.cu) ----
+//
+// Routes one token with one warp, the same code in prefill and decode (so a token picks the same
+// experts in both): softmax with probabilities in registers, TOPK rounds of warp argmax (lowest
+// id wins ties, as the CPU reference), then renormalise. Lane 0 writes the TOPK ids and weights
+// (global or shared memory). The logits (another kernel's or another SM's) are read through L2.
+#define ROUTE_PER_LANE ((NE + WARP - 1) / WARP)
+__device__ void route_topk(const float* logits, int lane, int* ids, float* weights) {
+    float p[ROUTE_PER_LANE];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; i++) {
+        int e = lane + i * WARP;
+        p[i] = e < NE ? ldcg(logits + e) : -INFINITY;
+        mx = fmaxf(mx, p[i]);
+    }
+    mx = warp_max(mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; i++) {
+        int e = lane + i * WARP;
+        p[i] = e < NE ? __expf(p[i] - mx) : -1.f;
+        sum += e < NE ? p[i] : 0.f;
+    }
+    sum = warp_sum(sum);
+    // Unrolled so that chosen[] and chosen_id[] stay in registers.
+    float chosen[TOPK];
+    int chosen_id[TOPK];
+#pragma unroll
+    for (int k = 0; k < TOPK; k++) {
+        float v = -1.f; int id = NE;
+#pragma unroll
+        for (int i = 0; i < ROUTE_PER_LANE; i++)
+            if (p[i] > v) { v = p[i]; id = lane + i * WARP; }
+        for (int o = WARP / 2; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, v, o);
+            int oi = __shfl_xor_sync(0xffffffffu, id, o);
+            if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
+        }
+        // Only NaN probabilities (a diverged model) leave no candidate; an id of NE would send
+        // moe_sort's shared-memory counters and the decode expert reads out of bounds, so take a valid one and let the NaN
+        // weights carry the failure to the output.
+        if (id >= NE) id = k;
+        chosen[k] = v / sum;
+        chosen_id[k] = id;
+#pragma unroll
+        for (int i = 0; i < ROUTE_PER_LANE; i++)
+            if (lane + i * WARP == id) p[i] = -2.f;
+    }
+    if (lane == 0) {
+        float total = 0.f;
+#pragma unroll
+        for (int k = 0; k < TOPK; k++) total += chosen[k];
+#pragma unroll
+        for (int k = 0; k < TOPK; k++) {
+            ids[k] = chosen_id[k];
+            weights[k] = NORM_TOPK ? chosen[k] / total : chosen[k];
+        }
+    }
+}
+
+// ---- Attention heads (attention.cu, attention_prefill.cu, decode.cu) ----
+//
+// RMSNorm (q_norm / k_norm weights `scale`) then rotate-half RoPE on the first ROT dims at `pos`
+// of one head of HD values, by one warp, the same code for prefill and decode; dim lane + 32·i
+// lands in y[i]. tmp: HD floats of shared memory this warp owns (the rotation reads each dim's
+// partner). src is read through L2.
+#define HEAD_PER_LANE ((HD + WARP - 1) / WARP)
+__device__ void head_norm_rope(const float* src, const float* scale, float eps, int pos, float* tmp, int lane,
+                               float (&y)[HEAD_PER_LANE]) {
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < HEAD_PER_LANE; i++) {
+        int d = lane + WARP * i;
+        y[i] = d < HD ? ldcg(src + d) : 0.f;
+        ss += y[i] * y[i];
+    }
+    float inv = rsqrtf(warp_sum(ss) / HD + eps);
+#pragma unroll
+    for (int i = 0; i < HEAD_PER_LANE; i++) {
+        int d = lane + WARP * i;
+        if (d < HD) {
+            y[i] = y[i] * inv * scale[d];
+            tmp[d] = y[i];
+        }
+    }
+    __syncwarp();
+    const int half = ROT / 2;
+#pragma unroll
+    for (int i = 0; i < HEAD_PER_LANE; i++) {
+        int d = lane + WARP * i;
+        if (d < ROT) {
+            int k = d < half ? d : d - half;
+            float inv_freq = 1.f / powf((float)ROPE_THETA, (float)(2 * k) / (float)ROT);
+            float s, co;
+            sincosf((float)pos * inv_freq, &s, &co);
+            y[i] = d < half ? tmp[d] * co - tmp[d + half] * s : tmp[d] * co + tmp[d - half] * s;
+        }
+    }
+    __syncwarp();   // tmp is free again
+}
+

@@ -3,64 +3,6 @@
 // ids and their weights never visit the host. Three launches: router + top-k, gate/up, down (which
 // adds into the residual stream). The first two normalise the residual stream themselves.
 
-// A global load that skips L1: the last router block reads logits other blocks wrote in this
-// launch, which its SM's L1 may hold stale from an earlier layer.
-__device__ __forceinline__ float load_cg(const float* p) {
-    float v;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-    return v;
-}
-
-// logits = [router (NE) | shared-expert gate (1)]. One warp: softmax, then TOPK rounds of warp
-// argmax over the probabilities held in registers (lowest id wins ties, as the CPU reference
-// does), then renormalise. No block barriers.
-#define PER_LANE ((NE + WARP - 1) / WARP)
-__device__ void route_topk(const float* logits, int* ids, float* weights, int lane) {
-    float p[PER_LANE];
-    float mx = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i++) {
-        int e = lane + i * WARP;
-        p[i] = e < NE ? load_cg(logits + e) : -INFINITY;
-        mx = fmaxf(mx, p[i]);
-    }
-    mx = warp_max(mx);
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i++) {
-        int e = lane + i * WARP;
-        p[i] = e < NE ? __expf(p[i] - mx) : -1.f;
-        sum += e < NE ? p[i] : 0.f;
-    }
-    sum = warp_sum(sum);
-    float chosen[TOPK];
-    int chosen_id[TOPK];
-    for (int k = 0; k < TOPK; k++) {
-        float v = -1.f; int id = NE;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; i++)
-            if (p[i] > v) { v = p[i]; id = lane + i * WARP; }
-        for (int o = WARP / 2; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, v, o);
-            int oi = __shfl_xor_sync(0xffffffffu, id, o);
-            if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
-        }
-        chosen[k] = v / sum;
-        chosen_id[k] = id;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; i++)
-            if (lane + i * WARP == id) p[i] = -2.f;
-    }
-    if (lane == 0) {
-        float total = 0.f;
-        for (int k = 0; k < TOPK; k++) total += chosen[k];
-        for (int k = 0; k < TOPK; k++) {
-            ids[k] = chosen_id[k];
-            weights[k] = NORM_TOPK ? chosen[k] / total : chosen[k];
-        }
-    }
-}
-
 // Rows per warp of the router GEMV (step.rs, ROUTE_ROWS), and chunks per lane and row loaded
 // together: 4 covers a 2,048-wide 8-bit row (128 chunks), so each warp's whole share arrives in
 // one round trip, loaded before pdl_wait. Two rows instead of the GEMVs' four: the router is
@@ -83,223 +25,8 @@ __device__ void route(Mat router, Mat sh_gate, const float* hidden, const float*
     __syncthreads();
     if (!last) return;
     __threadfence();
-    if (threadIdx.x < WARP) route_topk(logits, ids, weights, threadIdx.x);
+    if (threadIdx.x < WARP) route_topk(logits, threadIdx.x, ids, weights);
     if (threadIdx.x == 0) *done = 0;
-}
-
-// Row pairs (gate, up) one warp computes: four rows share each staged x chunk.
-#define PAIRS 1
-
-// act = silu(gate · x) ⊙ (up · x) for the chosen experts' rows (slot-major, TOPK × inter) and
-// then the shared expert's rows, x = RMSNorm(hidden) · norm_w.
-template <int BITS>
-__device__ void gate_up(Mat gate, Mat up, Mat sh_gate, Mat sh_up, int inter, const int* ids,
-                        const float* hidden, const float* norm_w, float eps, float* act) {
-    __shared__ __align__(16) float xs[XS_FLOATS(BITS)];
-    __shared__ float xsum[XSUM_FLOATS(BITS)];
-    __shared__ float scratch[32];
-    long pairs = (long)TOPK * inter + sh_gate.rows;
-    long units = (pairs + PAIRS - 1) / PAIRS;
-    auto rows_of = [&](long u, RowRef (&rows)[2 * PAIRS], int (&xoff)[2 * PAIRS]) {
-#pragma unroll
-        for (int i = 0; i < PAIRS; i++) {
-            long p = min(u * PAIRS + i, pairs - 1);
-            if (p < (long)TOPK * inter) {
-                long row = (long)ids[p / inter] * inter + p % inter;
-                rows[2 * i] = row_ref(gate, row, BITS);
-                rows[2 * i + 1] = row_ref(up, row, BITS);
-            } else {
-                long row = p - (long)TOPK * inter;
-                rows[2 * i] = row_ref(sh_gate, row, BITS);
-                rows[2 * i + 1] = row_ref(sh_up, row, BITS);
-            }
-            xoff[2 * i] = xoff[2 * i + 1] = 0;
-        }
-    };
-    auto stage = [&]() {
-        float inv = block_inv_rms(hidden, gate.cols, eps, scratch);
-        stage_x<BITS>(gate.cols, hidden, norm_w, inv, xs, xsum);
-    };
-    auto store = [&](long u, float (&acc)[2 * PAIRS]) {
-#pragma unroll
-        for (int i = 0; i < PAIRS; i++) {
-            float g = warp_sum(acc[2 * i]), v = warp_sum(acc[2 * i + 1]);
-            if (threadIdx.x % WARP == 0 && u * PAIRS + i < pairs) act[u * PAIRS + i] = siluf(g) * v;
-        }
-    };
-    staged_units<BITS, 2 * PAIRS, GEMV_BATCH, true, false>(units, gate.cols, gate.group, rows_of, stage, store, xs, xsum);
-}
-
-// residual[h] += Σ_k w_k · down_{id_k}[h] · act_k + σ(shared gate logit) · shared_down[h] · act_shared,
-// dense (f32) weights: act staged once per block, one warp per output row.
-__device__ void down_combine_dense(Mat down, Mat sh_down, int inter, int hidden, const int* ids,
-                                   const float* weights, const float* logits, const float* act,
-                                   float* residual) {
-    __shared__ __align__(16) float xs[XS_FLOATS(32)];
-    __shared__ float xsum[XSUM_FLOATS(32)];
-    pdl_wait();
-    stage_x<32>(TOPK * inter + sh_down.cols, act, nullptr, 1.f, xs, xsum);
-    int lane = threadIdx.x % WARP;
-    long stride = (long)gridDim.x * (blockDim.x / WARP);
-    float shared_gate = sigmoidf(logits[NE]);
-    for (long h = (long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP; h < hidden; h += stride) {
-        const float* rows[TOPK];
-#pragma unroll
-        for (int k = 0; k < TOPK; k++) rows[k] = (const float*)down.w + ((long)ids[k] * hidden + h) * down.cols;
-        const float* srow = (const float*)sh_down.w + h * sh_down.cols;
-        float acc[TOPK] = {}, sacc = 0.f;
-        for (int c = lane; c < max(inter, sh_down.cols); c += WARP) {
-#pragma unroll
-            for (int k = 0; k < TOPK; k++)
-                if (c < inter) acc[k] += rows[k][c] * xs[k * inter + c];
-            if (c < sh_down.cols) sacc += srow[c] * xs[TOPK * inter + c];
-        }
-        // Lanes sum the weighted slots first and reduce once: fewer shuffles per row.
-        float total = shared_gate * sacc;
-#pragma unroll
-        for (int k = 0; k < TOPK; k++) total += weights[k] * acc[k];
-        total = warp_sum(total);
-        if (lane == 0) residual[h] += total;
-    }
-}
-
-// Output rows one warp of moe_down_b4/b8 computes (step.rs, DOWN_ROWS): each staged x chunk
-// serves both.
-#define DOWN_ROWS 2
-// Chunks per lane and row whose loads are issued together: 5 covers the 144 chunks of a
-// production output row (8 routed rows of 512 4-bit codes + the shared row, 32 codes a chunk)
-// in one batch, so a warp has 2 × 5 16-byte loads in flight per lane.
-#define DOWN_BATCH 5
-// act loads per thread issued together while staging: 5 stage a production act (4,608 floats)
-// in one round trip with 256 threads.
-#define DOWN_STAGE_UNROLL 5
-
-__device__ __forceinline__ int load_cg_int(const int* p) {
-    int v;
-    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
-    return v;
-}
-
-// Output row h of the down projection as one "virtual row" of TOPK·rch + sch chunks: the chosen
-// experts' down rows (expert id_k, row h) one after another, then the shared expert's row h, in
-// the order act lays out its slots, so chunk ch multiplies staged x chunk ch. Fills the batch
-// with rows h0 … h0 + R - 1 (ragged ones clamped to the last row; their sums are not stored).
-template <int BITS, int R, int NB>
-__device__ __forceinline__ void load_down(Batch<BITS, R, NB>& b, const Mat& down, const Mat& sh,
-                                          const int* sid, long h0, int hidden, int rch,
-                                          int chunks, int base, int lane) {
-    constexpr int PER = 128 / BITS;
-    // Rows past the end repeat the last one (uniform across the warp).
-    int dr[R];
-#pragma unroll
-    for (int r = 0; r < R; r++) dr[r] = (int)min((long)r, hidden - 1 - h0);
-#pragma unroll
-    for (int j = 0; j < NB; j++) {
-        int ch = base + lane + j * WARP;
-        if (ch < chunks) {
-            u32 seg = min((u32)ch / (u32)rch, (u32)TOPK);
-            u32 within = (u32)ch - seg * (u32)rch;
-            // Field by field: selecting a whole Mat by reference puts both in local memory.
-            bool routed = seg < TOPK;
-            const uint4* w = (const uint4*)(routed ? down.w : sh.w);
-            const u16* sc = routed ? down.scales : sh.scales;
-            const u16* bi = routed ? down.biases : sh.biases;
-            u32 cols = routed ? down.cols : sh.cols, group = routed ? down.group : sh.group;
-            long row0 = routed ? (long)sid[routed ? seg : 0] * hidden + h0 : h0;
-            u32 vecs = cols / PER, groups = cols / group;
-            const uint4* q = w + row0 * vecs + within;
-            long gi = row0 * groups + within * PER / group;
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                b.q[r][j] = q[dr[r] * vecs];
-                b.scale[r][j] = sc[gi + dr[r] * groups];
-                b.bias[r][j] = bi[gi + dr[r] * groups];
-            }
-        }
-    }
-}
-
-// residual[h] += Σ_k w_k · down_{id_k}[h] · act_k + σ(shared gate logit) · shared_down[h] · act_shared
-// for 4- and 8-bit weights. The weighted combine rides in the staging: act is staged with each
-// slot scaled by its weight (w_k, or the shared expert's gate), so every output row is one dot
-// product over its virtual row (load_down): all 32 lanes busy, one reduction per row.
-//
-// The routing (ids, weights, the shared gate logit) comes from moe_route, two launches back,
-// which has finished before this kernel can start: this kernel is launched once every
-// moe_gate_up block has passed pdl_wait, which returns only after moe_route has completed and
-// its writes are visible. So the routing (read through L2, never a stale L1 line) and the
-// first rows' weights are read before pdl_wait, while moe_gate_up still runs; only act (and the
-// residual stream) wait for it.
-template <int BITS>
-__device__ void down_combine_q(Mat down, Mat sh_down, int inter, int hidden, const int* ids,
-                               const float* weights, const float* logits, const float* act,
-                               float* residual) {
-    __shared__ __align__(16) float xs[XS_FLOATS(BITS)];
-    __shared__ float xsum[XSUM_FLOATS(BITS)];
-    __shared__ int sid[TOPK];
-    __shared__ float segw[TOPK + 1];
-    constexpr int PER = 128 / BITS, R = DOWN_ROWS, NB = DOWN_BATCH;
-    if (threadIdx.x < TOPK) {
-        sid[threadIdx.x] = load_cg_int(ids + threadIdx.x);
-        segw[threadIdx.x] = load_cg(weights + threadIdx.x);
-    } else if (threadIdx.x == TOPK) {
-        segw[TOPK] = sigmoidf(load_cg(logits + NE));
-    }
-    __syncthreads();
-    int lane = threadIdx.x % WARP;
-    int rch = inter / PER, chunks = TOPK * rch + sh_down.cols / PER;
-    long units = (hidden + R - 1) / R;
-    long stride = (long)gridDim.x * (blockDim.x / WARP);
-    long u = (long)(threadIdx.x / WARP) * gridDim.x + blockIdx.x;   // as staged_units numbers them
-    Batch<BITS, R, NB> b;
-    if (u < units) load_down<BITS, R, NB>(b, down, sh_down, sid, u * R, hidden, rch, chunks, 0, lane);
-    pdl_wait();
-    // Stage act · slot weight, as stage_x does (padded, prescaled, chunk sums); a float4 and a
-    // chunk never straddle two slots (inter and the shared width are multiples of PER).
-    {
-        int n4 = (TOPK * inter + sh_down.cols) / 4, end = (n4 + WARP - 1) / WARP * WARP;
-        const float4* x4 = (const float4*)act;
-        for (int c = threadIdx.x; c < end; c += blockDim.x * DOWN_STAGE_UNROLL) {
-            float4 v[DOWN_STAGE_UNROLL];
-#pragma unroll
-            for (int k = 0; k < DOWN_STAGE_UNROLL; k++) {
-                int j = c + k * blockDim.x;
-                v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (j < n4) {
-                    float f = segw[min((u32)(4 * j) / (u32)inter, (u32)TOPK)];
-                    v[k] = x4[j];
-                    v[k] = make_float4(v[k].x * f, v[k].y * f, v[k].z * f, v[k].w * f);
-                }
-            }
-#pragma unroll
-            for (int k = 0; k < DOWN_STAGE_UNROLL; k++) stage_float4<BITS>(v[k], c + k * blockDim.x, n4, xs, xsum);
-        }
-        __syncthreads();
-    }
-    const int xoff[R] = {};
-    for (; u < units; u += stride) {
-        float acc[R] = {};
-        for (int base = 0; base < chunks; base += WARP * NB) {
-            if (base > 0) load_down<BITS, R, NB>(b, down, sh_down, sid, u * R, hidden, rch, chunks, base, lane);
-            dot_batch<BITS, R, NB, true>(b, base, chunks, xoff, xs, xsum, lane, acc);
-        }
-        if (u + stride < units)
-            load_down<BITS, R, NB>(b, down, sh_down, sid, (u + stride) * R, hidden, rch, chunks, 0, lane);
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            float v = warp_sum(acc[r]);
-            if (lane == 0 && u * R + r < hidden) residual[u * R + r] += v;
-        }
-    }
-}
-
-template <int BITS>
-__device__ void down_combine(Mat down, Mat sh_down, int inter, int hidden, const int* ids,
-                             const float* weights, const float* logits, const float* act, float* residual) {
-    if constexpr (BITS == 32)
-        down_combine_dense(down, sh_down, inter, hidden, ids, weights, logits, act, residual);
-    else
-        down_combine_q<BITS>(down, sh_down, inter, hidden, ids, weights, logits, act, residual);
 }
 
 #define MOE(BITS)                                                                                 \
@@ -311,12 +38,18 @@ __device__ void down_combine(Mat down, Mat sh_down, int inter, int hidden, const
     extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_b##BITS(                     \
         Mat gate, Mat up, Mat sh_gate, Mat sh_up, int inter, const int* ids, const float* hidden, \
         const float* norm_w, float eps, float* act) {                                             \
-        gate_up<BITS>(gate, up, sh_gate, sh_up, inter, ids, hidden, norm_w, eps, act);            \
+        __shared__ __align__(16) float xs[XS_FLOATS(BITS)];                                       \
+        __shared__ float xsum[XSUM_FLOATS(BITS)];                                                 \
+        __shared__ float scratch[32];                                                             \
+        gate_up<BITS>(gate, up, sh_gate, sh_up, inter, ids, hidden, norm_w, eps, act, xs, xsum,    \
+                      scratch, blockIdx.x, gridDim.x);                                            \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) moe_down_b##BITS(                           \
         Mat down, Mat sh_down, int inter, int hidden, const int* ids, const float* weights,       \
         const float* logits, const float* act, float* residual) {                                 \
-        down_combine<BITS>(down, sh_down, inter, hidden, ids, weights, logits, act, residual);    \
+        __shared__ DownSmem<BITS> s;                                                              \
+        down_combine<BITS>(down, sh_down, inter, hidden, ids, weights, logits, act, residual, s,   \
+                           blockIdx.x, gridDim.x);                                                \
     }
 MOE(4)
 MOE(8)

@@ -6,68 +6,9 @@
 // sorted by expert, so each expert's rows are contiguous and cut into tiles of at most the grouped
 // GEMM's height, which the host chooses per chunk (16 or 64 rows) and passes to moe_sort.
 
-#define PER_LANE ((NE + WARP - 1) / WARP)
 // A logits row: [router (NE) | shared-expert gate (1)].
 #define LOGITS_STRIDE (NE + 1)
 #define FULL_MASK 0xffffffffu
-
-// Routes one token with one warp, exactly as moe_topk in moe.cu does for decode (so a token
-// picks the same experts in prefill and decode): softmax with probabilities in registers, TOPK
-// rounds of warp argmax (lowest id wins ties, as the CPU reference), then renormalise. Lane 0
-// writes the TOPK ids and weights.
-__device__ void route_row(const float* logits, int lane, int* ids, float* weights) {
-    float p[PER_LANE];
-    float mx = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i++) {
-        int e = lane + i * WARP;
-        p[i] = e < NE ? logits[e] : -INFINITY;
-        mx = fmaxf(mx, p[i]);
-    }
-    mx = warp_max(mx);
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i++) {
-        int e = lane + i * WARP;
-        p[i] = e < NE ? __expf(p[i] - mx) : -1.f;
-        sum += e < NE ? p[i] : 0.f;
-    }
-    sum = warp_sum(sum);
-    // Unrolled so that chosen[] and chosen_id[] stay in registers.
-    float chosen[TOPK];
-    int chosen_id[TOPK];
-#pragma unroll
-    for (int k = 0; k < TOPK; k++) {
-        float v = -1.f; int id = NE;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; i++)
-            if (p[i] > v) { v = p[i]; id = lane + i * WARP; }
-        for (int o = WARP / 2; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(FULL_MASK, v, o);
-            int oi = __shfl_xor_sync(FULL_MASK, id, o);
-            if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
-        }
-        // Only NaN probabilities (a diverged model) leave no candidate; an id of NE would send
-        // moe_sort's shared-memory counters out of bounds, so take a valid one and let the NaN
-        // weights carry the failure to the output.
-        if (id >= NE) id = k;
-        chosen[k] = v / sum;
-        chosen_id[k] = id;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; i++)
-            if (lane + i * WARP == id) p[i] = -2.f;
-    }
-    if (lane == 0) {
-        float total = 0.f;
-#pragma unroll
-        for (int k = 0; k < TOPK; k++) total += chosen[k];
-#pragma unroll
-        for (int k = 0; k < TOPK; k++) {
-            ids[k] = chosen_id[k];
-            weights[k] = NORM_TOPK ? chosen[k] / total : chosen[k];
-        }
-    }
-}
 
 // logits [t, NE + 1] → ids, weights [t, TOPK]. One warp per token row (any multiple of 32
 // threads a block); a warp past the last row leaves as a whole, so the shuffles stay full-warp.
@@ -75,7 +16,7 @@ extern "C" __global__ void moe_topk_rows(const float* logits, int t, int* ids, f
     pdl_wait();
     long row = (long)blockIdx.x * (blockDim.x / WARP) + threadIdx.x / WARP;
     if (row >= t) return;
-    route_row(logits + row * LOGITS_STRIDE, threadIdx.x % WARP, ids + row * TOPK, weights + row * TOPK);
+    route_topk(logits + row * LOGITS_STRIDE, threadIdx.x % WARP, ids + row * TOPK, weights + row * TOPK);
 }
 
 // moe_sort runs as one block of this many threads: one thread per expert in the scans (NE ≤

@@ -140,3 +140,14 @@ pub fn time_ms(gpu: &lily_cuda::gpu::Gpu, f: &dyn Fn()) -> f64 {
     end.record(&gpu.stream).unwrap();
     start.elapsed_ms(&end).unwrap() as f64 / 20.0
 }
+
+/// The environment's CUDA options (LILY_DECODE picks the decode path a GPU run tests) with the
+/// KV cache and the prefill chunk a test needs.
+pub fn options(kv: lily_cuda::KvPrecision, prefill_chunk: usize) -> lily_cuda::CudaOptions {
+    lily_cuda::CudaOptions {
+        prefill_chunk,
+        ..lily_cuda::CudaOptions::from_env()
+            .expect("the LILY_* variables")
+            .with_kv(kv)
+    }
+}

@@ -44,11 +44,17 @@ pub struct Args {
     json: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
+    /// llama-bench JSON results measured on this machine in the same run (`peer.sh gpu|cpu`
+    /// writes them), for the "× llama.cpp" column; without them the column stays empty.
+    #[arg(long, value_delimiter = ',')]
+    peer: Vec<PathBuf>,
 }
 
 pub fn run(args: Args) -> Result<()> {
     ensure!(args.runs >= 1, "--runs must be at least 1");
     ensure!(args.decode_steps >= 1, "--decode-steps must be at least 1");
+    // Read before the model loads: a bad file fails in a second, not after the weights.
+    let peer = Peer::read(&args.peer)?;
     let backend = load(&args.model, args.device)?;
     let c = backend.config().clone();
     let longest = args
@@ -166,7 +172,8 @@ pub fn run(args: Args) -> Result<()> {
             ),
             None => ("—".into(), "—".into(), "—".into()),
         };
-        let peer = llama_cpp(matches!(backend, AnyBackend::Cuda(_)), r.kind, r.length)
+        let peer = peer
+            .get(r.kind, r.length)
             .map_or("—".into(), |p| format!("{:.2}", m / p));
         println!(
             "| {} | {} | {m:.1} | {ceil} | {pct} | {rate} | {peer} |",
@@ -174,17 +181,20 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     if let (AnyBackend::Cuda(gpu), Some(&ctx)) = (&backend, args.contexts.first()) {
-        // Where a step's time goes, kernel family by family (no graph, so launch gaps show).
+        // Where a step's time goes, op family by family: the persistent step's own timestamps,
+        // or the graph's kernels launched one by one (so launch gaps show).
         let steps = 16;
         let mut state = backend.new_state(ctx + steps + 1)?;
         prefill(&backend, &mut state, &tokens[..ctx], LogitRows::Last)?;
         if let AnyState::Cuda(s) = &mut state {
             let families = gpu.profile_decode(s, steps)?;
             let total: f64 = families.iter().map(|(_, ms)| ms).sum();
-            println!(
-                "\nper decode step at context {ctx}, kernels launched one by one: {:.3} ms",
-                total
-            );
+            let how = if gpu.persistent_decode() {
+                "timestamped inside the persistent kernel"
+            } else {
+                "kernels launched one by one"
+            };
+            println!("\nper decode step at context {ctx}, {how}: {total:.3} ms");
             print_families(&families, total, "µs per step", 1e3);
         }
     }
@@ -213,9 +223,11 @@ pub fn run(args: Args) -> Result<()> {
             "weight_bytes_per_decoded_token": weight_bytes,
             "decode_steps": args.decode_steps,
             "seed": args.seed,
+            // One sequence, greedy: what every figure of this command measures.
             "results": rows.iter().map(|r| serde_json::json!({
-                "phase": r.kind, "tokens": r.length, "median_tok_s": median(&r.samples),
-                "samples_tok_s": r.samples, "ceiling_tok_s": r.ceiling,
+                "phase": r.kind, "tokens": r.length, "batch": 1, "sampled": false,
+                "median_tok_s": median(&r.samples), "samples_tok_s": r.samples,
+                "ceiling_tok_s": r.ceiling, "llama_cpp_tok_s": peer.get(r.kind, r.length),
             })).collect::<Vec<_>>(),
         });
         std::fs::write(path, serde_json::to_string_pretty(&record)?)
@@ -259,32 +271,51 @@ fn prefill_flops(c: &ModelConfig, len: usize) -> f64 {
     2.0 * matrices as f64 + attention + 10.0 * (state * gdn_layers) as f64
 }
 
-/// llama.cpp on the same machine (perf.md): on the H200, decode tok/s by context and prefill tok/s
-/// by prompt; on its 16-core host (GPU hidden), decode 18.6 tok/s (depth not given there, so only
-/// the shortest context is compared) and prefill 79 tok/s at 512.
-fn llama_cpp(gpu: bool, phase: &str, tokens: usize) -> Option<f64> {
-    let table: &[(usize, f64)] = match (gpu, phase) {
-        (true, "decode") => &[
-            (256, 249.0),
-            (1024, 251.0),
-            (4096, 262.0),
-            (16384, 247.0),
-            (32768, 224.0),
-            (65536, 219.0),
-            (131072, 190.0),
-        ],
-        (true, _) => &[
-            (256, 5699.0),
-            (1024, 9433.0),
-            (2048, 10125.0),
-            (4096, 10623.0),
-            (8192, 11176.0),
-            (16384, 11124.0),
-        ],
-        (false, "decode") => &[(256, 18.6)],
-        (false, _) => &[(512, 79.0)],
-    };
-    table.iter().find(|(t, _)| *t == tokens).map(|(_, v)| *v)
+/// llama.cpp's figures from `llama-bench -o json` files of the same run (../shared/peer/peer.sh
+/// writes them): tok/s by phase and length (prompt length for prefill, depth for decode).
+#[derive(Default)]
+struct Peer(Vec<(&'static str, usize, f64)>);
+
+impl Peer {
+    fn read(paths: &[PathBuf]) -> Result<Self> {
+        let mut rows = Vec::new();
+        for path in paths {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading the peer results {}", path.display()))?;
+            let records: Vec<serde_json::Value> =
+                serde_json::from_str(&text).with_context(|| {
+                    format!(
+                        "{} is not llama-bench JSON (a list of records)",
+                        path.display()
+                    )
+                })?;
+            for r in records {
+                let field = |k: &str| r.get(k).and_then(|v| v.as_f64());
+                let (Some(prompt), Some(generated), Some(ts)) =
+                    (field("n_prompt"), field("n_gen"), field("avg_ts"))
+                else {
+                    anyhow::bail!(
+                        "{}: a record without n_prompt, n_gen and avg_ts",
+                        path.display()
+                    );
+                };
+                let depth = field("n_depth").unwrap_or(0.0);
+                rows.push(if generated == 0.0 {
+                    ("prefill", prompt as usize, ts)
+                } else {
+                    ("decode", depth as usize, ts)
+                });
+            }
+        }
+        Ok(Peer(rows))
+    }
+
+    fn get(&self, phase: &str, tokens: usize) -> Option<f64> {
+        self.0
+            .iter()
+            .find(|(p, t, _)| *p == phase && *t == tokens)
+            .map(|(_, _, v)| *v)
+    }
 }
 
 struct Row {

@@ -48,7 +48,7 @@ fn backend_layout(
             weights: quantised.unwrap_or(WeightFormat::MLX_Q4),
             kv_elem_bytes: 2,
             conv_elem_bytes: 4,
-            scratch_bytes: lily_cuda::activation_bytes(config, lily_cuda::DEFAULT_PREFILL_CHUNK)
+            scratch_bytes: lily_cuda::activation_bytes(config, &lily_cuda::CudaOptions::default())
                 as u64,
         },
     }

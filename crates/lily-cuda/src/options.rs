@@ -1,0 +1,170 @@
+//! Every choice of the CUDA backend that a user or a test may override, in one struct. The
+//! defaults are the measured best on the H200; environment variables are overrides only, read
+//! here and nowhere else, and a bad value is an error that names the variable.
+
+use anyhow::{Result, bail};
+
+use crate::compile::KvPrecision;
+use crate::decode::DecodePath;
+use crate::gdn_prefill::GdnPrefillRoute;
+use crate::gemm_wgmma::GemmPath;
+
+/// Tokens per prefill chunk unless told otherwise. Measured on the H200 (a 4K prompt of the
+/// full-size model): chunks of 1,024, 2,048 and 4,096 tokens gave 12.4K, 15.0K and 16.2K tok/s;
+/// longer chunks fill more of each expert's 64-row GEMM tiles. A 4,096-token chunk's activations
+/// take about 1.3 GB at the real shapes.
+pub const DEFAULT_PREFILL_CHUNK: usize = 4096;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// How the KV cache stores keys and values (`LILY_KV_CACHE=bf16|f32`).
+    pub kv: KvPrecision,
+    /// Tokens per prefill chunk (`LILY_PREFILL_CHUNK=N`).
+    pub prefill_chunk: usize,
+    /// How a decode step runs (`LILY_DECODE=graph|persistent`).
+    pub decode: DecodePath,
+    /// Programmatic dependent launch in the graph step, where the GPU has it (`LILY_PDL=0|1`).
+    pub pdl: bool,
+    /// The kernels of the 4-bit prefill GEMMs; None: the GPU's fastest (`LILY_GEMM=mma|wgmma`).
+    pub gemm: Option<GemmPath>,
+    /// One GDN prefill route for every chunk; None: chosen by chunk length
+    /// (`LILY_GDN_PREFILL=scan|chunked`).
+    pub gdn_prefill: Option<GdnPrefillRoute>,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            kv: KvPrecision::Bf16,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            // The graph stays the default while it is the faster (docs/BENCHMARKS.md).
+            decode: DecodePath::Graph,
+            pdl: true,
+            gemm: None,
+            gdn_prefill: None,
+        }
+    }
+}
+
+impl CudaOptions {
+    /// The defaults with the environment's overrides.
+    pub fn from_env() -> Result<Self> {
+        Self::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// The defaults with the overrides `var` gives (a variable's value by name).
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let mut o = CudaOptions::default();
+        if let Some(v) = var("LILY_KV_CACHE") {
+            o.kv = match v.as_str() {
+                "bf16" => KvPrecision::Bf16,
+                "f32" => KvPrecision::F32,
+                _ => bail!("LILY_KV_CACHE={v:?}: expected bf16 or f32"),
+            };
+        }
+        if let Some(v) = var("LILY_PREFILL_CHUNK") {
+            o.prefill_chunk = match v.parse::<usize>() {
+                Ok(n) if n > 0 => n,
+                _ => bail!("LILY_PREFILL_CHUNK={v:?}: expected a positive number of tokens"),
+            };
+        }
+        if let Some(v) = var("LILY_DECODE") {
+            o.decode = match v.as_str() {
+                "graph" => DecodePath::Graph,
+                "persistent" => DecodePath::Persistent,
+                _ => bail!("LILY_DECODE={v:?}: expected graph or persistent"),
+            };
+        }
+        if let Some(v) = var("LILY_PDL") {
+            o.pdl = match v.as_str() {
+                "1" => true,
+                "0" => false,
+                _ => bail!("LILY_PDL={v:?}: expected 0 or 1"),
+            };
+        }
+        if let Some(v) = var("LILY_GEMM") {
+            o.gemm = Some(match v.as_str() {
+                "mma" => GemmPath::MmaSync,
+                "wgmma" => GemmPath::Wgmma,
+                _ => bail!("LILY_GEMM={v:?}: expected mma or wgmma"),
+            });
+        }
+        if let Some(v) = var("LILY_GDN_PREFILL") {
+            o.gdn_prefill = Some(match v.as_str() {
+                "scan" => GdnPrefillRoute::Scan,
+                "chunked" => GdnPrefillRoute::Chunked,
+                _ => bail!("LILY_GDN_PREFILL={v:?}: expected scan or chunked"),
+            });
+        }
+        Ok(o)
+    }
+
+    /// These options with the KV cache stored as `kv`.
+    pub fn with_kv(self, kv: KvPrecision) -> Self {
+        CudaOptions { kv, ..self }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let pairs: Vec<(String, String)> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |name| {
+            pairs
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.clone())
+        }
+    }
+
+    #[test]
+    fn no_variables_give_the_defaults_and_each_variable_overrides_its_field() {
+        assert_eq!(
+            CudaOptions::from_vars(vars(&[])).unwrap(),
+            CudaOptions::default()
+        );
+        let o = CudaOptions::from_vars(vars(&[
+            ("LILY_KV_CACHE", "f32"),
+            ("LILY_PREFILL_CHUNK", "512"),
+            ("LILY_DECODE", "persistent"),
+            ("LILY_PDL", "0"),
+            ("LILY_GEMM", "mma"),
+            ("LILY_GDN_PREFILL", "scan"),
+        ]))
+        .unwrap();
+        let want = CudaOptions {
+            kv: KvPrecision::F32,
+            prefill_chunk: 512,
+            decode: DecodePath::Persistent,
+            pdl: false,
+            gemm: Some(GemmPath::MmaSync),
+            gdn_prefill: Some(GdnPrefillRoute::Scan),
+        };
+        assert_eq!(o, want);
+    }
+
+    #[test]
+    fn a_bad_value_is_refused_naming_its_variable() {
+        for (name, value) in [
+            ("LILY_KV_CACHE", "fp8"),
+            ("LILY_PREFILL_CHUNK", "0"),
+            ("LILY_PREFILL_CHUNK", "many"),
+            ("LILY_DECODE", "fast"),
+            ("LILY_PDL", "yes"),
+            ("LILY_GEMM", "cublas"),
+            ("LILY_GDN_PREFILL", "wy"),
+        ] {
+            let err = CudaOptions::from_vars(vars(&[(name, value)])).unwrap_err();
+            let text = format!("{err:#}");
+            assert!(
+                text.contains(name) && text.contains(value),
+                "{name}={value}: {text}"
+            );
+        }
+    }
+}
