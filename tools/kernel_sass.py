@@ -123,8 +123,10 @@ def main():
     ap.add_argument("--sass", help="also write the whole SASS here")
     ap.add_argument("--dense", action="store_true", help="decode.cu with f32 weights")
     a = ap.parse_args()
-    for k, v in STEP_FORMATS.items():
-        DEFINES[k] = "32" if a.dense else str(v)
+    if a.file == "decode":
+        for k, v in STEP_FORMATS.items():
+            DEFINES[k] = "32" if a.dense else str(v)
+        DEFINES["STEP_PERSISTENT"] = "1"
     source = open(os.path.join(KERNELS, "common.cuh")).read() + "\n"
     for h in HEADERS.get(a.file, []):
         source += open(os.path.join(KERNELS, h)).read() + "\n"

@@ -267,6 +267,9 @@ pub fn args_bytes() -> usize {
 pub fn step_defines(c: &ModelConfig, kv: KvPrecision, f: &StepFormats) -> Vec<(String, String)> {
     let mut d = model_defines(c, kv);
     d.extend(f.defines());
+    // The shared device code's loads for a kernel whose blocks read each other's outputs
+    // (common.cuh, load_act).
+    d.push(("STEP_PERSISTENT".to_string(), "1".to_string()));
     d
 }
 

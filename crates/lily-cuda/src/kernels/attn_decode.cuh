@@ -255,21 +255,21 @@ __device__ void attn_split_block(const float* q, const kv_t* k_cache, const kv_t
 }
 
 // Dim d of query head h, its splits merged, times the sigmoid output gate from qkv
-// ([q|gate per head ...]). The partials (another kernel's or other SMs') are read through L2.
+// ([q|gate per head ...]).
 __device__ float attn_combine_one(int h, int d, const float* part_ml, const float* part_acc, int nsplit,
                                   const float* qkv) {
     int kv = h / GROUP, g = h % GROUP;
     float mx = -INFINITY;
-    for (int s = 0; s < nsplit; s++) mx = fmaxf(mx, ldcg(part_ml + (((long)kv * nsplit + s) * GROUP + g) * 2));
+    for (int s = 0; s < nsplit; s++) mx = fmaxf(mx, load_act(part_ml + (((long)kv * nsplit + s) * GROUP + g) * 2));
     float a = 0.f, sum = 0.f;
     for (int s = 0; s < nsplit; s++) {
         long part = ((long)kv * nsplit + s) * GROUP + g;
-        float ms = ldcg(part_ml + part * 2);
+        float ms = load_act(part_ml + part * 2);
         if (ms == -INFINITY) continue;
         float f = __expf(ms - mx);
-        a += f * ldcg(part_acc + part * HD + d);
-        sum += f * ldcg(part_ml + part * 2 + 1);
+        a += f * load_act(part_acc + part * HD + d);
+        sum += f * load_act(part_ml + part * 2 + 1);
     }
-    float gate = ldcg(qkv + h * 2 * HD + HD + d);
+    float gate = load_act(qkv + h * 2 * HD + HD + d);
     return a / sum * sigmoidf(gate);
 }

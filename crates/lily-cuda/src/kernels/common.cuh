@@ -79,6 +79,25 @@ __device__ __forceinline__ u16 ld_weight16(const u16* p) {
     return v;
 }
 
+// The loads the shared device code makes of activations and weights. In the persistent decode
+// step (decode.cu, compiled with STEP_PERSISTENT) activations go through L2, since other SMs
+// rewrite them within the launch, and weights, whose addresses come from a table in memory,
+// through explicitly global read-only loads. In a kernel of its own both are plain loads, as
+// before the persistent step existed (the graph step's SASS unchanged by it).
+#if STEP_PERSISTENT
+__device__ __forceinline__ float load_act(const float* p) { return ldcg(p); }
+__device__ __forceinline__ float4 load_act4(const float* p) { return ldcg4(p); }
+__device__ __forceinline__ int load_act_int(const int* p) { return ldcg_int(p); }
+__device__ __forceinline__ uint4 load_weight4(const void* p) { return ld_weight4(p); }
+__device__ __forceinline__ u16 load_weight16(const u16* p) { return ld_weight16(p); }
+#else
+__device__ __forceinline__ float load_act(const float* p) { return *p; }
+__device__ __forceinline__ float4 load_act4(const float* p) { return *(const float4*)p; }
+__device__ __forceinline__ int load_act_int(const int* p) { return *p; }
+__device__ __forceinline__ uint4 load_weight4(const void* p) { return *(const uint4*)p; }
+__device__ __forceinline__ u16 load_weight16(const u16* p) { return *p; }
+#endif
+
 // Asks L2 for the line holding p (weights a kernel will read after pdl_wait).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
@@ -309,14 +328,14 @@ __device__ float block_inv_rms(const float* h, int n, float eps, float* scratch)
 #pragma unroll
             for (int u = 0; u < STAGE_UNROLL; u++) {
                 int j = i + u * blockDim.x;
-                v[u] = j < n / 4 ? ldcg4(h + 4 * j) : make_float4(0.f, 0.f, 0.f, 0.f);
+                v[u] = j < n / 4 ? load_act4(h + 4 * j) : make_float4(0.f, 0.f, 0.f, 0.f);
             }
 #pragma unroll
             for (int u = 0; u < STAGE_UNROLL; u++)
                 ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
         }
     } else {
-        for (int i = threadIdx.x; i < n; i += blockDim.x) ss += ldcg(h + i) * ldcg(h + i);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) ss += load_act(h + i) * load_act(h + i);
     }
     return rsqrtf(block_sum(ss, scratch) / n + eps);
 }
@@ -351,7 +370,7 @@ __device__ void stage_x(int cols, const float* x, const float* norm_w, float inv
 #pragma unroll
             for (int u = 0; u < STAGE_UNROLL; u++) {
                 int j = c + u * blockDim.x;
-                v[u] = j < cols ? (norm_w ? ldcg(x + j) * inv * norm_w[j] : ldcg(x + j)) : 0.f;
+                v[u] = j < cols ? (norm_w ? load_act(x + j) * inv * norm_w[j] : load_act(x + j)) : 0.f;
             }
 #pragma unroll
             for (int u = 0; u < STAGE_UNROLL; u++)
@@ -368,7 +387,7 @@ __device__ void stage_x(int cols, const float* x, const float* norm_w, float inv
                 int j = c + u * blockDim.x;
                 v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
                 if (j < n4) {
-                    v[u] = ldcg4(x + 4 * j);
+                    v[u] = load_act4(x + 4 * j);
                     if (norm_w) {
                         float4 w = w4[j];
                         v[u] = make_float4(v[u].x * inv * w.x, v[u].y * inv * w.y, v[u].z * inv * w.z,
@@ -403,9 +422,9 @@ __device__ __forceinline__ void load_batch(Batch<BITS, R, NB>& b, const RowRef (
             int g = ch * PER / group;
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                b.q[r][j] = ld_weight4((const uint4*)rows[r].w + ch);
-                b.scale[r][j] = ld_weight16(rows[r].scales + g);
-                b.bias[r][j] = ld_weight16(rows[r].biases + g);
+                b.q[r][j] = load_weight4((const uint4*)rows[r].w + ch);
+                b.scale[r][j] = load_weight16(rows[r].scales + g);
+                b.bias[r][j] = load_weight16(rows[r].biases + g);
             }
         }
     }
@@ -690,7 +709,7 @@ __device__ void route_topk(const float* logits, int lane, int* ids, float* weigh
 // RMSNorm (q_norm / k_norm weights `scale`) then rotate-half RoPE on the first ROT dims at `pos`
 // of one head of HD values, by one warp, the same code for prefill and decode; dim lane + 32·i
 // lands in y[i]. tmp: HD floats of shared memory this warp owns (the rotation reads each dim's
-// partner). src is read through L2.
+// partner).
 #define HEAD_PER_LANE ((HD + WARP - 1) / WARP)
 __device__ void head_norm_rope(const float* src, const float* scale, float eps, int pos, float* tmp, int lane,
                                float (&y)[HEAD_PER_LANE]) {
@@ -698,7 +717,7 @@ __device__ void head_norm_rope(const float* src, const float* scale, float eps, 
 #pragma unroll
     for (int i = 0; i < HEAD_PER_LANE; i++) {
         int d = lane + WARP * i;
-        y[i] = d < HD ? ldcg(src + d) : 0.f;
+        y[i] = d < HD ? load_act(src + d) : 0.f;
         ss += y[i] * y[i];
     }
     float inv = rsqrtf(warp_sum(ss) / HD + eps);

@@ -31,7 +31,7 @@ struct GdnStepSmem {
 // by GDN_COLS · ROW_GROUPS threads (the block's first ones; the rest only join the barriers).
 // Each column is held by ROW_GROUPS threads, each with a slice of the rows in registers; S is
 // read and written exactly once. q and k are L2-normalised here (every item of a key head redoes
-// that small work rather than adding a step). conv and proj are read through L2.
+// that small work rather than adding a step).
 template <int ROW_GROUPS>
 __device__ void gdn_step_cols(int j, int col0, const float* conv, const float* proj, const float* a_log,
                               const float* dt_bias, float* state, float* out, GdnStepSmem<ROW_GROUPS>& sm) {
@@ -43,20 +43,20 @@ __device__ void gdn_step_cols(int j, int col0, const float* conv, const float* p
     // L2 norms of q and k (eps inside the root), q also scaled by 1/sqrt(DK).
     float qv = 0.f, kv = 0.f;
     for (int i = t; i < DK; i += blockDim.x) {
-        float q = ldcg(conv + kh * DK + i), k = ldcg(conv + KEY_DIM + kh * DK + i);
+        float q = load_act(conv + kh * DK + i), k = load_act(conv + KEY_DIM + kh * DK + i);
         qv += q * q;
         kv += k * k;
     }
     float q_inv = rsqrtf(block_sum(qv, sm.scratch) + 1e-6f) * rsqrtf((float)DK);
     float k_inv = rsqrtf(block_sum(kv, sm.scratch) + 1e-6f);
     for (int i = t; i < DK; i += blockDim.x) {
-        qn[i] = ldcg(conv + kh * DK + i) * q_inv;
-        kn[i] = ldcg(conv + KEY_DIM + kh * DK + i) * k_inv;
+        qn[i] = load_act(conv + kh * DK + i) * q_inv;
+        kn[i] = load_act(conv + KEY_DIM + kh * DK + i) * k_inv;
     }
     __syncthreads();
 
-    float b = ldcg(proj + CONV_DIM + NV * DV + j);
-    float a = ldcg(proj + CONV_DIM + NV * DV + NV + j);
+    float b = load_act(proj + CONV_DIM + NV * DV + j);
+    float a = load_act(proj + CONV_DIM + NV * DV + NV + j);
     float beta = sigmoidf(b);
     float sp = a + dt_bias[j];
     sp = sp > 20.f ? sp : log1pf(expf(sp));
@@ -79,7 +79,7 @@ __device__ void gdn_step_cols(int j, int col0, const float* conv, const float* p
     float pred = 0.f;
 #pragma unroll
     for (int g = 0; g < ROW_GROUPS; g++) pred += sm.part[g][c];
-    float v = active ? ldcg(conv + 2 * KEY_DIM + j * DV + col) : 0.f;
+    float v = active ? load_act(conv + 2 * KEY_DIM + j * DV + col) : 0.f;
     float delta = beta * (v - alpha * pred);
     float o = 0.f;
 #pragma unroll

@@ -56,13 +56,13 @@ __device__ void down_combine_dense(Mat down, Mat sh_down, int inter, int hidden,
     stage_x<32>(TOPK * inter + sh_down.cols, act, nullptr, 1.f, xs, xsum);
     int lane = threadIdx.x % WARP;
     long stride = (long)nblk * (blockDim.x / WARP);
-    float shared_gate = sigmoidf(ldcg(logits + NE));
+    float shared_gate = sigmoidf(load_act(logits + NE));
     int id[TOPK];
     float wk[TOPK];
 #pragma unroll
     for (int k = 0; k < TOPK; k++) {
-        id[k] = ldcg_int(ids + k);
-        wk[k] = ldcg(weights + k);
+        id[k] = load_act_int(ids + k);
+        wk[k] = load_act(weights + k);
     }
     for (long h = (long)blk * (blockDim.x / WARP) + threadIdx.x / WARP; h < hidden; h += stride) {
         const float* rows[TOPK];
@@ -81,7 +81,7 @@ __device__ void down_combine_dense(Mat down, Mat sh_down, int inter, int hidden,
 #pragma unroll
         for (int k = 0; k < TOPK; k++) total += wk[k] * acc[k];
         total = warp_sum(total);
-        if (lane == 0) residual[h] = ldcg(residual + h) + total;
+        if (lane == 0) residual[h] = load_act(residual + h) + total;
     }
 }
 
@@ -127,9 +127,9 @@ __device__ __forceinline__ void load_down(Batch<BITS, R, NB>& b, const Mat& down
             long gi = row0 * groups + within * PER / group;
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                b.q[r][j] = ld_weight4(q + dr[r] * vecs);
-                b.scale[r][j] = ld_weight16(sc + gi + dr[r] * groups);
-                b.bias[r][j] = ld_weight16(bi + gi + dr[r] * groups);
+                b.q[r][j] = load_weight4(q + dr[r] * vecs);
+                b.scale[r][j] = load_weight16(sc + gi + dr[r] * groups);
+                b.bias[r][j] = load_weight16(bi + gi + dr[r] * groups);
             }
         }
     }
@@ -179,7 +179,7 @@ __device__ void down_combine_q(Mat down, Mat sh_down, int inter, int hidden, con
                 v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
                 if (j < n4) {
                     float f = segw[min((u32)(4 * j) / (u32)inter, (u32)TOPK)];
-                    v[k] = ldcg4(act + 4 * j);
+                    v[k] = load_act4(act + 4 * j);
                     v[k] = make_float4(v[k].x * f, v[k].y * f, v[k].z * f, v[k].w * f);
                 }
             }
@@ -200,7 +200,7 @@ __device__ void down_combine_q(Mat down, Mat sh_down, int inter, int hidden, con
 #pragma unroll
         for (int r = 0; r < R; r++) {
             float v = warp_sum(acc[r]);
-            if (lane == 0 && u * R + r < hidden) residual[u * R + r] = ldcg(residual + u * R + r) + v;
+            if (lane == 0 && u * R + r < hidden) residual[u * R + r] = load_act(residual + u * R + r) + v;
         }
     }
 }
