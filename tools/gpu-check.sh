@@ -16,9 +16,21 @@ if [ "$step" = all ] || [ "$step" = test ]; then
     "$bin" --include-ignored --nocapture --test-threads 1 ${FILTER:-} 2>&1 | tee -a "$out/gpu-tests.log"
   done
 fi
+if [ "$step" = all ] || [ "$step" = persistent ]; then
+  # The decode tests again on the persistent step (kernels/decode.cu).
+  LILY_DECODE=persistent .gpu/test-gpu --include-ignored --nocapture --test-threads 1 2>&1 \
+    | tee "$out/gpu-tests-persistent.log"
+fi
+if [ "$step" = peer ]; then
+  # llama.cpp beside us (../shared/peer copied to .gpu/peer): build and write its GGUF (~6 min on
+  # the CPUs), then its GPU figures into $out for `bench` (run that after this, same machine).
+  bash .gpu/peer/peer.sh build && bash .gpu/peer/peer.sh gguf && OUT=$out bash .gpu/peer/peer.sh gpu
+fi
 if [ "$step" = all ] || [ "$step" = bench ]; then
+  peer=()
+  [ -f "$out/llama-tg.json" ] && peer=(--peer "$out/llama-pp.json,$out/llama-tg.json")
   .gpu/lily bench --model synthetic:qwen3.6-35b-a3b --device cuda --prompt-lens 256 \
-    --contexts "${CONTEXTS:-256,1024,4096}" --json "$out/bench-cuda.json" 2>&1 | tee "$out/bench-cuda.md"
+    --contexts "${CONTEXTS:-256,1024,4096}" "${peer[@]}" --json "$out/bench-cuda.json" 2>&1 | tee "$out/bench-cuda.md"
 fi
 if [ "$step" = bench-long ]; then
   # The protocol's long rows (minutes each; not part of `all`).

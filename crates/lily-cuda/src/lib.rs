@@ -1,7 +1,8 @@
 //! The CUDA backend. Kernels are CUDA C++ files under `kernels/`, compiled with NVRTC at start
 //! for the loaded model's dimensions and the GPU's architecture (`compile`), each paired with
-//! the Rust code that launches it (`step`). A decode step runs entirely on the device and is
-//! captured once per sequence as a CUDA graph. Prefill runs the prompt in chunks through batched
+//! the Rust code that launches it (`step`). A decode step runs entirely on the device: captured
+//! once per sequence as a CUDA graph of launches, or, with `CudaOptions::decode` persistent, as
+//! one persistent kernel (`decode`). Prefill runs the prompt in chunks through batched
 //! kernels (`prefill`): tensor-core GEMMs, routing on the device, a register-resident GDN scan and
 //! causal attention over the cache.
 
