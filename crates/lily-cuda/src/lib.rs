@@ -26,6 +26,7 @@ pub mod weights;
 use std::sync::Mutex;
 
 use anyhow::{Context, Result, bail, ensure};
+use cudarc::driver::CudaSlice;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use lily_core::backend::{Backend, LogitRows};
 use lily_core::config::ModelConfig;
@@ -175,22 +176,8 @@ impl CudaBackend {
     /// (`None`: the choice is not wanted, any graph will do).
     fn step(&self, state: &mut CudaState, scratch: &Scratch, choices: Option<usize>) -> Result<()> {
         if let Some(step) = &self.persistent {
-            if state.step_table.is_none() {
-                state.step_table = Some(step.state_table(&self.gpu, state)?);
-            }
-            let table = state.step_table.as_ref().context("no state table")?;
             let choices = choices.unwrap_or(self.config.vocab_size);
-            step.launch(
-                &self.gpu,
-                &self.config,
-                scratch,
-                state,
-                table,
-                choices,
-                None,
-            )?;
-            state.len += 1;
-            return Ok(());
+            return self.persistent_step(step, state, scratch, choices, None);
         }
         let stale = match (&state.graph, choices) {
             (None, _) => true,
@@ -266,6 +253,33 @@ impl CudaBackend {
         Ok(totals)
     }
 
+    /// One persistent step of `state` (its table made at its first step), its choice over the
+    /// first `choices` tokens; with a timeline, stamped op by op.
+    fn persistent_step(
+        &self,
+        step: &PersistentStep,
+        state: &mut CudaState,
+        scratch: &Scratch,
+        choices: usize,
+        timeline: Option<&CudaSlice<u64>>,
+    ) -> Result<()> {
+        if state.step_table.is_none() {
+            state.step_table = Some(step.state_table(&self.gpu, state)?);
+        }
+        let table = state.step_table.as_ref().context("no state table")?;
+        step.launch(
+            &self.gpu,
+            &self.config,
+            scratch,
+            state,
+            table,
+            choices,
+            timeline,
+        )?;
+        state.len += 1;
+        Ok(())
+    }
+
     /// [`Self::profile_decode`] on the persistent step: the kernel's own timestamps, one as block
     /// 0 leaves each op (so an op's time includes its barrier).
     fn profile_persistent(
@@ -275,25 +289,12 @@ impl CudaBackend {
         scratch: &Scratch,
         steps: usize,
     ) -> Result<Vec<(&'static str, f64)>> {
-        if state.step_table.is_none() {
-            state.step_table = Some(step.state_table(&self.gpu, state)?);
-        }
-        let table = state.step_table.as_ref().context("no state table")?;
         let marks = decode::op_families(&self.config).len() + 1;
         let timeline = self.gpu.zeros::<u64>(marks)?;
         let mut totals: Vec<(&'static str, f64)> = Vec::new();
         for _ in 0..steps {
             let vocab = self.config.vocab_size;
-            step.launch(
-                &self.gpu,
-                &self.config,
-                scratch,
-                state,
-                table,
-                vocab,
-                Some(&timeline),
-            )?;
-            state.len += 1;
+            self.persistent_step(step, state, scratch, vocab, Some(&timeline))?;
             let stamps = self.gpu.download(&timeline)?;
             for (family, ms) in decode::family_times(&self.config, &stamps) {
                 match totals.iter_mut().find(|(f, _)| *f == family) {

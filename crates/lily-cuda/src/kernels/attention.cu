@@ -18,18 +18,7 @@ extern "C" __global__ void attn_prep(const float* qkv, const float* q_norm, cons
     int pos = pos_ptr[0];
     float y[HEAD_PER_LANE];
     head_norm_rope(src, is_q ? q_norm : k_norm, eps, pos, tmp, lane, y);
-#pragma unroll
-    for (int i = 0; i < HEAD_PER_LANE; i++) {
-        int d = lane + WARP * i;
-        if (d >= HD) continue;
-        if (is_q) {
-            q_out[head * HD + d] = y[i];
-        } else {
-            long at = ((long)pos * NKV + kv) * HD + d;
-            k_cache[at] = kv_store(y[i]);
-            v_cache[at] = kv_store(qkv[NH * 2 * HD + NKV * HD + kv * HD + d]);
-        }
-    }
+    store_head(is_q, y, lane, q_out + head * HD, k_cache, v_cache, pos, kv, qkv + NH * 2 * HD + NKV * HD + kv * HD);
 }
 
 // One block per (KV head, split of the context); the split count is the grid's y size, chosen

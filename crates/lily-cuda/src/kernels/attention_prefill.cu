@@ -21,18 +21,8 @@ extern "C" __global__ void attn_prep_rows(const float* qkv, int ld, const float*
     int pos = pos0 + row;
     float y[HEAD_PER_LANE];
     head_norm_rope(src, is_q ? q_norm : k_norm, eps, pos, tmp, lane, y);
-#pragma unroll
-    for (int i = 0; i < HEAD_PER_LANE; i++) {
-        int d = lane + WARP * i;
-        if (d >= HD) continue;
-        if (is_q) {
-            q_out[((long)row * NH + head) * HD + d] = y[i];
-        } else {
-            long at = ((long)pos * NKV + kv) * HD + d;
-            k_cache[at] = kv_store(y[i]);
-            v_cache[at] = kv_store(in[NH * 2 * HD + NKV * HD + kv * HD + d]);
-        }
-    }
+    store_head(is_q, y, lane, q_out + ((long)row * NH + head) * HD, k_cache, v_cache, pos, kv,
+               in + NH * 2 * HD + NKV * HD + kv * HD);
 }
 
 // Flash attention on tensor cores (mma m16n8k16, bf16 inputs, f32 accumulation and softmax).

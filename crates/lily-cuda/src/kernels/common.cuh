@@ -745,3 +745,20 @@ __device__ void head_norm_rope(const float* src, const float* scale, float eps, 
     __syncwarp();   // tmp is free again
 }
 
+// Stores a head that head_norm_rope left in y: a query into q (HD floats, global or shared), or a
+// key into the cache at `pos` with its value (v_src, HD floats) beside it.
+__device__ __forceinline__ void store_head(bool is_q, const float (&y)[HEAD_PER_LANE], int lane, float* q,
+                                           kv_t* k_cache, kv_t* v_cache, long pos, int kv, const float* v_src) {
+#pragma unroll
+    for (int i = 0; i < HEAD_PER_LANE; i++) {
+        int d = lane + WARP * i;
+        if (d >= HD) continue;
+        if (is_q) {
+            q[d] = y[i];
+        } else {
+            long at = (pos * NKV + kv) * HD + d;
+            k_cache[at] = kv_store(y[i]);
+            v_cache[at] = kv_store(load_act(v_src + d));
+        }
+    }
+}

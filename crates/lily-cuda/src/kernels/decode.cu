@@ -296,18 +296,7 @@ __device__ void attn_split_op(const DecArgs& A, const DecLayer& L, const DecLaye
             const float* src = is_q ? A.proj + (kv * GROUP + h) * 2 * HD : A.proj + NH * 2 * HD + kv * HD;
             float y[HEAD_PER_LANE];
             head_norm_rope(src, is_q ? L.a.q_norm : L.a.k_norm, A.eps, pos, sm.q[h], lane, y);
-#pragma unroll
-            for (int i = 0; i < HEAD_PER_LANE; i++) {
-                int d = lane + WARP * i;
-                if (d >= HD) continue;
-                if (is_q) {
-                    sm.q[h][d] = y[i];
-                } else {
-                    long at = ((long)pos * NKV + kv) * HD + d;
-                    S.k[at] = kv_store(y[i]);
-                    S.v[at] = kv_store(ldcg(A.proj + NH * 2 * HD + NKV * HD + kv * HD + d));
-                }
-            }
+            store_head(is_q, y, lane, sm.q[h], S.k, S.v, pos, kv, A.proj + NH * 2 * HD + NKV * HD + kv * HD);
         }
         // The new key and value reach the split's cp.async reads below, the queries its loads.
         __threadfence();
