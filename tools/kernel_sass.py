@@ -35,10 +35,12 @@ DEFINES = {
 KERNELS = os.path.join(os.path.dirname(__file__), "..", "crates", "lily-cuda", "src", "kernels")
 # The shared device code each file is compiled with after common.cuh (compile.rs, KernelFile::headers).
 HEADERS = {
-    "attention": ["attn_decode.cuh"],
+    "attention": ["heads.cuh", "attn_decode.cuh"],
+    "attention_prefill": ["heads.cuh"],
     "gdn": ["gdn_decode.cuh"],
-    "moe": ["moe_decode.cuh"],
-    "decode": ["gdn_decode.cuh", "attn_decode.cuh", "moe_decode.cuh"],
+    "moe": ["route.cuh", "moe_decode.cuh"],
+    "moe_prefill": ["route.cuh"],
+    "decode": ["gdn_decode.cuh", "heads.cuh", "attn_decode.cuh", "route.cuh", "moe_decode.cuh"],
 }
 # decode.cu's weight formats (decode.rs, StepFormats::MLX_4BIT; --dense: every format f32).
 STEP_FORMATS = {"BITS_EMBED": 4, "BITS_LM": 4, "BITS_GDN_IN": 4, "BITS_GDN_OUT": 4, "BITS_ATTN_IN": 4,

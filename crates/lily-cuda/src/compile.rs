@@ -65,7 +65,7 @@ pub const KERNEL_FILES: [KernelFile; 13] = [
     },
     KernelFile {
         name: "attention",
-        headers: &[ATTN_DECODE],
+        headers: &[HEADS, ATTN_DECODE],
         source: include_str!("kernels/attention.cu"),
         entries: &["attn_prep", "attn_split", "attn_combine"],
         only_for: None,
@@ -79,7 +79,7 @@ pub const KERNEL_FILES: [KernelFile; 13] = [
     },
     KernelFile {
         name: "moe",
-        headers: &[MOE_DECODE],
+        headers: &[ROUTE, MOE_DECODE],
         source: include_str!("kernels/moe.cu"),
         entries: &[
             "moe_route_b4",
@@ -128,7 +128,7 @@ pub const KERNEL_FILES: [KernelFile; 13] = [
     },
     KernelFile {
         name: "moe_prefill",
-        headers: &[],
+        headers: &[ROUTE],
         source: include_str!("kernels/moe_prefill.cu"),
         entries: &["moe_topk_rows", "moe_sort", "moe_swiglu", "moe_combine"],
         only_for: None,
@@ -154,7 +154,7 @@ pub const KERNEL_FILES: [KernelFile; 13] = [
     },
     KernelFile {
         name: "attention_prefill",
-        headers: &[],
+        headers: &[HEADS],
         source: include_str!("kernels/attention_prefill.cu"),
         entries: &[
             "attn_prep_rows",
@@ -174,6 +174,8 @@ pub const KERNEL_FILES: [KernelFile; 13] = [
 ];
 
 const COMMON: &str = include_str!("kernels/common.cuh");
+const ROUTE: &str = include_str!("kernels/route.cuh");
+const HEADS: &str = include_str!("kernels/heads.cuh");
 const GDN_DECODE: &str = include_str!("kernels/gdn_decode.cuh");
 const ATTN_DECODE: &str = include_str!("kernels/attn_decode.cuh");
 const MOE_DECODE: &str = include_str!("kernels/moe_decode.cuh");
@@ -182,7 +184,7 @@ const MOE_DECODE: &str = include_str!("kernels/moe_decode.cuh");
 /// their formats are constants of it too (`crate::decode::StepFormats`).
 pub const DECODE_FILE: KernelFile = KernelFile {
     name: "decode",
-    headers: &[GDN_DECODE, ATTN_DECODE, MOE_DECODE],
+    headers: &[GDN_DECODE, HEADS, ATTN_DECODE, ROUTE, MOE_DECODE],
     source: include_str!("kernels/decode.cu"),
     entries: &["decode_step", "decode_layout"],
     only_for: None,
