@@ -18,9 +18,11 @@ use serde_json::json;
 use super::engine::Outcome;
 
 /// Paths reported by name; anything else is "other", so that clients cannot grow the map.
-const PATHS: [&str; 6] = [
+const PATHS: [&str; 8] = [
     "/v1/chat/completions",
     "/v1/completions",
+    "/tokenize",
+    "/detokenize",
     "/v1/models",
     "/health",
     "/metrics",

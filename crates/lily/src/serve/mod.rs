@@ -17,6 +17,7 @@ pub mod routes;
 pub mod sampling_defaults;
 pub mod snapshots;
 pub mod stream;
+pub mod tokenize;
 pub mod worker;
 
 use anyhow::Result;

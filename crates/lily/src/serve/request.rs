@@ -82,42 +82,38 @@ pub fn parse_chat(
             ));
         }
     }
-    let messages = match body.get("messages") {
-        Some(Value::Array(list)) if list.len() > MAX_MESSAGES => {
-            return Err(ApiError::param(
-                "messages",
-                format!(
-                    "at most {MAX_MESSAGES} messages are allowed, got {}",
-                    list.len()
-                ),
-            ));
-        }
-        Some(Value::Array(list)) if !list.is_empty() => list
-            .iter()
-            .enumerate()
-            .map(|(i, m)| normalize_message(i, m))
-            .collect::<ApiResult<Vec<_>>>()?,
-        Some(Value::Array(_)) => return Err(ApiError::param("messages", "must not be empty")),
-        Some(_) => return Err(ApiError::param("messages", "must be a list of messages")),
-        None => return Err(ApiError::param("messages", "is required")),
-    };
+    let messages = parse_messages(body)?;
     let tools = parse_tools(body)?;
-    let mut template_kwargs = match body.get("chat_template_kwargs") {
+    let template_kwargs = parse_template_kwargs(body, default_thinking)?;
+    Ok(ChatRequest {
+        common,
+        messages,
+        tools,
+        template_kwargs,
+    })
+}
+
+/// `chat_template_kwargs`, with `enable_thinking` always set.
+pub fn parse_template_kwargs(
+    body: &Map<String, Value>,
+    default_thinking: bool,
+) -> ApiResult<Map<String, Value>> {
+    let mut kwargs = match body.get("chat_template_kwargs") {
         None | Some(Value::Null) => Map::new(),
         Some(Value::Object(kwargs)) => kwargs.clone(),
         Some(_) => return Err(ApiError::param("chat_template_kwargs", "must be an object")),
     };
     for reserved in ["messages", "tools", "add_generation_prompt"] {
-        if template_kwargs.contains_key(reserved) {
+        if kwargs.contains_key(reserved) {
             return Err(ApiError::param(
                 format!("chat_template_kwargs.{reserved}"),
                 "is set by the server",
             ));
         }
     }
-    match template_kwargs.get("enable_thinking") {
+    match kwargs.get("enable_thinking") {
         None | Some(Value::Null) => {
-            template_kwargs.insert("enable_thinking".into(), default_thinking.into());
+            kwargs.insert("enable_thinking".into(), default_thinking.into());
         }
         Some(Value::Bool(_)) => {}
         Some(_) => {
@@ -127,12 +123,28 @@ pub fn parse_chat(
             ));
         }
     }
-    Ok(ChatRequest {
-        common,
-        messages,
-        tools,
-        template_kwargs,
-    })
+    Ok(kwargs)
+}
+
+/// `messages` as the chat template reads them.
+pub fn parse_messages(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
+    match body.get("messages") {
+        Some(Value::Array(list)) if list.len() > MAX_MESSAGES => Err(ApiError::param(
+            "messages",
+            format!(
+                "at most {MAX_MESSAGES} messages are allowed, got {}",
+                list.len()
+            ),
+        )),
+        Some(Value::Array(list)) if !list.is_empty() => list
+            .iter()
+            .enumerate()
+            .map(|(i, m)| normalize_message(i, m))
+            .collect(),
+        Some(Value::Array(_)) => Err(ApiError::param("messages", "must not be empty")),
+        Some(_) => Err(ApiError::param("messages", "must be a list of messages")),
+        None => Err(ApiError::param("messages", "is required")),
+    }
 }
 
 pub fn parse_completion(
@@ -305,7 +317,7 @@ fn parse_stop(value: Option<&Value>) -> ApiResult<Vec<String>> {
     Ok(stops)
 }
 
-fn parse_tools(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
+pub fn parse_tools(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
     let use_tools = match body.get("tool_choice") {
         None | Some(Value::Null) => true,
         Some(Value::String(c)) if c == "auto" => true,

@@ -24,6 +24,7 @@ use super::error::{ApiError, ApiResult};
 use super::metrics::{Metrics, metrics_response, track};
 use super::request::CommonRequest;
 use super::sampling_defaults::SamplingDefaults;
+use super::tokenize::{detokenize, tokenize};
 use super::worker::EngineHandle;
 
 pub struct AppState {
@@ -86,6 +87,9 @@ pub fn router(app: Arc<AppState>, access: Arc<Access>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        // Where llama.cpp and vLLM serve them: outside /v1, which is OpenAI's.
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
         .route("/health", get(health))
