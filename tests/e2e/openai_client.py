@@ -246,11 +246,146 @@ def check_errors(server):
         assert e.code == "context_length_exceeded", e.body
         assert "512" in e.message and re.search(r"has \d{3} tokens", e.message), e.message
 
+    for fields, param in [
+        ({"n": 17}, "n"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias.999999"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ]:
+        try:
+            server.client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, **fields)
+            raise AssertionError(f"{fields} was accepted")
+        except openai.BadRequestError as e:
+            assert e.param == param, (fields, e.body)
+
+
+def post(server, path, body):
+    """POST outside /v1 (where /tokenize lives), returning the status and the JSON body."""
+    root = server.base_url.removesuffix("/v1")
+    request = urllib.request.Request(
+        root + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
-        server.client.chat.completions.create(model=MODEL, messages=HELLO, n=2)
-        raise AssertionError("n=2 was accepted")
-    except openai.BadRequestError as e:
-        assert e.param == "n", e.body
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def check_tokenize(server):
+    """llama.cpp's and vLLM's shapes; the counts agree with what chat reports as usage."""
+    status, answer = post(server, "/tokenize", {"content": "Hello, how are you?"})
+    assert status == 200 and answer["tokens"] == [9419, 11, 1204, 513, 488, 30], answer
+    status, answer = post(
+        server, "/tokenize", {"model": MODEL, "messages": HELLO, **NO_THINKING}
+    )
+    assert status == 200 and answer["count"] == HELLO_PROMPT_TOKENS, answer
+    assert answer["max_model_len"] == 512, answer
+    status, back = post(server, "/detokenize", {"tokens": answer["tokens"]})
+    assert status == 200 and back["prompt"].startswith("<|im_start|>user\nHello, how are you?"), back
+    status, again = post(server, "/tokenize", {"prompt": back["content"]})
+    assert again["tokens"] == answer["tokens"], (again, answer)
+    status, error = post(server, "/detokenize", {"tokens": [1, -1]})
+    assert status == 400 and error["error"]["param"] == "tokens[1]", error
+    status, error = post(server, "/tokenize", {"model": "gpt-4o", "content": "x"})
+    assert status == 404, error
+
+
+def score(binary, tokens):
+    """`lily score --json`: the teacher-forced log-probability of each next token."""
+    scored = subprocess.run(
+        [binary, "score", "--model", MODEL, "--tokens", ",".join(map(str, tokens)), "--json"],
+        capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S, check=True,
+    )
+    return [p["logprob"] for p in json.loads(scored.stdout)["positions"][:-1]]
+
+
+def ids(tokens):
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def check_logprobs(binary, server):
+    """Log-probabilities of generated and echoed tokens are what `lily score` gives them."""
+    prompt = [9419, 11, 1204, 513, 488, 30]
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 5}):
+        response = server.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, logprobs=3, echo=True,
+            extra_body={"return_tokens_as_token_ids": True}, **sampling,
+        )
+        lp = response.choices[0].logprobs
+        tokens = ids(lp.tokens)
+        assert tokens[: len(prompt)] == prompt and len(tokens) == len(prompt) + 8, lp.tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp
+        expected = score(binary, tokens)
+        for got, want in zip(lp.token_logprobs[1:], expected):
+            assert abs(got - want) < 1e-4, (lp.token_logprobs, expected)
+        assert all(len(top) == 3 for top in lp.top_logprobs[1:]), lp.top_logprobs
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset), lp.text_offset
+    # Chat: one entry per generated token, greedy picks the top alternative.
+    response = server.client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+        extra_body=NO_THINKING,
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens, content
+    for entry in content:
+        assert entry.token == entry.top_logprobs[0].token and len(entry.top_logprobs) == 2, entry
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token or "\ufffd" in entry.token
+    tokens = post(server, "/tokenize", {"messages": HELLO, **NO_THINKING})[1]["tokens"]
+    generated = [int(e.token.removeprefix("token_id:")) for e in server.client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=6, temperature=0, logprobs=True,
+        extra_body={**NO_THINKING, "return_tokens_as_token_ids": True},
+    ).choices[0].logprobs.content]
+    expected = score(binary, tokens + generated)[len(tokens) - 1:]
+    for entry, want in zip(content, expected):
+        assert abs(entry.logprob - want) < 1e-4, (content, expected)
+    # Echo without generating scores the prompt alone, as evaluation harnesses ask.
+    response = server.client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=0, echo=True, logprobs=0
+    )
+    assert response.choices[0].text == "Once upon a time", response
+    assert len(response.choices[0].logprobs.tokens) == 4 and response.usage.completion_tokens == 0
+
+
+def check_choices_and_penalties(server):
+    """n choices from one prefill; penalties and logit_bias are applied."""
+    one, text = chat_text(server.client, HELLO, max_tokens=8, temperature=0, extra_body=NO_THINKING)
+    three = server.client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=8, temperature=0, n=3, extra_body=NO_THINKING
+    )
+    assert [c.index for c in three.choices] == [0, 1, 2], three
+    assert all(c.message.content == text for c in three.choices), (three, text)
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens, three.usage
+    sampled = lambda: server.client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=12, temperature=1.0, seed=9, n=3,
+        extra_body=NO_THINKING,
+    )
+    first, again = sampled(), sampled()
+    texts = [c.message.content for c in first.choices]
+    assert len(set(texts)) == 3, texts
+    assert texts == [c.message.content for c in again.choices], (texts, again)
+    stream = server.client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=12, temperature=1.0, seed=9, n=3, stream=True,
+        extra_body=NO_THINKING,
+    )
+    streamed = ["", "", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == texts, (streamed, texts)
+    # logit_bias reaches the sampler on the greedy path too (which a GPU takes on the device).
+    _, text = chat_text(
+        server.client, HELLO, max_tokens=4, temperature=0, logit_bias={"9419": 100},
+        extra_body=NO_THINKING,
+    )
+    assert text == "Hello" * 4, text
+    # Qwen's recommended presence penalty is accepted (its effect is tested in the sampler).
+    penalised, _ = chat_text(
+        server.client, HELLO, max_tokens=4, presence_penalty=1.5, frequency_penalty=0.5,
+        extra_body={**NO_THINKING, "repetition_penalty": 1.05},
+    )
+    assert penalised.usage.completion_tokens > 0, penalised
 
 
 def check_disconnect_and_queue(server):
@@ -315,6 +450,9 @@ def main():
         ("completions", lambda: check_completions(server)),
         ("tools", lambda: check_tools(server)),
         ("errors", lambda: check_errors(server)),
+        ("tokenize and detokenize", lambda: check_tokenize(server)),
+        ("logprobs and echo", lambda: check_logprobs(binary, server)),
+        ("n choices and penalties", lambda: check_choices_and_penalties(server)),
         ("disconnect and queue", lambda: check_disconnect_and_queue(cold_server)),
         ("generate and chat commands", lambda: check_cli_matches_server(binary, server)),
     ]

@@ -43,13 +43,14 @@ CHAT_BAD = {
     "min_p": [-0.5, 1.5, "0", []],
     "max_tokens": [0, -1, 1.5, "10", [], True, 10**40, -(10**40), 1e300],
     "max_completion_tokens": [0, -5, "3", 2.5],
-    "n": [2, 0, -1, "1", 1.5],
-    "presence_penalty": [0.5, -2, "0"],
-    "frequency_penalty": [1, -1, "0"],
-    "repetition_penalty": [1.2, 0, "1"],
-    "logit_bias": [{"1": 5}, "x", 5, []],
-    "logprobs": [True, "yes", 1],
-    "top_logprobs": [1, 5, "0"],
+    "n": [17, 0, -1, "1", 1.5],
+    "presence_penalty": [2.5, -2.01, "0", []],
+    "frequency_penalty": [3, -3, "0"],
+    "repetition_penalty": [0, -1, 2.5, "1"],
+    "logit_bias": [{"x": 5}, {"1": 101}, {"1": "5"}, {str(VOCAB): 1}, "x", 5, []],
+    "logprobs": ["yes", 1],
+    # Without logprobs: true (whose values here are all bad), any top_logprobs is refused.
+    "top_logprobs": [1, 5, 21, "0"],
     "seed": ["1", 1.5, [], {}, 10**40, True],
     "stream": ["yes", 1, 0, [], {}],
     "stream_options": ["x", 5, [], {"include_usage": "yes"}, {"include_usage": 1}],
@@ -70,10 +71,10 @@ COMPLETION_BAD = {
     "prompt": [None, 5, "", [], [[]], [-1], [1.5], ["a", "b"], [[1], [2]], [VOCAB], [2**32],
                [10**40], [True], [{"a": 1}], {"text": "x"}, ["x", 1]],
     "max_tokens": [0, -3, "16", 1.25],
-    "echo": [True, 1, "false"],
+    "echo": [1, "false"],
     "suffix": ["tail", 5],
     "best_of": [2, 0, "1"],
-    "logprobs": [1, 5, True],
+    "logprobs": [21, -1, "5", 1.5, True],
     "temperature": [-1, 9, "0"],
     "stop": [[1, 2], 3, ["x"] * 17],
 }
@@ -84,7 +85,8 @@ UNKNOWN_PATHS = ["/", "/v1", "/v1/", "/v2/chat/completions", "/v1/chat", "/v1/em
                  "/v1/responses", "/v1/audio/speech", "/" + "a" * 1500, "/v1/models/" + "z" * 900,
                  "/%ff%fe", "/v1/chat/completions%00", "/v1/models/%ff", "/v1/models/%c3%28"]
 KNOWN_PATHS = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET",
-               "/v1/models/synthetic:tiny": "GET", "/health": "GET"}
+               "/v1/models/synthetic:tiny": "GET", "/health": "GET", "/tokenize": "POST",
+               "/detokenize": "POST"}
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]
 CONTENT_TYPES = ["application/json", "text/plain", "application/x-www-form-urlencoded",
                  "multipart/form-data; boundary=x", "application/xml", "application/octet-stream",

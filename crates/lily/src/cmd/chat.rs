@@ -123,15 +123,13 @@ pub fn run(args: Args) -> Result<()> {
                 continue;
             }
         };
+        let max_tokens = args
+            .max_tokens
+            .unwrap_or(usize::MAX)
+            .min(max_seq.saturating_sub(prompt.tokens.len()));
         let job = GenerationJob {
-            max_tokens: args
-                .max_tokens
-                .unwrap_or(usize::MAX)
-                .min(max_seq.saturating_sub(prompt.tokens.len())),
-            prompt: prompt.tokens,
             turn_boundary: prompt.turn_boundary,
-            sampling: sampling.params(seed),
-            stop: Vec::new(),
+            ..GenerationJob::plain(prompt.tokens, max_tokens, sampling.params(seed))
         };
         seed = seed.wrapping_add(1);
         if job.prompt.len() >= max_seq {
@@ -180,7 +178,7 @@ impl Reply {
     fn on_event(&mut self, event: EngineEvent) -> ControlFlow<()> {
         match event {
             EngineEvent::Started { .. } => self.started = Some(Instant::now()),
-            EngineEvent::Text(text) => {
+            EngineEvent::Text { text, .. } => {
                 let deltas = self.parser.push(&text);
                 self.print(deltas);
             }
@@ -226,7 +224,7 @@ impl Reply {
         self.end_reasoning(&mut std::io::stdout().lock());
         println!();
         let seconds = self.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
-        let speed = outcome.tokens.len() as f64 / seconds.max(1e-9);
+        let speed = outcome.completion_tokens() as f64 / seconds.max(1e-9);
         let (dim, reset) = if self.style.color {
             (DIM, RESET)
         } else {
@@ -234,10 +232,10 @@ impl Reply {
         };
         eprintln!(
             "{dim}[{} tokens, {speed:.1} tok/s, {} of {} prompt tokens reused, {:?}]{reset}",
-            outcome.tokens.len(),
+            outcome.completion_tokens(),
             outcome.cached_tokens,
             outcome.prompt_tokens,
-            outcome.finish
+            outcome.finish()
         );
         json!({"role": "assistant", "content": self.content, "reasoning_content": self.reasoning})
     }

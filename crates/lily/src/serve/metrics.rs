@@ -77,7 +77,7 @@ impl Metrics {
         let add = |counter: &AtomicU64, n: usize| counter.fetch_add(n as u64, Ordering::Relaxed);
         add(&self.prompt_tokens, outcome.prompt_tokens);
         add(&self.cached_prompt_tokens, outcome.cached_tokens);
-        add(&self.generated_tokens, outcome.tokens.len());
+        add(&self.generated_tokens, outcome.completion_tokens());
     }
 
     pub fn render(&self) -> String {

@@ -8,6 +8,7 @@ pub mod engine;
 pub mod error;
 pub mod ids;
 pub mod listen;
+pub mod logprobs;
 pub mod metrics;
 pub mod prompt;
 pub mod request;

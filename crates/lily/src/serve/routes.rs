@@ -72,13 +72,31 @@ impl AppState {
             error.param = Some(prompt_param.to_string());
             return Err(error);
         }
+        if let Some(&(id, _)) = request
+            .penalties
+            .logit_bias
+            .iter()
+            .find(|(id, _)| *id as usize >= self.vocab_size)
+        {
+            return Err(ApiError::param(
+                format!("logit_bias.{id}"),
+                format!(
+                    "token id {id} is outside the vocabulary of {}",
+                    self.vocab_size
+                ),
+            ));
+        }
         let room = self.max_seq - prompt.len();
         Ok(GenerationJob {
             prompt,
             turn_boundary,
             max_tokens: request.max_tokens.map_or(room, |n| n.min(room)),
             sampling: request.sampling.clone(),
+            penalties: request.penalties.clone(),
             stop: request.stop.clone(),
+            n: request.n,
+            logprobs: None,
+            prompt_logprobs: None,
         })
     }
 }
@@ -148,7 +166,7 @@ async fn read_limited(body: Body, limit: usize) -> ApiResult<Bytes> {
 }
 
 pub fn outcome_usage(outcome: &Outcome) -> Value {
-    let completion = outcome.tokens.len();
+    let completion = outcome.completion_tokens();
     json!({
         "prompt_tokens": outcome.prompt_tokens,
         "completion_tokens": completion,

@@ -4,6 +4,7 @@ use axum::body::to_bytes;
 use serde_json::json;
 
 use super::*;
+use crate::serve::engine::ChoiceOutcome;
 
 const REPLY: &[&str] = &[
     "Weather needs a tool.\n</thi",
@@ -12,15 +13,12 @@ const REPLY: &[&str] = &[
     "eter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
 ];
 
-fn turn() -> ChatTurn {
+fn turn() -> ChatTurns {
     let tools = [
         json!({"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}),
     ];
-    ChatTurn::new(ChatOutputParser::new(
-        true,
-        Some(ToolSchemas::from_tools(&tools)),
-    ))
+    ChatTurns::new(true, Some(ToolSchemas::from_tools(&tools)), None)
 }
 
 fn head() -> Head {
@@ -35,15 +33,20 @@ fn events() -> Vec<WorkerEvent> {
     let mut events = vec![WorkerEvent::Engine(EngineEvent::Started {
         prompt_tokens: 30,
         cached_tokens: 10,
+        prompt_logprobs: Vec::new(),
     })];
-    events.extend(
-        REPLY
-            .iter()
-            .map(|t| WorkerEvent::Engine(EngineEvent::Text(t.to_string()))),
-    );
+    events.extend(REPLY.iter().map(|t| {
+        WorkerEvent::Engine(EngineEvent::Text {
+            choice: 0,
+            text: t.to_string(),
+            logprobs: Vec::new(),
+        })
+    }));
     events.push(WorkerEvent::Done(Outcome {
-        finish: Finish::Stop,
-        tokens: vec![1; 25],
+        choices: vec![ChoiceOutcome {
+            finish: Finish::Stop,
+            tokens: vec![1; 25],
+        }],
         prompt_tokens: 30,
         cached_tokens: 10,
     }));
@@ -54,8 +57,9 @@ fn events() -> Vec<WorkerEvent> {
 fn streamed_chunks_carry_reasoning_content_and_tool_calls_by_index() {
     let mut stream = ChatStream {
         head: head(),
-        turn: turn(),
+        turns: turn(),
         include_usage: true,
+        n: 1,
     };
     let mut chunks = stream.opening();
     let mut done = false;
