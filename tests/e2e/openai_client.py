@@ -120,6 +120,10 @@ def check_chat(server):
     # "<think>\n" instead of "<think>\n\n</think>\n\n": two tokens fewer.
     assert response.usage.prompt_tokens == HELLO_PROMPT_TOKENS - 2, response.usage
     assert response.choices[0].message.model_extra.get("reasoning_content"), response
+    # reasoning_effort "none" turns it off as enable_thinking false does.
+    response, _ = chat_text(server.client, HELLO, max_tokens=6, temperature=0, reasoning_effort="none")
+    assert response.usage.prompt_tokens == HELLO_PROMPT_TOKENS, response.usage
+    assert not response.choices[0].message.model_extra.get("reasoning_content"), response
     return text
 
 

@@ -60,6 +60,8 @@ CHAT_BAD = {
               [{"type": "function", "function": {"name": "f"}}] * 129],
     "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}, 5, "any", []],
     "response_format": [{"type": "json_object"}, {"type": "json_schema"}, "json", 5],
+    "reasoning_effort": ["extreme", 5, [], ""],
+    "parallel_tool_calls": ["no", 1, []],
     "chat_template_kwargs": [5, "x", [], {"messages": []}, {"tools": 1},
                              {"add_generation_prompt": False}, {"enable_thinking": "yes"},
                              {"enable_thinking": 1}],

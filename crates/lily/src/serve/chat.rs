@@ -56,7 +56,8 @@ async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
     let logprobs = request
         .logprobs
         .map(|_| LogprobFormat::new(app.text.clone(), request.tokens_as_ids));
-    let turns = ChatTurns::new(prompt.thinking, schemas, logprobs);
+    let mut turns = ChatTurns::new(prompt.thinking, schemas, logprobs);
+    turns.single_tool_call = !request.parallel_tool_calls;
     let head = Head {
         id: new_id("chatcmpl-"),
         created: unix_time(),
@@ -118,6 +119,8 @@ struct ChatTurns {
     thinking: bool,
     schemas: Option<ToolSchemas>,
     logprobs: Option<LogprobFormat>,
+    /// `parallel_tool_calls: false`: calls after a choice's first are dropped.
+    single_tool_call: bool,
     turns: Vec<ChatTurn>,
 }
 
@@ -127,8 +130,21 @@ impl ChatTurns {
             thinking,
             schemas,
             logprobs,
+            single_tool_call: false,
             turns: Vec::new(),
         }
+    }
+
+    /// The deltas a client may see: with a single tool call allowed, none of a later call.
+    fn allowed(&self, mut deltas: Vec<ChatDelta>) -> Vec<ChatDelta> {
+        if self.single_tool_call {
+            deltas.retain(|d| match d {
+                ChatDelta::ToolCallStart { index, .. }
+                | ChatDelta::ToolCallArguments { index, .. } => *index == 0,
+                _ => true,
+            });
+        }
+        deltas
     }
 
     fn turn(&mut self, choice: usize) -> &mut ChatTurn {
@@ -150,10 +166,16 @@ impl ChatTurns {
                 choice,
                 text,
                 logprobs,
-            }) => TurnStep::Deltas(choice, self.turn(choice).parser.push(&text), logprobs),
+            }) => {
+                let deltas = self.turn(choice).parser.push(&text);
+                TurnStep::Deltas(choice, self.allowed(deltas), logprobs)
+            }
             WorkerEvent::Done(outcome) => {
                 let last = (0..outcome.choices.len())
-                    .map(|c| self.turn(c).parser.finish())
+                    .map(|c| {
+                        let deltas = self.turn(c).parser.finish();
+                        self.allowed(deltas)
+                    })
                     .collect();
                 TurnStep::Finished(last, outcome)
             }

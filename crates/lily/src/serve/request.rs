@@ -47,6 +47,8 @@ pub struct ChatRequest {
     pub logprobs: Option<usize>,
     /// vLLM's `return_tokens_as_token_ids`: tokens in log-probabilities as `token_id:N`.
     pub tokens_as_ids: bool,
+    /// false: at most one tool call is returned.
+    pub parallel_tool_calls: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -112,7 +114,20 @@ pub fn parse_chat(
     }
     let messages = parse_messages(body)?;
     let tools = parse_tools(body)?;
-    let template_kwargs = parse_template_kwargs(body, default_thinking)?;
+    let mut template_kwargs = parse_template_kwargs(body, default_thinking)?;
+    if let Some(thinking) = reasoning_effort_thinking(body)? {
+        let explicit = body
+            .get("chat_template_kwargs")
+            .and_then(|k| k.get("enable_thinking"))
+            .and_then(Value::as_bool);
+        if explicit.is_some_and(|e| e != thinking) {
+            return Err(ApiError::param(
+                "reasoning_effort",
+                "contradicts chat_template_kwargs.enable_thinking",
+            ));
+        }
+        template_kwargs.insert("enable_thinking".into(), thinking.into());
+    }
     Ok(ChatRequest {
         common,
         messages,
@@ -120,7 +135,25 @@ pub fn parse_chat(
         template_kwargs,
         logprobs,
         tokens_as_ids: fields.flag("return_tokens_as_token_ids")?.unwrap_or(false),
+        parallel_tool_calls: fields.flag("parallel_tool_calls")?.unwrap_or(true),
     })
+}
+
+/// What `reasoning_effort` asks of the template: "none" turns thinking off; the others keep it
+/// on, since Qwen's thinking has no budget to scale (`None` when the field is absent).
+fn reasoning_effort_thinking(body: &Map<String, Value>) -> ApiResult<Option<bool>> {
+    match body.get("reasoning_effort") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(effort)) => match effort.as_str() {
+            "none" => Ok(Some(false)),
+            "minimal" | "low" | "medium" | "high" => Ok(Some(true)),
+            other => Err(ApiError::param(
+                "reasoning_effort",
+                format!("{other:?} is not one of none, minimal, low, medium, high"),
+            )),
+        },
+        Some(_) => Err(ApiError::param("reasoning_effort", "must be a string")),
+    }
 }
 
 /// `chat_template_kwargs`, with `enable_thinking` always set.

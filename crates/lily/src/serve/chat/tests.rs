@@ -135,3 +135,41 @@ async fn a_whole_response_has_the_message_with_tool_calls() {
     );
     assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 10);
 }
+
+#[tokio::test]
+async fn without_parallel_tool_calls_only_the_first_call_is_returned() {
+    let two_calls = "<tool_call>\n<function=get_weather>\n<parameter=city>\nRoma\n</parameter>\n\
+                     </function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n\
+                     <parameter=city>\nMilano\n</parameter>\n</function>\n</tool_call>";
+    // events() already holds one call (Roma, 2 days): three in all, or only that one.
+    for (single, expected) in [(false, 3), (true, 1)] {
+        let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+        let mut events = events();
+        events.insert(
+            events.len() - 1,
+            WorkerEvent::Engine(EngineEvent::Text {
+                choice: 0,
+                text: format!("\n{two_calls}"),
+                logprobs: Vec::new(),
+            }),
+        );
+        for event in events {
+            sender.send(event).unwrap();
+        }
+        let mut turns = turn();
+        turns.single_tool_call = single;
+        let response = collect(receiver, head(), turns).await.unwrap();
+        let body: Value =
+            serde_json::from_slice(&to_bytes(response.into_body(), 1 << 20).await.unwrap())
+                .unwrap();
+        let calls = body["choices"][0]["message"]["tool_calls"]
+            .as_array()
+            .unwrap();
+        assert_eq!(calls.len(), expected, "{body}");
+        let arguments = calls[0]["function"]["arguments"].as_str().unwrap();
+        assert_eq!(
+            serde_json::from_str::<Value>(arguments).unwrap(),
+            json!({"city": "Roma", "days": 2})
+        );
+    }
+}

@@ -309,3 +309,25 @@ fn penalties_choices_and_log_probabilities_are_read() {
     assert!(plain.common.penalties.is_none() && plain.logprobs.is_none());
     assert_eq!(plain.common.n, 1);
 }
+
+#[test]
+fn reasoning_effort_none_turns_thinking_off_and_others_keep_it() {
+    let user = json!([{"role": "user", "content": "Hi"}]);
+    let thinking = |v: Value| chat(v).map(|r| r.template_kwargs["enable_thinking"].clone());
+    let base = |effort: &str| json!({"model": "m", "messages": user, "reasoning_effort": effort});
+    assert_eq!(thinking(base("none")).unwrap(), false);
+    for effort in ["minimal", "low", "medium", "high"] {
+        assert_eq!(thinking(base(effort)).unwrap(), true, "{effort}");
+    }
+    rejects(base("extreme"), "reasoning_effort", "not one of");
+    let mut conflict = base("none");
+    conflict["chat_template_kwargs"] = json!({"enable_thinking": true});
+    rejects(conflict, "reasoning_effort", "contradicts");
+    let request = chat(json!({"model": "m", "messages": user, "parallel_tool_calls": false}));
+    assert!(!request.unwrap().parallel_tool_calls);
+    rejects(
+        json!({"model": "m", "messages": user, "parallel_tool_calls": "no"}),
+        "parallel_tool_calls",
+        "true or false",
+    );
+}
