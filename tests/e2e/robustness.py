@@ -88,7 +88,7 @@ UNKNOWN_PATHS = ["/", "/v1", "/v1/", "/v2/chat/completions", "/v1/chat", "/v1/em
                  "/%ff%fe", "/v1/chat/completions%00", "/v1/models/%ff", "/v1/models/%c3%28"]
 KNOWN_PATHS = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET",
                "/v1/models/synthetic:tiny": "GET", "/health": "GET", "/tokenize": "POST",
-               "/detokenize": "POST"}
+               "/detokenize": "POST", "/v1/messages": "POST"}
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]
 CONTENT_TYPES = ["application/json", "text/plain", "application/x-www-form-urlencoded",
                  "multipart/form-data; boundary=x", "application/xml", "application/octet-stream",

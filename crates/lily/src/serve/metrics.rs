@@ -18,9 +18,10 @@ use serde_json::json;
 use super::engine::Outcome;
 
 /// Paths reported by name; anything else is "other", so that clients cannot grow the map.
-const PATHS: [&str; 8] = [
+const PATHS: [&str; 9] = [
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/messages",
     "/tokenize",
     "/detokenize",
     "/v1/models",

@@ -9,6 +9,7 @@ pub mod error;
 pub mod ids;
 pub mod listen;
 pub mod logprobs;
+pub mod messages;
 pub mod metrics;
 pub mod prompt;
 pub mod request;

@@ -21,6 +21,7 @@ use super::chat::chat_completions;
 use super::completions::completions;
 use super::engine::{GenerationJob, Outcome};
 use super::error::{ApiError, ApiResult};
+use super::messages::messages;
 use super::metrics::{Metrics, metrics_response, track};
 use super::request::CommonRequest;
 use super::sampling_defaults::SamplingDefaults;
@@ -105,6 +106,7 @@ pub fn router(app: Arc<AppState>, access: Arc<Access>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(messages))
         // Where llama.cpp and vLLM serve them: outside /v1, which is OpenAI's.
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
