@@ -392,6 +392,85 @@ def check_choices_and_penalties(server):
     assert penalised.usage.completion_tokens > 0, penalised
 
 
+def check_responses(server):
+    """/v1/responses: the same greedy text as chat, streamed events, tools, and a second turn
+    that continues from previous_response_id out of the snapshot cache."""
+    _, text = chat_text(server.client, HELLO, max_tokens=8, temperature=0, extra_body=NO_THINKING)
+    first = server.client.responses.create(
+        model=MODEL, input=HELLO[0]["content"], max_output_tokens=8, temperature=0,
+        reasoning={"effort": "none"},
+    )
+    assert first.object == "response" and first.id.startswith("resp_"), first
+    assert first.status in ("completed", "incomplete") and first.output_text == text, (first, text)
+    assert first.usage.input_tokens == HELLO_PROMPT_TOKENS, first.usage
+    assert [item.type for item in first.output] == ["message"], first.output
+    # Instructions are the system message; items as chat messages give the same text.
+    items = server.client.responses.create(
+        model=MODEL, instructions="Be brief.", max_output_tokens=6, temperature=0,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Hello, how are you?"}]}],
+        reasoning={"effort": "none"},
+    )
+    _, with_system = chat_text(
+        server.client, [{"role": "system", "content": "Be brief."}, *HELLO], max_tokens=6,
+        temperature=0, extra_body=NO_THINKING,
+    )
+    assert items.output_text == with_system, (items.output_text, with_system)
+    # The second turn renders the first again: the snapshot after it is reused.
+    second = server.client.responses.create(
+        model=MODEL, input="Tell me more.", previous_response_id=first.id, max_output_tokens=6,
+        temperature=0, reasoning={"effort": "none"},
+    )
+    assert second.usage.input_tokens_details.cached_tokens > HELLO_PROMPT_TOKENS, second.usage
+    conversation = HELLO + [{"role": "assistant", "content": text},
+                            {"role": "user", "content": "Tell me more."}]
+    _, continued = chat_text(server.client, conversation, max_tokens=6, temperature=0,
+                             extra_body=NO_THINKING)
+    assert second.output_text == continued, (second.output_text, continued)
+    # Streamed: the events in order, the text as the whole response's.
+    stream = server.client.responses.create(
+        model=MODEL, input=HELLO[0]["content"], max_output_tokens=8, temperature=0,
+        reasoning={"effort": "none"}, stream=True,
+    )
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"], kinds
+    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
+    assert [e.sequence_number for e in events] == list(range(len(events))), events
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == text and events[-1].response.output_text == text, (streamed, text)
+    # Thinking on: a reasoning item first. Tools and a call with its output reach the template.
+    thought = server.client.responses.create(model=MODEL, input="Hi", max_output_tokens=4,
+                                             temperature=0)
+    assert thought.output[0].type == "reasoning" and thought.output[0].content[0].text, thought
+    tool = {"type": "function", "name": "get_weather", "description": "Weather.",
+            "parameters": WEATHER_TOOL["function"]["parameters"]}
+    history = [
+        {"role": "user", "content": "Che tempo fa a Roma?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Roma"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sole, 24 gradi"},
+    ]
+    called = server.client.responses.create(model=MODEL, input=history, tools=[tool],
+                                            max_output_tokens=4, temperature=0)
+    assert called.usage.input_tokens > 250, called.usage
+    for fields, param in [
+        ({"tool_choice": "required", "tools": [tool]}, "tool_choice"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ]:
+        try:
+            server.client.responses.create(model=MODEL, input="Hi", **fields)
+            raise AssertionError(f"{fields} was accepted")
+        except openai.BadRequestError as e:
+            assert e.param == param, (fields, e.body)
+    try:
+        server.client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_nope")
+        raise AssertionError("an unknown previous_response_id was accepted")
+    except openai.NotFoundError as e:
+        assert e.param == "previous_response_id", e.body
+
+
 def check_disconnect_and_queue(server):
     """A client that goes away cancels its generation; a full queue answers 429."""
     stream = server.client.chat.completions.create(
@@ -457,6 +536,7 @@ def main():
         ("tokenize and detokenize", lambda: check_tokenize(server)),
         ("logprobs and echo", lambda: check_logprobs(binary, server)),
         ("n choices and penalties", lambda: check_choices_and_penalties(server)),
+        ("responses", lambda: check_responses(server)),
         ("disconnect and queue", lambda: check_disconnect_and_queue(cold_server)),
         ("generate and chat commands", lambda: check_cli_matches_server(binary, server)),
     ]

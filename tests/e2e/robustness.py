@@ -84,11 +84,12 @@ COMPLETION_BAD = {
 UNKNOWN_PATHS = ["/", "/v1", "/v1/", "/v2/chat/completions", "/v1/chat", "/v1/embeddings",
                  "/v1/chat/completions/x", "/v1/models/gpt-4o", "/v1/models/%00", "/metrics/x",
                  "/health/", "/v1/completions/", "/../etc/passwd", "/v1/%2e%2e/health",
-                 "/v1/responses", "/v1/audio/speech", "/" + "a" * 1500, "/v1/models/" + "z" * 900,
+                 "/v1/audio/speech", "/" + "a" * 1500, "/v1/models/" + "z" * 900,
                  "/%ff%fe", "/v1/chat/completions%00", "/v1/models/%ff", "/v1/models/%c3%28"]
 KNOWN_PATHS = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET",
                "/v1/models/synthetic:tiny": "GET", "/health": "GET", "/tokenize": "POST",
-               "/detokenize": "POST", "/v1/messages": "POST"}
+               "/detokenize": "POST", "/v1/messages": "POST",
+               "/v1/responses": "POST"}
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]
 CONTENT_TYPES = ["application/json", "text/plain", "application/x-www-form-urlencoded",
                  "multipart/form-data; boundary=x", "application/xml", "application/octet-stream",

@@ -18,10 +18,11 @@ use serde_json::json;
 use super::engine::Outcome;
 
 /// Paths reported by name; anything else is "other", so that clients cannot grow the map.
-const PATHS: [&str; 9] = [
+const PATHS: [&str; 10] = [
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/messages",
+    "/v1/responses",
     "/tokenize",
     "/detokenize",
     "/v1/models",

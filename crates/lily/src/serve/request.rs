@@ -282,6 +282,15 @@ fn token_ids(values: &[Value]) -> ApiResult<Vec<u32>> {
     Ok(ids)
 }
 
+/// The sampling and output fields chat and completions share, for an endpoint of another shape
+/// (Responses) that maps its own names onto them first.
+pub fn parse_common_fields(
+    body: &Map<String, Value>,
+    defaults: &SamplingDefaults,
+) -> ApiResult<CommonRequest> {
+    parse_common(&Fields(body), defaults, None, false)
+}
+
 fn parse_common(
     fields: &Fields,
     defaults: &SamplingDefaults,

@@ -24,6 +24,7 @@ use super::error::{ApiError, ApiResult};
 use super::messages::messages;
 use super::metrics::{Metrics, metrics_response, track};
 use super::request::CommonRequest;
+use super::responses::{ResponseStore, responses};
 use super::sampling_defaults::SamplingDefaults;
 use super::tokenize::{detokenize, tokenize};
 use super::worker::EngineHandle;
@@ -46,6 +47,8 @@ pub struct AppState {
     pub body_timeout: Duration,
     /// Shared with the engine thread.
     pub metrics: Arc<Metrics>,
+    /// Conversations kept for `/v1/responses`' `previous_response_id`.
+    pub responses: Arc<ResponseStore>,
 }
 
 impl AppState {
@@ -107,6 +110,7 @@ pub fn router(app: Arc<AppState>, access: Arc<Access>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
+        .route("/v1/responses", post(responses))
         // Where llama.cpp and vLLM serve them: outside /v1, which is OpenAI's.
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
