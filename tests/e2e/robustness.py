@@ -81,6 +81,51 @@ COMPLETION_BAD = {
     "stop": [[1, 2], 3, ["x"] * 17],
 }
 
+# The same for Anthropic's /v1/messages.
+MESSAGES_BAD = {
+    "model": [None, 7, "claude-opus-4"],
+    "max_tokens": [None, 0, -1, "8", 1.5],
+    "messages": [None, "hi", [], [{"role": "system", "content": "x"}], [{"role": "user"}],
+                 [{"role": "user", "content": 5}],
+                 [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+                 [{"role": "user", "content": [{"type": "text"}]}],
+                 [{"role": "assistant", "content": [{"type": "tool_use", "input": {}}]}],
+                 [{"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": [1]}]}],
+                 [{"role": "user", "content": [{"type": "tool_result", "content": 5}]}]],
+    "system": [5, [1], [{"type": "image"}]],
+    "temperature": [1.5, -1, "0"],
+    "top_p": [0, 2, "1"],
+    "top_k": [-1, 1.5, "3"],
+    "stop_sequences": ["x", [""], [5], ["a"] * 17],
+    "stream": ["yes", 1],
+    "thinking": [{"type": "on"}, 5, {"type": "enabled", "display": "omitted"}],
+    "tools": [5, [{}], [{"name": 5}], [{"type": "web_search_20250305", "name": "w"}]],
+    "tool_choice": [{"type": "any"}, {"type": "tool", "name": "f"}, "auto", {"type": 5}],
+    "output_config": [{"format": {"type": "json_schema"}}, {"effort": "extreme"}],
+}
+
+# The same for /v1/responses.
+RESPONSES_BAD = {
+    "model": [None, 7, "gpt-4o"],
+    "input": [None, 5, [], [1], [{"role": "robot", "content": "x"}], [{"role": "user"}],
+              [{"role": "user", "content": [{"type": "input_image"}]}],
+              [{"type": "function_call", "arguments": "{}"}],
+              [{"type": "function_call", "name": "f", "arguments": "[1]"}],
+              [{"type": "function_call_output", "output": 5}], [{"type": "item_reference"}]],
+    "instructions": [5, []],
+    "previous_response_id": [5, "resp_unknown"],
+    "max_output_tokens": [0, -1, "8"],
+    "temperature": [3, -1, "0"],
+    "tools": [5, [{}], [{"type": "web_search"}], [{"type": "function"}]],
+    "tool_choice": ["required", {"type": "function", "name": "f"}, 5],
+    "reasoning": [{"effort": "max"}, {"effort": 5}],
+    "text": [{"format": {"type": "json_schema"}}],
+    "top_logprobs": [2],
+    "background": [True, "yes"],
+    "store": ["yes", 1],
+    "parallel_tool_calls": ["no"],
+}
+
 UNKNOWN_PATHS = ["/", "/v1", "/v1/", "/v2/chat/completions", "/v1/chat", "/v1/embeddings",
                  "/v1/chat/completions/x", "/v1/models/gpt-4o", "/v1/models/%00", "/metrics/x",
                  "/health/", "/v1/completions/", "/../etc/passwd", "/v1/%2e%2e/health",
@@ -103,6 +148,14 @@ def valid_chat():
 
 def valid_completion():
     return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2}
+
+
+def valid_messages():
+    return {"model": MODEL, "max_tokens": 2, "messages": list(HELLO), "thinking": {"type": "disabled"}}
+
+
+def valid_responses():
+    return {"model": MODEL, "input": "Hello", "max_output_tokens": 2, "reasoning": {"effort": "none"}}
 
 
 def with_noise(rng, body):
@@ -190,10 +243,14 @@ def generate(rng):
     cases = []
     for _ in range(CASES):
         kind = rng.random()
-        if kind < 0.40:
+        if kind < 0.34:
             case = field_case(rng, valid_chat, CHAT_BAD, "/v1/chat/completions")
-        elif kind < 0.55:
+        elif kind < 0.45:
             case = field_case(rng, valid_completion, COMPLETION_BAD, "/v1/completions")
+        elif kind < 0.50:
+            case = field_case(rng, valid_messages, MESSAGES_BAD, "/v1/messages")
+        elif kind < 0.55:
+            case = field_case(rng, valid_responses, RESPONSES_BAD, "/v1/responses")
         elif kind < 0.80:
             case = byte_case(rng)
         elif kind < 0.88:
