@@ -65,3 +65,78 @@ impl SamplingStage {
         Ok(self.pick(&logits))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::backend::LogitRows;
+    use crate::config::{ModelConfig, QWEN36_35B_A3B_CONFIG};
+    use crate::logprobs::log_softmax_at;
+    use crate::sampling::SamplingParams;
+
+    /// A device-like backend: `decode_sample` chooses without handing logits back, and says so.
+    struct Device {
+        config: ModelConfig,
+        calls: Mutex<Vec<&'static str>>,
+    }
+
+    fn logits_after(token: u32) -> Vec<f32> {
+        (0..16)
+            .map(|i| ((i * 7 + token as usize) % 16) as f32 * 0.25)
+            .collect()
+    }
+
+    impl Backend for Device {
+        type State = ();
+
+        fn config(&self) -> &ModelConfig {
+            &self.config
+        }
+        fn device_name(&self) -> String {
+            "device".into()
+        }
+        fn max_prefill_chunk(&self) -> usize {
+            16
+        }
+        fn new_state(&self, _: usize) -> Result<()> {
+            Ok(())
+        }
+        fn state_len(&self, _: &()) -> usize {
+            0
+        }
+        fn fork(&self, _: &()) -> Result<()> {
+            Ok(())
+        }
+        fn prefill(&self, _: &mut (), tokens: &[u32], _: LogitRows) -> Result<Vec<f32>> {
+            self.calls.lock().unwrap().push("logits");
+            Ok(logits_after(*tokens.last().unwrap()))
+        }
+        fn decode_sample(&self, _: &mut (), token: u32, s: &mut Sampler) -> Result<u32> {
+            self.calls.lock().unwrap().push("device");
+            Ok(s.sample(&logits_after(token)))
+        }
+    }
+
+    #[test]
+    fn log_probabilities_take_the_logits_path_and_plain_requests_the_device() {
+        let backend = Device {
+            config: ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap(),
+            calls: Mutex::new(Vec::new()),
+        };
+        let mut plain = SamplingStage::new(Sampler::new(SamplingParams::greedy()), None);
+        let pick = plain.decode(&backend, &mut (), 3).unwrap();
+        assert_eq!(pick.logprobs, None);
+        let mut scored = SamplingStage::new(Sampler::new(SamplingParams::greedy()), Some(2));
+        let scored_pick = scored.decode(&backend, &mut (), 3).unwrap();
+        assert_eq!(*backend.calls.lock().unwrap(), ["device", "logits"]);
+        // The same token either way, with the log-probability its logits give.
+        assert_eq!(scored_pick.token, pick.token);
+        let lp = scored_pick.logprobs.unwrap();
+        let expected = log_softmax_at(&logits_after(3), pick.token as usize);
+        assert!((lp.logprob as f64 - expected).abs() < 1e-6, "{lp:?}");
+        assert_eq!(lp.top[0].0, pick.token);
+        assert_eq!(lp.top.len(), 2);
+    }
+}
