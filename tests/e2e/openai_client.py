@@ -326,6 +326,19 @@ def check_logprobs(binary, server):
             assert abs(got - want) < 1e-4, (lp.token_logprobs, expected)
         assert all(len(top) == 3 for top in lp.top_logprobs[1:]), lp.top_logprobs
         assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset), lp.text_offset
+        # Streamed: the echoed prompt first, then the output, with the same log-probabilities.
+        chunks = list(server.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, logprobs=3, echo=True, stream=True,
+            extra_body={"return_tokens_as_token_ids": True}, **sampling,
+        ))
+        streamed = [c.choices[0] for c in chunks if c.choices]
+        assert "".join(c.text for c in streamed) == response.choices[0].text, streamed
+        tokens_streamed = [t for c in streamed if c.logprobs for t in c.logprobs.tokens]
+        logprobs_streamed = [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs]
+        assert tokens_streamed == lp.tokens, (tokens_streamed, lp.tokens)
+        assert all(a == b or abs(a - b) < 1e-6 for a, b in
+                   zip(logprobs_streamed[1:], lp.token_logprobs[1:])), (logprobs_streamed, lp)
+        assert logprobs_streamed[0] is None and len(logprobs_streamed) == len(lp.token_logprobs)
     # Chat: one entry per generated token, greedy picks the top alternative.
     response = server.client.chat.completions.create(
         model=MODEL, messages=HELLO, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
