@@ -57,7 +57,7 @@ fn anthropic_error(error: &ApiError) -> Response {
 }
 
 /// A request as the engine and the template take it.
-struct MessagesRequest {
+pub(super) struct MessagesRequest {
     common: CommonRequest,
     messages: Vec<Value>,
     tools: Vec<Value>,
@@ -122,7 +122,7 @@ async fn collect(
     Err(ApiError::internal("the generation ended without a result"))
 }
 
-fn parse_messages_request(
+pub(super) fn parse_messages_request(
     body: &Map<String, Value>,
     defaults: &SamplingDefaults,
 ) -> ApiResult<MessagesRequest> {

@@ -34,7 +34,7 @@ pub async fn responses(State(app): State<Arc<AppState>>, body: Body) -> Response
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-struct ResponsesRequest {
+pub(super) struct ResponsesRequest {
     common: CommonRequest,
     /// This request's input as template messages (without `instructions`).
     input: Vec<Value>,
@@ -135,7 +135,7 @@ async fn collect(
     Err(ApiError::internal("the generation ended without a result"))
 }
 
-fn parse_responses_request(
+pub(super) fn parse_responses_request(
     body: &Map<String, Value>,
     defaults: &SamplingDefaults,
 ) -> ApiResult<ResponsesRequest> {
