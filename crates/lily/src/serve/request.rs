@@ -102,6 +102,29 @@ pub fn parse_chat(
         }
         _ => None,
     };
+    // Fields of features this server lacks, which ignoring would silently change the answer.
+    for (name, what) in [
+        ("functions", "the legacy functions field (send tools)"),
+        (
+            "function_call",
+            "the legacy function_call field (send tool_choice)",
+        ),
+        ("audio", "audio output"),
+        ("prediction", "predicted outputs"),
+        ("web_search_options", "web search"),
+    ] {
+        fields.require_neutral(name, &[], what)?;
+    }
+    match body.get("modalities") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(m)) if m.iter().all(|x| x == "text") => {}
+        Some(_) => {
+            return Err(ApiError::unsupported(
+                "modalities",
+                "output other than text",
+            ));
+        }
+    }
     match body.get("response_format") {
         None | Some(Value::Null) => {}
         Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}

@@ -186,6 +186,19 @@ fn what_we_cannot_honour_is_a_400_naming_the_field() {
         "logit_bias",
         "object",
     );
+    for (field, value) in [
+        ("functions", json!([{"name": "f"}])),
+        ("function_call", json!("auto")),
+        ("audio", json!({"voice": "alloy", "format": "wav"})),
+        ("modalities", json!(["text", "audio"])),
+        ("prediction", json!({"type": "content", "content": "x"})),
+        ("web_search_options", json!({})),
+    ] {
+        let mut body = json!({"model": "m", "messages": user});
+        body[field] = value;
+        rejects(body, field, "not supported");
+    }
+    assert!(chat(json!({"model": "m", "messages": user, "modalities": ["text"]})).is_ok());
     rejects(json!({"model": "m", "messages": []}), "messages", "empty");
     rejects(json!({"messages": user}), "model", "required");
     rejects(
