@@ -188,6 +188,20 @@ pub(super) fn parse_messages_request(
         Some(_) => return Err(ApiError::param("stream", "must be true or false")),
     };
     let thinking = parse_thinking(body)?;
+    // Server-side features: ignoring them would answer as if they had not been asked for.
+    for (name, what) in [
+        ("mcp_servers", "MCP servers"),
+        ("container", "code execution containers"),
+    ] {
+        let asked = match body.get(name) {
+            None | Some(Value::Null) => false,
+            Some(Value::Array(list)) => !list.is_empty(),
+            Some(_) => true,
+        };
+        if asked {
+            return Err(ApiError::unsupported(name, what));
+        }
+    }
     let mut messages = system_messages(body.get("system"))?;
     match body.get("messages") {
         Some(Value::Array(list)) if list.len() > MAX_MESSAGES => {
