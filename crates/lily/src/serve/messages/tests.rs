@@ -95,6 +95,11 @@ fn what_is_wrong_or_unsupported_is_a_400_naming_the_field() {
             "tool_choice",
         ),
         (
+            json!({"model": "m", "max_tokens": 4, "messages": user,
+                   "mcp_servers": [{"type": "url", "url": "https://x", "name": "x"}]}),
+            "mcp_servers",
+        ),
+        (
             json!({"model": "m", "max_tokens": 4, "messages": user, "thinking": {"type": "on"}}),
             "thinking.type",
         ),
