@@ -44,6 +44,8 @@ pub(super) struct ResponsesRequest {
     thinking: Option<bool>,
     parallel_tool_calls: bool,
     store: bool,
+    /// `include: ["reasoning.encrypted_content"]`: reasoning items carry their text there too.
+    encrypted_reasoning: bool,
 }
 
 async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
@@ -87,6 +89,7 @@ async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
     let items = Items::new(
         ChatOutputParser::new(prompt.thinking, schemas),
         !request.parallel_tool_calls,
+        request.encrypted_reasoning,
     );
     let head = ResponseHead {
         id: new_id("resp_"),
@@ -232,6 +235,10 @@ pub(super) fn parse_responses_request(
         thinking,
         parallel_tool_calls: flag("parallel_tool_calls", true)?,
         store: flag("store", true)?,
+        encrypted_reasoning: body
+            .get("include")
+            .and_then(Value::as_array)
+            .is_some_and(|i| i.iter().any(|x| x == "reasoning.encrypted_content")),
     })
 }
 
@@ -297,17 +304,7 @@ fn input_messages(items: &[Value]) -> ApiResult<Vec<Value>> {
                 open_assistant = role == "assistant";
                 out.push(message);
             }
-            Some("reasoning") => {
-                for key in ["content", "summary"] {
-                    if let Some(Value::Array(parts)) = item.get(key) {
-                        for part in parts {
-                            if let Some(Value::String(t)) = part.get("text") {
-                                reasoning.push_str(t);
-                            }
-                        }
-                    }
-                }
-            }
+            Some("reasoning") => reasoning.push_str(&reasoning_text(item)),
             Some("function_call") => {
                 let Some(name) = item.get("name").and_then(Value::as_str) else {
                     return Err(ApiError::param(at("name"), "is required"));
@@ -362,6 +359,28 @@ fn input_messages(items: &[Value]) -> ApiResult<Vec<Value>> {
         }
     }
     Ok(out)
+}
+
+/// The text of a reasoning item: its full `content`, else its `summary`, else the
+/// `encrypted_content` this server writes (the same text, which a client that keeps no state
+/// hands back).
+fn reasoning_text(item: &Value) -> String {
+    for key in ["content", "summary"] {
+        let text: String = item
+            .get(key)
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(|part| part.get("text").and_then(Value::as_str))
+            .collect();
+        if !text.is_empty() {
+            return text;
+        }
+    }
+    item.get("encrypted_content")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string()
 }
 
 /// Function tools, flat as Responses writes them, into chat's nested form; `tool_choice`

@@ -85,16 +85,24 @@ pub struct Items {
     parser: ChatOutputParser,
     /// `parallel_tool_calls: false`: calls after the first are dropped.
     single_tool_call: bool,
+    /// Reasoning items repeat their text as `encrypted_content` (it is not encrypted: a client
+    /// that keeps no state only has to hand it back).
+    encrypted_reasoning: bool,
     items: Vec<Item>,
     /// The last item still takes deltas.
     open: bool,
 }
 
 impl Items {
-    pub fn new(parser: ChatOutputParser, single_tool_call: bool) -> Self {
+    pub fn new(
+        parser: ChatOutputParser,
+        single_tool_call: bool,
+        encrypted_reasoning: bool,
+    ) -> Self {
         Items {
             parser,
             single_tool_call,
+            encrypted_reasoning,
             items: Vec::new(),
             open: false,
         }
@@ -123,8 +131,14 @@ impl Items {
         let status = if done { "completed" } else { "in_progress" };
         let body = if done { item.body.as_str() } else { "" };
         match item.kind {
-            Kind::Reasoning => json!({"type": "reasoning", "id": item.id, "summary": [],
-                "content": if done { json!([{"type": "reasoning_text", "text": body}]) } else { json!([]) }}),
+            Kind::Reasoning => {
+                let mut reasoning = json!({"type": "reasoning", "id": item.id, "summary": [],
+                "content": if done { json!([{"type": "reasoning_text", "text": body}]) } else { json!([]) }});
+                if self.encrypted_reasoning && done {
+                    reasoning["encrypted_content"] = body.into();
+                }
+                reasoning
+            }
             Kind::Message => json!({"type": "message", "id": item.id, "status": status,
                 "role": "assistant",
                 "content": if done { json!([text_part(body)]) } else { json!([]) }}),

@@ -109,6 +109,7 @@ fn items(single: bool) -> Items {
     Items::new(
         ChatOutputParser::new(true, Some(ToolSchemas::from_tools(&tools))),
         single,
+        true,
     )
 }
 
@@ -171,6 +172,8 @@ async fn a_reply_is_reasoning_message_and_function_call_items_and_is_stored() {
             output[0]["content"],
             json!([{"type": "reasoning_text", "text": "Weather needs a tool."}])
         );
+        // Asked for with include: the same text, which a stateless client hands back.
+        assert_eq!(output[0]["encrypted_content"], "Weather needs a tool.");
         assert_eq!(output[1]["content"][0]["text"], "Checking.");
         assert_eq!(output[2]["name"], "get_weather");
         let arguments: Value =
@@ -244,4 +247,28 @@ fn the_stream_numbers_its_events_and_opens_and_closes_each_item() {
         .filter_map(|c| c["delta"].as_str())
         .collect();
     assert_eq!(text, "Checking.");
+}
+
+#[test]
+fn a_reasoning_item_gives_its_content_else_its_summary_else_its_encrypted_text() {
+    let reasoning_of = |item: Value| {
+        let request = parse(json!({"model": "m", "input": [item,
+            {"role": "assistant", "content": "Done."}]}))
+        .unwrap();
+        request.input[0]["reasoning_content"].clone()
+    };
+    let content = json!([{"type": "reasoning_text", "text": "full"}]);
+    let summary = json!([{"type": "summary_text", "text": "short"}]);
+    assert_eq!(
+        reasoning_of(json!({"type": "reasoning", "content": content, "summary": summary})),
+        "full"
+    );
+    assert_eq!(
+        reasoning_of(json!({"type": "reasoning", "summary": summary})),
+        "short"
+    );
+    assert_eq!(
+        reasoning_of(json!({"type": "reasoning", "summary": [], "encrypted_content": "kept"})),
+        "kept"
+    );
 }
