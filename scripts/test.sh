@@ -18,5 +18,11 @@ cargo check --manifest-path fuzz/Cargo.toml --bins
 python3 -c "import openai" 2>/dev/null || python3 -m pip install -q "openai>=1.40"
 cargo build -p lily
 timeout 600 python3 tests/e2e/openai_client.py "${CARGO_TARGET_DIR:-target}/debug/lily"
+# /v1/messages against the official Anthropic client (blocks, streaming events, tools, errors).
+python3 -c "import anthropic" 2>/dev/null || python3 -m pip install -q "anthropic>=0.40"
+timeout 300 python3 tests/e2e/anthropic_client.py "${CARGO_TARGET_DIR:-target}/debug/lily"
+# `lily chat` in a pseudo-terminal: history, a pasted block, Ctrl-C during a reply, commands.
+python3 -c "import pexpect" 2>/dev/null || python3 -m pip install -q "pexpect>=4.8"
+timeout 300 python3 tests/e2e/chat_terminal.py "${CARGO_TARGET_DIR:-target}/debug/lily"
 # Hardening: API keys and CORS, request limits, 5,000 generated bad requests, /metrics, SIGTERM.
 timeout 300 python3 tests/e2e/hardening.py "${CARGO_TARGET_DIR:-target}/debug/lily"

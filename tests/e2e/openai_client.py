@@ -120,6 +120,10 @@ def check_chat(server):
     # "<think>\n" instead of "<think>\n\n</think>\n\n": two tokens fewer.
     assert response.usage.prompt_tokens == HELLO_PROMPT_TOKENS - 2, response.usage
     assert response.choices[0].message.model_extra.get("reasoning_content"), response
+    # reasoning_effort "none" turns it off as enable_thinking false does.
+    response, _ = chat_text(server.client, HELLO, max_tokens=6, temperature=0, reasoning_effort="none")
+    assert response.usage.prompt_tokens == HELLO_PROMPT_TOKENS, response.usage
+    assert not response.choices[0].message.model_extra.get("reasoning_content"), response
     return text
 
 
@@ -246,11 +250,238 @@ def check_errors(server):
         assert e.code == "context_length_exceeded", e.body
         assert "512" in e.message and re.search(r"has \d{3} tokens", e.message), e.message
 
+    for fields, param in [
+        ({"n": 17}, "n"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias.999999"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ]:
+        try:
+            server.client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, **fields)
+            raise AssertionError(f"{fields} was accepted")
+        except openai.BadRequestError as e:
+            assert e.param == param, (fields, e.body)
+
+
+def post(server, path, body):
+    """POST outside /v1 (where /tokenize lives), returning the status and the JSON body."""
+    root = server.base_url.removesuffix("/v1")
+    request = urllib.request.Request(
+        root + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
-        server.client.chat.completions.create(model=MODEL, messages=HELLO, n=2)
-        raise AssertionError("n=2 was accepted")
-    except openai.BadRequestError as e:
-        assert e.param == "n", e.body
+        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def check_tokenize(server):
+    """llama.cpp's and vLLM's shapes; the counts agree with what chat reports as usage."""
+    status, answer = post(server, "/tokenize", {"content": "Hello, how are you?"})
+    assert status == 200 and answer["tokens"] == [9419, 11, 1204, 513, 488, 30], answer
+    status, answer = post(
+        server, "/tokenize", {"model": MODEL, "messages": HELLO, **NO_THINKING}
+    )
+    assert status == 200 and answer["count"] == HELLO_PROMPT_TOKENS, answer
+    assert answer["max_model_len"] == 512, answer
+    status, back = post(server, "/detokenize", {"tokens": answer["tokens"]})
+    assert status == 200 and back["prompt"].startswith("<|im_start|>user\nHello, how are you?"), back
+    status, again = post(server, "/tokenize", {"prompt": back["content"]})
+    assert again["tokens"] == answer["tokens"], (again, answer)
+    status, error = post(server, "/detokenize", {"tokens": [1, -1]})
+    assert status == 400 and error["error"]["param"] == "tokens[1]", error
+    status, error = post(server, "/tokenize", {"model": "gpt-4o", "content": "x"})
+    assert status == 404, error
+
+
+def score(binary, tokens):
+    """`lily score --json`: the teacher-forced log-probability of each next token."""
+    scored = subprocess.run(
+        [binary, "score", "--model", MODEL, "--tokens", ",".join(map(str, tokens)), "--json"],
+        capture_output=True, text=True, timeout=REQUEST_TIMEOUT_S, check=True,
+    )
+    return [p["logprob"] for p in json.loads(scored.stdout)["positions"][:-1]]
+
+
+def ids(tokens):
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def check_logprobs(binary, server):
+    """Log-probabilities of generated and echoed tokens are what `lily score` gives them."""
+    prompt = [9419, 11, 1204, 513, 488, 30]
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 5}):
+        response = server.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, logprobs=3, echo=True,
+            extra_body={"return_tokens_as_token_ids": True}, **sampling,
+        )
+        lp = response.choices[0].logprobs
+        tokens = ids(lp.tokens)
+        assert tokens[: len(prompt)] == prompt and len(tokens) == len(prompt) + 8, lp.tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None, lp
+        expected = score(binary, tokens)
+        for got, want in zip(lp.token_logprobs[1:], expected):
+            assert abs(got - want) < 1e-4, (lp.token_logprobs, expected)
+        assert all(len(top) == 3 for top in lp.top_logprobs[1:]), lp.top_logprobs
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset), lp.text_offset
+        # Streamed: the echoed prompt first, then the output, with the same log-probabilities.
+        chunks = list(server.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, logprobs=3, echo=True, stream=True,
+            extra_body={"return_tokens_as_token_ids": True}, **sampling,
+        ))
+        streamed = [c.choices[0] for c in chunks if c.choices]
+        assert "".join(c.text for c in streamed) == response.choices[0].text, streamed
+        tokens_streamed = [t for c in streamed if c.logprobs for t in c.logprobs.tokens]
+        logprobs_streamed = [v for c in streamed if c.logprobs for v in c.logprobs.token_logprobs]
+        assert tokens_streamed == lp.tokens, (tokens_streamed, lp.tokens)
+        assert all(a == b or abs(a - b) < 1e-6 for a, b in
+                   zip(logprobs_streamed[1:], lp.token_logprobs[1:])), (logprobs_streamed, lp)
+        assert logprobs_streamed[0] is None and len(logprobs_streamed) == len(lp.token_logprobs)
+    # Chat: one entry per generated token, greedy picks the top alternative.
+    response = server.client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+        extra_body=NO_THINKING,
+    )
+    content = response.choices[0].logprobs.content
+    assert len(content) == response.usage.completion_tokens, content
+    for entry in content:
+        assert entry.token == entry.top_logprobs[0].token and len(entry.top_logprobs) == 2, entry
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token or "\ufffd" in entry.token
+    tokens = post(server, "/tokenize", {"messages": HELLO, **NO_THINKING})[1]["tokens"]
+    generated = [int(e.token.removeprefix("token_id:")) for e in server.client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=6, temperature=0, logprobs=True,
+        extra_body={**NO_THINKING, "return_tokens_as_token_ids": True},
+    ).choices[0].logprobs.content]
+    expected = score(binary, tokens + generated)[len(tokens) - 1:]
+    for entry, want in zip(content, expected):
+        assert abs(entry.logprob - want) < 1e-4, (content, expected)
+    # Echo without generating scores the prompt alone, as evaluation harnesses ask.
+    response = server.client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=0, echo=True, logprobs=0
+    )
+    assert response.choices[0].text == "Once upon a time", response
+    assert len(response.choices[0].logprobs.tokens) == 4 and response.usage.completion_tokens == 0
+
+
+def check_choices_and_penalties(server):
+    """n choices from one prefill; penalties and logit_bias are applied."""
+    one, text = chat_text(server.client, HELLO, max_tokens=8, temperature=0, extra_body=NO_THINKING)
+    three = server.client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=8, temperature=0, n=3, extra_body=NO_THINKING
+    )
+    assert [c.index for c in three.choices] == [0, 1, 2], three
+    assert all(c.message.content == text for c in three.choices), (three, text)
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens, three.usage
+    sampled = lambda: server.client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=12, temperature=1.0, seed=9, n=3,
+        extra_body=NO_THINKING,
+    )
+    first, again = sampled(), sampled()
+    texts = [c.message.content for c in first.choices]
+    assert len(set(texts)) == 3, texts
+    assert texts == [c.message.content for c in again.choices], (texts, again)
+    stream = server.client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=12, temperature=1.0, seed=9, n=3, stream=True,
+        extra_body=NO_THINKING,
+    )
+    streamed = ["", "", ""]
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == texts, (streamed, texts)
+    # logit_bias reaches the sampler on the greedy path too (which a GPU takes on the device).
+    _, text = chat_text(
+        server.client, HELLO, max_tokens=4, temperature=0, logit_bias={"9419": 100},
+        extra_body=NO_THINKING,
+    )
+    assert text == "Hello" * 4, text
+    # Qwen's recommended presence penalty is accepted (its effect is tested in the sampler).
+    penalised, _ = chat_text(
+        server.client, HELLO, max_tokens=4, presence_penalty=1.5, frequency_penalty=0.5,
+        extra_body={**NO_THINKING, "repetition_penalty": 1.05},
+    )
+    assert penalised.usage.completion_tokens > 0, penalised
+
+
+def check_responses(server):
+    """/v1/responses: the same greedy text as chat, streamed events, tools, and a second turn
+    that continues from previous_response_id out of the snapshot cache."""
+    _, text = chat_text(server.client, HELLO, max_tokens=8, temperature=0, extra_body=NO_THINKING)
+    first = server.client.responses.create(
+        model=MODEL, input=HELLO[0]["content"], max_output_tokens=8, temperature=0,
+        reasoning={"effort": "none"},
+    )
+    assert first.object == "response" and first.id.startswith("resp_"), first
+    assert first.status in ("completed", "incomplete") and first.output_text == text, (first, text)
+    assert first.usage.input_tokens == HELLO_PROMPT_TOKENS, first.usage
+    assert [item.type for item in first.output] == ["message"], first.output
+    # Instructions are the system message; items as chat messages give the same text.
+    items = server.client.responses.create(
+        model=MODEL, instructions="Be brief.", max_output_tokens=6, temperature=0,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "Hello, how are you?"}]}],
+        reasoning={"effort": "none"},
+    )
+    _, with_system = chat_text(
+        server.client, [{"role": "system", "content": "Be brief."}, *HELLO], max_tokens=6,
+        temperature=0, extra_body=NO_THINKING,
+    )
+    assert items.output_text == with_system, (items.output_text, with_system)
+    # The second turn renders the first again: the snapshot after it is reused.
+    second = server.client.responses.create(
+        model=MODEL, input="Tell me more.", previous_response_id=first.id, max_output_tokens=6,
+        temperature=0, reasoning={"effort": "none"},
+    )
+    assert second.usage.input_tokens_details.cached_tokens > HELLO_PROMPT_TOKENS, second.usage
+    conversation = HELLO + [{"role": "assistant", "content": text},
+                            {"role": "user", "content": "Tell me more."}]
+    _, continued = chat_text(server.client, conversation, max_tokens=6, temperature=0,
+                             extra_body=NO_THINKING)
+    assert second.output_text == continued, (second.output_text, continued)
+    # Streamed: the events in order, the text as the whole response's.
+    stream = server.client.responses.create(
+        model=MODEL, input=HELLO[0]["content"], max_output_tokens=8, temperature=0,
+        reasoning={"effort": "none"}, stream=True,
+    )
+    events = list(stream)
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"], kinds
+    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
+    assert [e.sequence_number for e in events] == list(range(len(events))), events
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == text and events[-1].response.output_text == text, (streamed, text)
+    # Thinking on: a reasoning item first. Tools and a call with its output reach the template.
+    thought = server.client.responses.create(model=MODEL, input="Hi", max_output_tokens=4,
+                                             temperature=0)
+    assert thought.output[0].type == "reasoning" and thought.output[0].content[0].text, thought
+    tool = {"type": "function", "name": "get_weather", "description": "Weather.",
+            "parameters": WEATHER_TOOL["function"]["parameters"]}
+    history = [
+        {"role": "user", "content": "Che tempo fa a Roma?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Roma"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sole, 24 gradi"},
+    ]
+    called = server.client.responses.create(model=MODEL, input=history, tools=[tool],
+                                            max_output_tokens=4, temperature=0)
+    assert called.usage.input_tokens > 250, called.usage
+    for fields, param in [
+        ({"tool_choice": "required", "tools": [tool]}, "tool_choice"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ]:
+        try:
+            server.client.responses.create(model=MODEL, input="Hi", **fields)
+            raise AssertionError(f"{fields} was accepted")
+        except openai.BadRequestError as e:
+            assert e.param == param, (fields, e.body)
+    try:
+        server.client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_nope")
+        raise AssertionError("an unknown previous_response_id was accepted")
+    except openai.NotFoundError as e:
+        assert e.param == "previous_response_id", e.body
 
 
 def check_disconnect_and_queue(server):
@@ -315,6 +546,10 @@ def main():
         ("completions", lambda: check_completions(server)),
         ("tools", lambda: check_tools(server)),
         ("errors", lambda: check_errors(server)),
+        ("tokenize and detokenize", lambda: check_tokenize(server)),
+        ("logprobs and echo", lambda: check_logprobs(binary, server)),
+        ("n choices and penalties", lambda: check_choices_and_penalties(server)),
+        ("responses", lambda: check_responses(server)),
         ("disconnect and queue", lambda: check_disconnect_and_queue(cold_server)),
         ("generate and chat commands", lambda: check_cli_matches_server(binary, server)),
     ]

@@ -43,13 +43,14 @@ CHAT_BAD = {
     "min_p": [-0.5, 1.5, "0", []],
     "max_tokens": [0, -1, 1.5, "10", [], True, 10**40, -(10**40), 1e300],
     "max_completion_tokens": [0, -5, "3", 2.5],
-    "n": [2, 0, -1, "1", 1.5],
-    "presence_penalty": [0.5, -2, "0"],
-    "frequency_penalty": [1, -1, "0"],
-    "repetition_penalty": [1.2, 0, "1"],
-    "logit_bias": [{"1": 5}, "x", 5, []],
-    "logprobs": [True, "yes", 1],
-    "top_logprobs": [1, 5, "0"],
+    "n": [17, 0, -1, "1", 1.5],
+    "presence_penalty": [2.5, -2.01, "0", []],
+    "frequency_penalty": [3, -3, "0"],
+    "repetition_penalty": [0, -1, 2.5, "1"],
+    "logit_bias": [{"x": 5}, {"1": 101}, {"1": "5"}, {str(VOCAB): 1}, "x", 5, []],
+    "logprobs": ["yes", 1],
+    # Without logprobs: true (whose values here are all bad), any top_logprobs is refused.
+    "top_logprobs": [1, 5, 21, "0"],
     "seed": ["1", 1.5, [], {}, 10**40, True],
     "stream": ["yes", 1, 0, [], {}],
     "stream_options": ["x", 5, [], {"include_usage": "yes"}, {"include_usage": 1}],
@@ -59,6 +60,14 @@ CHAT_BAD = {
               [{"type": "function", "function": {"name": "f"}}] * 129],
     "tool_choice": ["required", {"type": "function", "function": {"name": "f"}}, 5, "any", []],
     "response_format": [{"type": "json_object"}, {"type": "json_schema"}, "json", 5],
+    "reasoning_effort": ["extreme", 5, [], ""],
+    "functions": [[{"name": "f"}], "x"],
+    "function_call": ["auto", {"name": "f"}],
+    "audio": [{"voice": "alloy", "format": "wav"}],
+    "modalities": [["text", "audio"], ["audio"], "text"],
+    "prediction": [{"type": "content", "content": "x"}],
+    "web_search_options": [{}],
+    "parallel_tool_calls": ["no", 1, []],
     "chat_template_kwargs": [5, "x", [], {"messages": []}, {"tools": 1},
                              {"add_generation_prompt": False}, {"enable_thinking": "yes"},
                              {"enable_thinking": 1}],
@@ -70,21 +79,68 @@ COMPLETION_BAD = {
     "prompt": [None, 5, "", [], [[]], [-1], [1.5], ["a", "b"], [[1], [2]], [VOCAB], [2**32],
                [10**40], [True], [{"a": 1}], {"text": "x"}, ["x", 1]],
     "max_tokens": [0, -3, "16", 1.25],
-    "echo": [True, 1, "false"],
+    "echo": [1, "false"],
     "suffix": ["tail", 5],
     "best_of": [2, 0, "1"],
-    "logprobs": [1, 5, True],
+    "logprobs": [21, -1, "5", 1.5, True],
     "temperature": [-1, 9, "0"],
     "stop": [[1, 2], 3, ["x"] * 17],
+}
+
+# The same for Anthropic's /v1/messages.
+MESSAGES_BAD = {
+    "model": [None, 7, "claude-opus-4"],
+    "max_tokens": [None, 0, -1, "8", 1.5],
+    "messages": [None, "hi", [], [{"role": "system", "content": "x"}], [{"role": "user"}],
+                 [{"role": "user", "content": 5}],
+                 [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+                 [{"role": "user", "content": [{"type": "text"}]}],
+                 [{"role": "assistant", "content": [{"type": "tool_use", "input": {}}]}],
+                 [{"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": [1]}]}],
+                 [{"role": "user", "content": [{"type": "tool_result", "content": 5}]}]],
+    "system": [5, [1], [{"type": "image"}]],
+    "temperature": [1.5, -1, "0"],
+    "top_p": [0, 2, "1"],
+    "top_k": [-1, 1.5, "3"],
+    "stop_sequences": ["x", [""], [5], ["a"] * 17],
+    "stream": ["yes", 1],
+    "thinking": [{"type": "on"}, 5, {"type": "enabled", "display": "omitted"}],
+    "tools": [5, [{}], [{"name": 5}], [{"type": "web_search_20250305", "name": "w"}]],
+    "tool_choice": [{"type": "any"}, {"type": "tool", "name": "f"}, "auto", {"type": 5}],
+    "output_config": [{"format": {"type": "json_schema"}}, {"effort": "extreme"}],
+}
+
+# The same for /v1/responses.
+RESPONSES_BAD = {
+    "model": [None, 7, "gpt-4o"],
+    "input": [None, 5, [], [1], [{"role": "robot", "content": "x"}], [{"role": "user"}],
+              [{"role": "user", "content": [{"type": "input_image"}]}],
+              [{"type": "function_call", "arguments": "{}"}],
+              [{"type": "function_call", "name": "f", "arguments": "[1]"}],
+              [{"type": "function_call_output", "output": 5}], [{"type": "item_reference"}]],
+    "instructions": [5, []],
+    "previous_response_id": [5, "resp_unknown"],
+    "max_output_tokens": [0, -1, "8"],
+    "temperature": [3, -1, "0"],
+    "tools": [5, [{}], [{"type": "web_search"}], [{"type": "function"}]],
+    "tool_choice": ["required", {"type": "function", "name": "f"}, 5],
+    "reasoning": [{"effort": "max"}, {"effort": 5}],
+    "text": [{"format": {"type": "json_schema"}}],
+    "top_logprobs": [2],
+    "background": [True, "yes"],
+    "store": ["yes", 1],
+    "parallel_tool_calls": ["no"],
 }
 
 UNKNOWN_PATHS = ["/", "/v1", "/v1/", "/v2/chat/completions", "/v1/chat", "/v1/embeddings",
                  "/v1/chat/completions/x", "/v1/models/gpt-4o", "/v1/models/%00", "/metrics/x",
                  "/health/", "/v1/completions/", "/../etc/passwd", "/v1/%2e%2e/health",
-                 "/v1/responses", "/v1/audio/speech", "/" + "a" * 1500, "/v1/models/" + "z" * 900,
+                 "/v1/audio/speech", "/" + "a" * 1500, "/v1/models/" + "z" * 900,
                  "/%ff%fe", "/v1/chat/completions%00", "/v1/models/%ff", "/v1/models/%c3%28"]
 KNOWN_PATHS = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET",
-               "/v1/models/synthetic:tiny": "GET", "/health": "GET"}
+               "/v1/models/synthetic:tiny": "GET", "/health": "GET", "/tokenize": "POST",
+               "/detokenize": "POST", "/v1/messages": "POST",
+               "/v1/responses": "POST"}
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]
 CONTENT_TYPES = ["application/json", "text/plain", "application/x-www-form-urlencoded",
                  "multipart/form-data; boundary=x", "application/xml", "application/octet-stream",
@@ -98,6 +154,14 @@ def valid_chat():
 
 def valid_completion():
     return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2}
+
+
+def valid_messages():
+    return {"model": MODEL, "max_tokens": 2, "messages": list(HELLO), "thinking": {"type": "disabled"}}
+
+
+def valid_responses():
+    return {"model": MODEL, "input": "Hello", "max_output_tokens": 2, "reasoning": {"effort": "none"}}
 
 
 def with_noise(rng, body):
@@ -185,10 +249,14 @@ def generate(rng):
     cases = []
     for _ in range(CASES):
         kind = rng.random()
-        if kind < 0.40:
+        if kind < 0.34:
             case = field_case(rng, valid_chat, CHAT_BAD, "/v1/chat/completions")
-        elif kind < 0.55:
+        elif kind < 0.45:
             case = field_case(rng, valid_completion, COMPLETION_BAD, "/v1/completions")
+        elif kind < 0.50:
+            case = field_case(rng, valid_messages, MESSAGES_BAD, "/v1/messages")
+        elif kind < 0.55:
+            case = field_case(rng, valid_responses, RESPONSES_BAD, "/v1/responses")
         elif kind < 0.80:
             case = byte_case(rng)
         elif kind < 0.88:

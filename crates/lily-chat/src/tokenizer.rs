@@ -85,6 +85,33 @@ impl TextTokenizer {
         Ok(encoding.get_ids().to_vec())
     }
 
+    /// Text to ids with the tokenizer's own special-token rules (its post-processor), as
+    /// `/tokenize` offers with `add_special`; Qwen's adds nothing, other tokenizers may.
+    pub fn encode_with_special(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode_fast(text, true)
+            .map_err(|e| anyhow!("tokenizing: {e}"))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Ids to text with special tokens written out (`<|im_end|>`), as `/detokenize` answers
+    /// so that a round trip keeps them; invalid UTF-8 becomes U+FFFD.
+    pub fn decode_with_special(&self, ids: &[u32]) -> String {
+        let mut bytes = Vec::new();
+        for &id in ids {
+            match self.piece(id) {
+                Some(piece) => bytes.extend_from_slice(piece),
+                None => {
+                    if let Some(token) = self.inner.id_to_token(id) {
+                        bytes.extend_from_slice(token.as_bytes());
+                    }
+                }
+            }
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
     /// Ids to text, skipping special tokens; invalid UTF-8 becomes U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> String {
         let mut bytes = Vec::new();

@@ -43,6 +43,14 @@ fn the_13_token_vectors_encode_and_decode() {
             visible,
             "decoding {expected:?}"
         );
+        // With special tokens written out, decoding gives the text back (up to NFC).
+        assert_eq!(
+            tokenizer.decode_with_special(&expected),
+            text.replace("cafe\u{301}", "café"),
+            "decoding {expected:?} with special tokens"
+        );
+        // Qwen's tokenizer adds no BOS or EOS of its own.
+        assert_eq!(tokenizer.encode_with_special(text).unwrap(), expected);
     }
 }
 

@@ -1,6 +1,7 @@
 //! Turning logits into a token: greedy, or temperature / top-k / top-p / min-p with a seeded
-//! stream so that the same seed gives the same text.
+//! stream so that the same seed gives the same text; penalties (`penalties`) first if any.
 
+use crate::penalties::{LogitAdjuster, Penalties};
 use crate::rng::Rng;
 
 #[derive(Clone, Debug, PartialEq)]
@@ -38,6 +39,8 @@ pub struct Sampler {
     rng: Rng,
     /// Ids at or above this are never chosen (padding rows of the vocabulary).
     vocab_limit: Option<usize>,
+    /// `None` when no penalty applies, so that nothing is copied or counted.
+    adjuster: Option<LogitAdjuster>,
 }
 
 impl Sampler {
@@ -47,7 +50,21 @@ impl Sampler {
             params,
             rng,
             vocab_limit: None,
+            adjuster: None,
         }
+    }
+
+    /// Applies `penalties` before every choice; `prompt` is what the repetition penalty sees
+    /// besides the tokens this sampler chooses.
+    pub fn with_penalties(mut self, penalties: Penalties, prompt: &[u32]) -> Self {
+        self.adjuster = (!penalties.is_none()).then(|| LogitAdjuster::new(penalties, prompt));
+        self
+    }
+
+    /// The choice is the argmax of the raw logits, which a device can make without sending
+    /// them to the host; false when penalties or sampling need them.
+    pub fn is_raw_greedy(&self) -> bool {
+        self.params.is_greedy() && self.adjuster.is_none()
     }
 
     /// Never choose ids at or above `limit` (e.g. lm_head rows that the tokenizer cannot decode).
@@ -65,7 +82,21 @@ impl Sampler {
         self.vocab_limit
     }
 
+    /// Chooses the next token, and counts it for the penalties.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let adjusted = self.adjuster.as_ref().map(|adjuster| {
+            let mut adjusted = logits.to_vec();
+            adjuster.apply(&mut adjusted);
+            adjusted
+        });
+        let token = self.choose(adjusted.as_deref().unwrap_or(logits));
+        if let Some(adjuster) = &mut self.adjuster {
+            adjuster.record(token);
+        }
+        token
+    }
+
+    fn choose(&mut self, logits: &[f32]) -> u32 {
         let n = self
             .vocab_limit
             .map_or(logits.len(), |l| l.min(logits.len()));
@@ -201,6 +232,43 @@ mod tests {
         let mut s = Sampler::new(params(1.0, 0, 1.0, 0.2, 3));
         (0..500).for_each(|_| seen[s.sample(&logits) as usize] = true);
         assert_eq!(seen, [true, true, false, false, false]);
+    }
+
+    #[test]
+    fn a_strong_presence_penalty_forbids_the_repeat_greedy_would_make() {
+        // Greedy picks token 2 every time on these logits.
+        let logits = [1.0, 0.5, 3.0, 2.0];
+        let mut plain = Sampler::new(SamplingParams::greedy());
+        assert_eq!([0; 3].map(|_| plain.sample(&logits)), [2, 2, 2]);
+        let presence = Penalties {
+            presence: 2.0,
+            ..Penalties::default()
+        };
+        let mut s = Sampler::new(SamplingParams::greedy()).with_penalties(presence, &[]);
+        assert!(!s.is_raw_greedy());
+        // 2 (3.0), then 3 (2.0 beats 3.0 - 2), then 0 (1.0 beats 2 - 2 and 3 - 2).
+        assert_eq!([0; 3].map(|_| s.sample(&logits)), [2, 3, 0]);
+    }
+
+    #[test]
+    fn repetition_penalty_sees_the_prompt_and_logit_bias_forces_a_token() {
+        let logits = [1.0, 0.5, 3.0, 2.0];
+        let repetition = Penalties {
+            repetition: 2.0,
+            ..Penalties::default()
+        };
+        // Token 2 is in the prompt: 3.0 / 2 loses to 2.0.
+        let mut s = Sampler::new(SamplingParams::greedy()).with_penalties(repetition, &[2, 2]);
+        assert_eq!(s.sample(&logits), 3);
+        let bias = Penalties {
+            logit_bias: vec![(1, 100.0)],
+            ..Penalties::default()
+        };
+        let mut s = Sampler::new(params(1.0, 0, 1.0, 0.0, 5)).with_penalties(bias, &[]);
+        assert!((0..50).all(|_| s.sample(&logits) == 1));
+        // No penalty: the device may choose.
+        let none = Sampler::new(SamplingParams::greedy()).with_penalties(Penalties::default(), &[]);
+        assert!(none.is_raw_greedy());
     }
 
     #[test]

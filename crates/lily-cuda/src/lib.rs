@@ -205,12 +205,11 @@ impl CudaBackend {
     }
 
     /// The tokens a greedy choice on the device ranges over for `sampler`, or `None` when the
-    /// sampler needs the logits on the host (temperature, top-k/p, min-p).
+    /// sampler needs the logits on the host (temperature, top-k/p, min-p, penalties).
     fn device_choices(&self, sampler: &Sampler) -> Option<usize> {
         let vocab = self.config.vocab_size;
         sampler
-            .params()
-            .is_greedy()
+            .is_raw_greedy()
             .then(|| sampler.vocab_limit().map_or(vocab, |l| l.clamp(1, vocab)))
     }
 

@@ -1,18 +1,26 @@
-//! `lily chat`: a conversation in the terminal. Replies stream as they are generated, thinking
-//! dimmed; each turn reuses the state snapshotted at the end of the previous one.
+//! `lily chat`: a conversation in the terminal, on a line editor (history, a pasted block as one
+//! message) with slash commands (`conversation`). Replies stream as they are generated,
+//! thinking dimmed; Ctrl-C stops one and keeps what it said; each turn reuses the state
+//! snapshotted at the end of the previous one.
 
-use std::io::{BufRead, IsTerminal, Write};
+mod conversation;
+mod input;
+
+use std::io::{IsTerminal, Write};
 use std::ops::ControlFlow;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use lily_chat::{ChatDelta, ChatOutputParser};
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 
+use self::conversation::{Command, Conversation};
+use self::input::{Input, Line};
 use crate::cmd::pull::resolve_model;
 use crate::device::{Device, load};
-use crate::serve::engine::{Engine, EngineEvent, GenerationJob, Outcome};
+use crate::serve::engine::{Engine, EngineEvent, Finish, GenerationJob, Outcome};
 use crate::serve::ids::random_u64;
 use crate::serve::prompt::chat_prompt;
 use crate::serve::sampling_defaults::SamplingDefaults;
@@ -75,80 +83,107 @@ pub fn run(args: Args) -> Result<()> {
     let backend = load(&args.model, args.device)?;
     let budget = args.snapshot_cache_mb << 20;
     let mut engine = Engine::new(backend, text.clone(), max_seq, budget)?;
+    ctrlc::set_handler(|| {
+        if GENERATING.load(Ordering::SeqCst) {
+            INTERRUPTED.store(true, Ordering::SeqCst);
+        } else {
+            // At a plain prompt (no line editor to catch it) Ctrl-C leaves, as it always did.
+            std::process::exit(130);
+        }
+    })
+    .context("installing the Ctrl-C handler")?;
 
     let style = Style {
         color: std::io::stdout().is_terminal(),
     };
+    let mut input = Input::new()?;
     eprintln!(
-        "lily chat: {} — /reset starts over, /exit (or Ctrl-D) quits",
+        "lily chat: {} — /help lists the commands, /exit (or Ctrl-D) quits",
         model.display_name()
     );
-    let mut history: Vec<Value> = Vec::new();
-    if let Some(system) = &args.system {
-        history.push(json!({"role": "system", "content": system}));
-    }
-    let mut kwargs = Map::new();
-    kwargs.insert("enable_thinking".into(), (!args.no_thinking).into());
+    let mut conversation = Conversation::new(args.system.as_deref(), !args.no_thinking);
     let mut seed = args.seed.unwrap_or_else(random_u64);
-    let stdin = std::io::stdin();
     loop {
-        eprint!("> ");
-        let mut line = String::new();
-        if stdin
-            .lock()
-            .read_line(&mut line)
-            .context("reading the terminal")?
-            == 0
-        {
-            eprintln!();
-            return Ok(());
+        let line = match input.read()? {
+            Line::Text(line) => line,
+            Line::Interrupted => continue,
+            Line::End => return Ok(()),
+        };
+        if line.trim().is_empty() {
+            continue;
         }
-        let line = line.trim();
-        match line {
-            "" => continue,
-            "/exit" | "/quit" => return Ok(()),
-            "/reset" => {
-                history.truncate(usize::from(args.system.is_some()));
-                eprintln!("(conversation cleared)");
+        let said = match conversation.command(&line) {
+            Ok(Command::Say(said)) => said,
+            Ok(Command::Exit) => return Ok(()),
+            Ok(Command::Told(told)) => {
+                eprintln!("{told}");
                 continue;
             }
-            _ => {}
-        }
-        history.push(json!({"role": "user", "content": line}));
-        let prompt = match chat_prompt(&text, &history, &[], &kwargs) {
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                continue;
+            }
+        };
+        conversation
+            .messages
+            .push(json!({"role": "user", "content": said}));
+        let kwargs = conversation.template_kwargs();
+        let prompt = match chat_prompt(&text, &conversation.messages, &[], &kwargs) {
             Ok(prompt) => prompt,
             Err(e) => {
                 eprintln!("error: {e:#}");
-                history.pop();
+                conversation.messages.pop();
                 continue;
             }
         };
-        let job = GenerationJob {
-            max_tokens: args
-                .max_tokens
-                .unwrap_or(usize::MAX)
-                .min(max_seq.saturating_sub(prompt.tokens.len())),
-            prompt: prompt.tokens,
-            turn_boundary: prompt.turn_boundary,
-            sampling: sampling.params(seed),
-            stop: Vec::new(),
-        };
-        seed = seed.wrapping_add(1);
-        if job.prompt.len() >= max_seq {
+        if prompt.tokens.len() >= max_seq {
             eprintln!(
                 "error: the conversation has {} tokens, the context {}: /reset, or restart with a \
                  larger --max-seq",
-                job.prompt.len(),
+                prompt.tokens.len(),
                 max_seq
             );
-            history.pop();
+            conversation.messages.pop();
             continue;
         }
+        let max_tokens = args
+            .max_tokens
+            .unwrap_or(usize::MAX)
+            .min(max_seq - prompt.tokens.len());
+        let job = GenerationJob {
+            turn_boundary: prompt.turn_boundary,
+            ..GenerationJob::plain(prompt.tokens, max_tokens, sampling.params(seed))
+        };
+        seed = seed.wrapping_add(1);
         let mut reply = Reply::new(ChatOutputParser::new(prompt.thinking, None), style);
-        let outcome = engine.run(&job, |event| reply.on_event(event), || false)?;
-        history.push(reply.finish(&outcome));
+        INTERRUPTED.store(false, Ordering::SeqCst);
+        GENERATING.store(true, Ordering::SeqCst);
+        let interrupted = || INTERRUPTED.load(Ordering::SeqCst);
+        let result = engine.run(
+            &job,
+            |event| {
+                if interrupted() {
+                    return ControlFlow::Break(());
+                }
+                reply.on_event(event)
+            },
+            interrupted,
+        );
+        GENERATING.store(false, Ordering::SeqCst);
+        match result {
+            Ok(outcome) => conversation.messages.push(reply.finish(&outcome)),
+            Err(e) => {
+                eprintln!("\nerror: {e:#}");
+                conversation.messages.pop();
+            }
+        }
     }
 }
+
+/// Ctrl-C during a reply stops it (the engine polls this between steps); at a prompt the line
+/// editor sees the key itself.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+static GENERATING: AtomicBool = AtomicBool::new(false);
 
 #[derive(Clone, Copy)]
 struct Style {
@@ -180,7 +215,7 @@ impl Reply {
     fn on_event(&mut self, event: EngineEvent) -> ControlFlow<()> {
         match event {
             EngineEvent::Started { .. } => self.started = Some(Instant::now()),
-            EngineEvent::Text(text) => {
+            EngineEvent::Text { text, .. } => {
                 let deltas = self.parser.push(&text);
                 self.print(deltas);
             }
@@ -226,18 +261,21 @@ impl Reply {
         self.end_reasoning(&mut std::io::stdout().lock());
         println!();
         let seconds = self.started.map_or(0.0, |s| s.elapsed().as_secs_f64());
-        let speed = outcome.tokens.len() as f64 / seconds.max(1e-9);
+        let speed = outcome.completion_tokens() as f64 / seconds.max(1e-9);
         let (dim, reset) = if self.style.color {
             (DIM, RESET)
         } else {
             ("", "")
         };
+        if outcome.finish() == Finish::Cancelled {
+            eprintln!("{dim}(stopped){reset}");
+        }
         eprintln!(
             "{dim}[{} tokens, {speed:.1} tok/s, {} of {} prompt tokens reused, {:?}]{reset}",
-            outcome.tokens.len(),
+            outcome.completion_tokens(),
             outcome.cached_tokens,
             outcome.prompt_tokens,
-            outcome.finish
+            outcome.finish()
         );
         json!({"role": "assistant", "content": self.content, "reasoning_content": self.reasoning})
     }

@@ -136,11 +136,8 @@ fn run_prompt(args: &Args, prompt: &str) -> Result<()> {
         .unwrap_or(prompt.tokens.len() + args.max_tokens);
     let mut engine = Engine::new(load(&args.model, args.device)?, text, max_seq, 0)?;
     let job = GenerationJob {
-        prompt: prompt.tokens,
-        turn_boundary: None,
-        max_tokens: args.max_tokens,
-        sampling: sampling(args),
         stop: args.stop.clone(),
+        ..GenerationJob::plain(prompt.tokens, args.max_tokens, sampling(args))
     };
     let json = args.json;
     let mut output = String::new();
@@ -148,7 +145,7 @@ fn run_prompt(args: &Args, prompt: &str) -> Result<()> {
     let outcome = engine.run(
         &job,
         |event| {
-            if let EngineEvent::Text(piece) = event {
+            if let EngineEvent::Text { text: piece, .. } = event {
                 if json {
                     output.push_str(&piece);
                 } else {
@@ -164,7 +161,7 @@ fn run_prompt(args: &Args, prompt: &str) -> Result<()> {
     if json {
         println!(
             "{}",
-            serde_json::json!({ "tokens": outcome.tokens, "text": output })
+            serde_json::json!({ "tokens": outcome.tokens(), "text": output })
         );
     } else {
         println!();

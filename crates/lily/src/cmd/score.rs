@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use lily_core::backend::{Backend, LogitRows};
 use lily_core::generate::prefill;
+use lily_core::logprobs::log_softmax_at;
 use lily_core::npy;
 use lily_core::sampling::argmax;
 
@@ -153,12 +154,6 @@ pub fn run(args: Args) -> Result<()> {
 }
 
 /// log softmax(row)[i], computed in f64 with the max subtracted.
-fn log_softmax_at(row: &[f32], i: usize) -> f64 {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
-    row[i] as f64 - max - sum.ln()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

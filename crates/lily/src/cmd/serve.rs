@@ -125,6 +125,7 @@ pub fn run(args: Args) -> Result<()> {
         max_body_bytes: args.max_body_mb.saturating_mul(1 << 20),
         body_timeout,
         metrics,
+        responses: Default::default(),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -1,6 +1,7 @@
 //! Who may connect. With an API key every endpoint but `/health` wants `Authorization: Bearer
-//! KEY` (a load balancer's probe carries no key); CORS headers go only to origins the operator
-//! named, so by default a web page elsewhere cannot read the server's answers.
+//! KEY` or Anthropic's `x-api-key: KEY` (a load balancer's probe carries no key); CORS headers go
+//! only to origins the operator named, so by default a web page elsewhere cannot read the
+//! server's answers.
 
 use std::sync::Arc;
 
@@ -54,7 +55,11 @@ impl Access {
         if request.uri().path() == "/health" {
             return true;
         }
-        bearer_token(request.headers()).is_some_and(|given| same_secret(given, key.as_bytes()))
+        // Anthropic's clients send the key as `x-api-key`.
+        let anthropic = request.headers().get("x-api-key").map(|v| v.as_bytes());
+        bearer_token(request.headers())
+            .or(anthropic)
+            .is_some_and(|given| same_secret(given, key.as_bytes()))
     }
 
     /// The value for `Access-Control-Allow-Origin`, if the request's origin may have one.

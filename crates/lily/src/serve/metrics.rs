@@ -18,9 +18,13 @@ use serde_json::json;
 use super::engine::Outcome;
 
 /// Paths reported by name; anything else is "other", so that clients cannot grow the map.
-const PATHS: [&str; 6] = [
+const PATHS: [&str; 10] = [
     "/v1/chat/completions",
     "/v1/completions",
+    "/v1/messages",
+    "/v1/responses",
+    "/tokenize",
+    "/detokenize",
     "/v1/models",
     "/health",
     "/metrics",
@@ -75,7 +79,7 @@ impl Metrics {
         let add = |counter: &AtomicU64, n: usize| counter.fetch_add(n as u64, Ordering::Relaxed);
         add(&self.prompt_tokens, outcome.prompt_tokens);
         add(&self.cached_prompt_tokens, outcome.cached_tokens);
-        add(&self.generated_tokens, outcome.tokens.len());
+        add(&self.generated_tokens, outcome.completion_tokens());
     }
 
     pub fn render(&self) -> String {

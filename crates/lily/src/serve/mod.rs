@@ -8,15 +8,19 @@ pub mod engine;
 pub mod error;
 pub mod ids;
 pub mod listen;
+pub mod logprobs;
+pub mod messages;
 pub mod metrics;
 pub mod prompt;
 pub mod request;
+pub mod responses;
 #[cfg(test)]
 mod robustness_tests;
 pub mod routes;
 pub mod sampling_defaults;
 pub mod snapshots;
 pub mod stream;
+pub mod tokenize;
 pub mod worker;
 
 use anyhow::Result;

@@ -1,20 +1,23 @@
 //! Reading and validating OpenAI request bodies. Unknown fields are ignored (clients send many);
 //! known fields with a value we cannot honour are a 400 that names them, never silently dropped.
 
+use lily_core::penalties::Penalties;
 use lily_core::sampling::SamplingParams;
+use lily_core::sampling_stage::MAX_TOP_LOGPROBS;
 use serde_json::{Map, Value};
 
+use self::fields::{Fields, parse_logit_bias, parse_stop};
 use super::error::{ApiError, ApiResult};
 use super::ids::random_u64;
 use super::sampling_defaults::SamplingDefaults;
 
-/// The most stop strings a request may give: each is checked after every token.
-const MAX_STOP_STRINGS: usize = 16;
 /// The most messages in one request. Far more than any context holds, but it bounds the work of
 /// rendering the template before the prompt's length is known.
 pub const MAX_MESSAGES: usize = 10_000;
 /// OpenAI's own limit; every tool's schema is rendered into the prompt.
 pub const MAX_TOOLS: usize = 128;
+/// The most choices one request may ask for: each is a whole generation, one after another.
+pub const MAX_CHOICES: usize = 16;
 
 /// What chat and text completions share.
 #[derive(Clone, Debug)]
@@ -22,6 +25,9 @@ pub struct CommonRequest {
     pub model: String,
     pub max_tokens: Option<usize>,
     pub sampling: SamplingParams,
+    /// `logit_bias` ids are checked against the vocabulary when the job is made.
+    pub penalties: Penalties,
+    pub n: usize,
     pub stop: Vec<String>,
     pub stream: bool,
     pub include_usage: bool,
@@ -37,6 +43,12 @@ pub struct ChatRequest {
     pub tools: Vec<Value>,
     /// `chat_template_kwargs`, with `enable_thinking` always set.
     pub template_kwargs: Map<String, Value>,
+    /// `Some(top_logprobs)` when `logprobs` is true.
+    pub logprobs: Option<usize>,
+    /// vLLM's `return_tokens_as_token_ids`: tokens in log-probabilities as `token_id:N`.
+    pub tokens_as_ids: bool,
+    /// false: at most one tool call is returned.
+    pub parallel_tool_calls: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -49,6 +61,11 @@ pub enum CompletionPrompt {
 pub struct CompletionRequest {
     pub common: CommonRequest,
     pub prompt: CompletionPrompt,
+    /// `logprobs`: how many alternatives beside each token (0 reports the token's alone).
+    pub logprobs: Option<usize>,
+    /// The prompt comes back before the output (with its log-probabilities when asked).
+    pub echo: bool,
+    pub tokens_as_ids: bool,
 }
 
 /// The body as a JSON object.
@@ -68,9 +85,45 @@ pub fn parse_chat(
     default_thinking: bool,
 ) -> ApiResult<ChatRequest> {
     let fields = Fields(body);
-    let common = parse_common(&fields, defaults, None)?;
-    for (name, neutral) in [("logprobs", Value::Bool(false)), ("top_logprobs", 0.into())] {
-        fields.require_neutral(name, &[neutral], "log-probabilities")?;
+    let common = parse_common(&fields, defaults, None, false)?;
+    let logprobs = match (fields.flag("logprobs")?, fields.count("top_logprobs")?) {
+        (_, Some(k)) if k > MAX_TOP_LOGPROBS => {
+            return Err(ApiError::param(
+                "top_logprobs",
+                format!("must be from 0 to {MAX_TOP_LOGPROBS}, got {k}"),
+            ));
+        }
+        (Some(true), k) => Some(k.unwrap_or(0)),
+        (_, Some(k)) if k > 0 => {
+            return Err(ApiError::param(
+                "top_logprobs",
+                "needs logprobs set to true",
+            ));
+        }
+        _ => None,
+    };
+    // Fields of features this server lacks, which ignoring would silently change the answer.
+    for (name, what) in [
+        ("functions", "the legacy functions field (send tools)"),
+        (
+            "function_call",
+            "the legacy function_call field (send tool_choice)",
+        ),
+        ("audio", "audio output"),
+        ("prediction", "predicted outputs"),
+        ("web_search_options", "web search"),
+    ] {
+        fields.require_neutral(name, &[], what)?;
+    }
+    match body.get("modalities") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(m)) if m.iter().all(|x| x == "text") => {}
+        Some(_) => {
+            return Err(ApiError::unsupported(
+                "modalities",
+                "output other than text",
+            ));
+        }
     }
     match body.get("response_format") {
         None | Some(Value::Null) => {}
@@ -82,42 +135,71 @@ pub fn parse_chat(
             ));
         }
     }
-    let messages = match body.get("messages") {
-        Some(Value::Array(list)) if list.len() > MAX_MESSAGES => {
+    let messages = parse_messages(body)?;
+    let tools = parse_tools(body)?;
+    let mut template_kwargs = parse_template_kwargs(body, default_thinking)?;
+    if let Some(thinking) = reasoning_effort_thinking(body)? {
+        let explicit = body
+            .get("chat_template_kwargs")
+            .and_then(|k| k.get("enable_thinking"))
+            .and_then(Value::as_bool);
+        if explicit.is_some_and(|e| e != thinking) {
             return Err(ApiError::param(
-                "messages",
-                format!(
-                    "at most {MAX_MESSAGES} messages are allowed, got {}",
-                    list.len()
-                ),
+                "reasoning_effort",
+                "contradicts chat_template_kwargs.enable_thinking",
             ));
         }
-        Some(Value::Array(list)) if !list.is_empty() => list
-            .iter()
-            .enumerate()
-            .map(|(i, m)| normalize_message(i, m))
-            .collect::<ApiResult<Vec<_>>>()?,
-        Some(Value::Array(_)) => return Err(ApiError::param("messages", "must not be empty")),
-        Some(_) => return Err(ApiError::param("messages", "must be a list of messages")),
-        None => return Err(ApiError::param("messages", "is required")),
-    };
-    let tools = parse_tools(body)?;
-    let mut template_kwargs = match body.get("chat_template_kwargs") {
+        template_kwargs.insert("enable_thinking".into(), thinking.into());
+    }
+    Ok(ChatRequest {
+        common,
+        messages,
+        tools,
+        template_kwargs,
+        logprobs,
+        tokens_as_ids: fields.flag("return_tokens_as_token_ids")?.unwrap_or(false),
+        parallel_tool_calls: fields.flag("parallel_tool_calls")?.unwrap_or(true),
+    })
+}
+
+/// What `reasoning_effort` asks of the template: "none" turns thinking off; the others keep it
+/// on, since Qwen's thinking has no budget to scale (`None` when the field is absent).
+fn reasoning_effort_thinking(body: &Map<String, Value>) -> ApiResult<Option<bool>> {
+    match body.get("reasoning_effort") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(effort)) => match effort.as_str() {
+            "none" => Ok(Some(false)),
+            "minimal" | "low" | "medium" | "high" => Ok(Some(true)),
+            other => Err(ApiError::param(
+                "reasoning_effort",
+                format!("{other:?} is not one of none, minimal, low, medium, high"),
+            )),
+        },
+        Some(_) => Err(ApiError::param("reasoning_effort", "must be a string")),
+    }
+}
+
+/// `chat_template_kwargs`, with `enable_thinking` always set.
+pub fn parse_template_kwargs(
+    body: &Map<String, Value>,
+    default_thinking: bool,
+) -> ApiResult<Map<String, Value>> {
+    let mut kwargs = match body.get("chat_template_kwargs") {
         None | Some(Value::Null) => Map::new(),
         Some(Value::Object(kwargs)) => kwargs.clone(),
         Some(_) => return Err(ApiError::param("chat_template_kwargs", "must be an object")),
     };
     for reserved in ["messages", "tools", "add_generation_prompt"] {
-        if template_kwargs.contains_key(reserved) {
+        if kwargs.contains_key(reserved) {
             return Err(ApiError::param(
                 format!("chat_template_kwargs.{reserved}"),
                 "is set by the server",
             ));
         }
     }
-    match template_kwargs.get("enable_thinking") {
+    match kwargs.get("enable_thinking") {
         None | Some(Value::Null) => {
-            template_kwargs.insert("enable_thinking".into(), default_thinking.into());
+            kwargs.insert("enable_thinking".into(), default_thinking.into());
         }
         Some(Value::Bool(_)) => {}
         Some(_) => {
@@ -127,12 +209,28 @@ pub fn parse_chat(
             ));
         }
     }
-    Ok(ChatRequest {
-        common,
-        messages,
-        tools,
-        template_kwargs,
-    })
+    Ok(kwargs)
+}
+
+/// `messages` as the chat template reads them.
+pub fn parse_messages(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
+    match body.get("messages") {
+        Some(Value::Array(list)) if list.len() > MAX_MESSAGES => Err(ApiError::param(
+            "messages",
+            format!(
+                "at most {MAX_MESSAGES} messages are allowed, got {}",
+                list.len()
+            ),
+        )),
+        Some(Value::Array(list)) if !list.is_empty() => list
+            .iter()
+            .enumerate()
+            .map(|(i, m)| normalize_message(i, m))
+            .collect(),
+        Some(Value::Array(_)) => Err(ApiError::param("messages", "must not be empty")),
+        Some(_) => Err(ApiError::param("messages", "must be a list of messages")),
+        None => Err(ApiError::param("messages", "is required")),
+    }
 }
 
 pub fn parse_completion(
@@ -141,11 +239,24 @@ pub fn parse_completion(
 ) -> ApiResult<CompletionRequest> {
     let fields = Fields(body);
     // OpenAI's default for text completions.
-    let common = parse_common(&fields, defaults, Some(16))?;
-    fields.require_neutral("echo", &[Value::Bool(false)], "echo")?;
+    let echo = fields.flag("echo")?.unwrap_or(false);
+    // `max_tokens` 0 with `echo` scores the prompt alone (as evaluation harnesses do).
+    let common = parse_common(&fields, defaults, Some(16), echo)?;
     fields.require_neutral("suffix", &[], "suffix")?;
     fields.require_neutral("best_of", &[1.into()], "best_of other than 1")?;
-    fields.require_neutral("logprobs", &[Value::Bool(false)], "log-probabilities")?;
+    let logprobs = match fields.0.get("logprobs") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => None,
+        Some(v) => match v.as_u64() {
+            Some(k) if k as usize <= MAX_TOP_LOGPROBS => Some(k as usize),
+            _ => {
+                return Err(ApiError::param(
+                    "logprobs",
+                    format!("must be an integer from 0 to {MAX_TOP_LOGPROBS}"),
+                ));
+            }
+        },
+    };
+    let tokens_as_ids = fields.flag("return_tokens_as_token_ids")?.unwrap_or(false);
     let prompt = match body.get("prompt") {
         Some(Value::String(s)) => CompletionPrompt::Text(s.clone()),
         Some(Value::Array(items)) => match items.as_slice() {
@@ -173,7 +284,13 @@ pub fn parse_completion(
     if prompt == CompletionPrompt::Text(String::new()) {
         return Err(ApiError::param("prompt", "must not be empty"));
     }
-    Ok(CompletionRequest { common, prompt })
+    Ok(CompletionRequest {
+        common,
+        prompt,
+        logprobs,
+        echo,
+        tokens_as_ids,
+    })
 }
 
 fn token_ids(values: &[Value]) -> ApiResult<Vec<u32>> {
@@ -188,32 +305,58 @@ fn token_ids(values: &[Value]) -> ApiResult<Vec<u32>> {
     Ok(ids)
 }
 
+/// The sampling and output fields chat and completions share, for an endpoint of another shape
+/// (Responses) that maps its own names onto them first.
+pub fn parse_common_fields(
+    body: &Map<String, Value>,
+    defaults: &SamplingDefaults,
+) -> ApiResult<CommonRequest> {
+    parse_common(&Fields(body), defaults, None, false)
+}
+
 fn parse_common(
     fields: &Fields,
     defaults: &SamplingDefaults,
     default_max_tokens: Option<usize>,
+    allow_zero_tokens: bool,
 ) -> ApiResult<CommonRequest> {
     let model = match fields.0.get("model") {
         Some(Value::String(m)) => m.clone(),
         Some(_) => return Err(ApiError::param("model", "must be a string")),
         None => return Err(ApiError::param("model", "is required")),
     };
-    fields.require_neutral("n", &[1.into()], "n other than 1")?;
-    fields.require_neutral("presence_penalty", &[0.into()], "presence_penalty")?;
-    fields.require_neutral("frequency_penalty", &[0.into()], "frequency_penalty")?;
-    fields.require_neutral("repetition_penalty", &[1.into()], "repetition_penalty")?;
-    match fields.0.get("logit_bias") {
-        None | Some(Value::Null) => {}
-        Some(Value::Object(m)) if m.is_empty() => {}
-        Some(_) => return Err(ApiError::unsupported("logit_bias", "logit_bias")),
-    }
+    let n = match fields.count("n")? {
+        None => 1,
+        Some(n) if (1..=MAX_CHOICES).contains(&n) => n,
+        Some(n) => {
+            return Err(ApiError::param(
+                "n",
+                format!("must be from 1 to {MAX_CHOICES}, got {n}"),
+            ));
+        }
+    };
+    let penalties = Penalties {
+        presence: fields
+            .ranged("presence_penalty", -2.0, 2.0, true)?
+            .unwrap_or(0.0),
+        frequency: fields
+            .ranged("frequency_penalty", -2.0, 2.0, true)?
+            .unwrap_or(0.0),
+        repetition: fields
+            .ranged("repetition_penalty", 0.0, 2.0, false)?
+            .unwrap_or(1.0),
+        logit_bias: parse_logit_bias(fields.0.get("logit_bias"))?,
+    };
     let max_tokens = match fields.count("max_completion_tokens")? {
         Some(n) => Some(n),
         None => fields.count("max_tokens")?,
     }
     .or(default_max_tokens);
-    if max_tokens == Some(0) {
-        return Err(ApiError::param("max_tokens", "must be at least 1"));
+    if max_tokens == Some(0) && !allow_zero_tokens {
+        return Err(ApiError::param(
+            "max_tokens",
+            "must be at least 1 (0 only with echo)",
+        ));
     }
     let top_k = match fields.number("top_k")? {
         None => defaults.top_k,
@@ -271,41 +414,15 @@ fn parse_common(
         model,
         max_tokens,
         sampling,
+        penalties,
+        n,
         stop: parse_stop(fields.0.get("stop"))?,
         stream,
         include_usage,
     })
 }
 
-fn parse_stop(value: Option<&Value>) -> ApiResult<Vec<String>> {
-    let stops = match value {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|s| s.as_str().map(str::to_string))
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| ApiError::param("stop", "must be a string or a list of strings"))?,
-        Some(_) => {
-            return Err(ApiError::param(
-                "stop",
-                "must be a string or a list of strings",
-            ));
-        }
-    };
-    if stops.len() > MAX_STOP_STRINGS {
-        return Err(ApiError::param(
-            "stop",
-            format!("at most {MAX_STOP_STRINGS} stop strings are allowed"),
-        ));
-    }
-    if stops.iter().any(String::is_empty) {
-        return Err(ApiError::param("stop", "stop strings must not be empty"));
-    }
-    Ok(stops)
-}
-
-fn parse_tools(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
+pub fn parse_tools(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
     let use_tools = match body.get("tool_choice") {
         None | Some(Value::Null) => true,
         Some(Value::String(c)) if c == "auto" => true,
@@ -469,63 +586,6 @@ fn normalize_tool_call(call: &Value, param: &str) -> ApiResult<Value> {
     Ok(serde_json::json!({"type": "function", "function": {"name": name, "arguments": arguments}}))
 }
 
-/// Typed access to the body's fields, with errors that name them.
-struct Fields<'a>(&'a Map<String, Value>);
-
-impl Fields<'_> {
-    fn number(&self, name: &str) -> ApiResult<Option<f64>> {
-        match self.0.get(name) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(Some)
-                .ok_or_else(|| ApiError::param(name, "must be a number")),
-        }
-    }
-
-    /// A number in `[lo, hi]` (or `(lo, hi]` when `lo_inclusive` is false).
-    fn ranged(&self, name: &str, lo: f64, hi: f64, lo_inclusive: bool) -> ApiResult<Option<f32>> {
-        let Some(x) = self.number(name)? else {
-            return Ok(None);
-        };
-        let above = if lo_inclusive { x >= lo } else { x > lo };
-        if !(above && x <= hi) {
-            let open = if lo_inclusive { '[' } else { '(' };
-            return Err(ApiError::param(
-                name,
-                format!("must be in {open}{lo}, {hi}], got {x}"),
-            ));
-        }
-        Ok(Some(x as f32))
-    }
-
-    fn count(&self, name: &str) -> ApiResult<Option<usize>> {
-        match self.0.get(name) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|n| Some(n as usize))
-                .ok_or_else(|| ApiError::param(name, "must be a non-negative integer")),
-        }
-    }
-
-    /// The field may be absent, null, or one of `neutral` (values that change nothing).
-    fn require_neutral(&self, name: &str, neutral: &[Value], what: &str) -> ApiResult<()> {
-        match self.0.get(name) {
-            None | Some(Value::Null) => Ok(()),
-            Some(v) if neutral.iter().any(|n| same_value(n, v)) => Ok(()),
-            Some(_) => Err(ApiError::unsupported(name, what)),
-        }
-    }
-}
-
-/// JSON equality that treats 1 and 1.0 alike.
-fn same_value(a: &Value, b: &Value) -> bool {
-    match (a.as_f64(), b.as_f64()) {
-        (Some(x), Some(y)) => x == y,
-        _ => a == b,
-    }
-}
-
+mod fields;
 #[cfg(test)]
 mod tests;

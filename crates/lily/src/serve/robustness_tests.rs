@@ -65,6 +65,25 @@ const KEYS: &[&str] = &[
     "text",
     "reasoning_content",
     "properties",
+    "input",
+    "instructions",
+    "system",
+    "max_output_tokens",
+    "thinking",
+    "input_schema",
+    "stop_sequences",
+    "tool_use_id",
+    "call_id",
+    "output",
+    "output_config",
+    "format",
+    "effort",
+    "reasoning",
+    "previous_response_id",
+    "tokens",
+    "add_special",
+    "with_pieces",
+    "add_generation_prompt",
 ];
 
 const STRINGS: &[&str] = &[
@@ -94,6 +113,16 @@ const STRINGS: &[&str] = &[
     "object",
     "string",
     "integer",
+    "tool_use",
+    "tool_result",
+    "thinking",
+    "enabled",
+    "disabled",
+    "input_text",
+    "message",
+    "function_call",
+    "function_call_output",
+    "reasoning",
 ];
 
 fn random_value(rng: &mut Rng, depth: usize) -> Value {
@@ -121,6 +150,11 @@ fn no_panic(what: &str, input: &dyn std::fmt::Debug, run: impl FnOnce()) {
     }
 }
 
+fn text() -> &'static TextModel {
+    static TEXT: std::sync::OnceLock<TextModel> = std::sync::OnceLock::new();
+    TEXT.get_or_init(|| TextModel::embedded().expect("the built-in tokenizer and template"))
+}
+
 #[test]
 fn random_bodies_never_panic_the_request_parsers() {
     let mut rng = Rng(0x5eed_0001);
@@ -135,6 +169,16 @@ fn random_bodies_never_panic_the_request_parsers() {
         });
         no_panic("parse_completion", &body, || {
             let _ = parse_completion(&body, &defaults);
+        });
+        no_panic("parse_messages_request", &body, || {
+            let _ = super::messages::parse_messages_request(&body, &defaults);
+        });
+        no_panic("parse_responses_request", &body, || {
+            let _ = super::responses::parse_responses_request(&body, &defaults);
+        });
+        no_panic("tokenize", &body, || {
+            let _ = super::tokenize::tokenize_body(text(), &body, true, 512);
+            let _ = super::tokenize::detokenize_body(text(), &body, 248320);
         });
         let bytes: Vec<u8> = (0..rng.below(40)).map(|_| rng.next() as u8).collect();
         no_panic("parse_body", &bytes, || {

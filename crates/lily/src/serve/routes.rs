@@ -21,9 +21,12 @@ use super::chat::chat_completions;
 use super::completions::completions;
 use super::engine::{GenerationJob, Outcome};
 use super::error::{ApiError, ApiResult};
+use super::messages::messages;
 use super::metrics::{Metrics, metrics_response, track};
 use super::request::CommonRequest;
+use super::responses::{ResponseStore, responses};
 use super::sampling_defaults::SamplingDefaults;
+use super::tokenize::{detokenize, tokenize};
 use super::worker::EngineHandle;
 
 pub struct AppState {
@@ -44,6 +47,8 @@ pub struct AppState {
     pub body_timeout: Duration,
     /// Shared with the engine thread.
     pub metrics: Arc<Metrics>,
+    /// Conversations kept for `/v1/responses`' `previous_response_id`.
+    pub responses: Arc<ResponseStore>,
 }
 
 impl AppState {
@@ -71,13 +76,31 @@ impl AppState {
             error.param = Some(prompt_param.to_string());
             return Err(error);
         }
+        if let Some(&(id, _)) = request
+            .penalties
+            .logit_bias
+            .iter()
+            .find(|(id, _)| *id as usize >= self.vocab_size)
+        {
+            return Err(ApiError::param(
+                format!("logit_bias.{id}"),
+                format!(
+                    "token id {id} is outside the vocabulary of {}",
+                    self.vocab_size
+                ),
+            ));
+        }
         let room = self.max_seq - prompt.len();
         Ok(GenerationJob {
             prompt,
             turn_boundary,
             max_tokens: request.max_tokens.map_or(room, |n| n.min(room)),
             sampling: request.sampling.clone(),
+            penalties: request.penalties.clone(),
             stop: request.stop.clone(),
+            n: request.n,
+            logprobs: None,
+            prompt_logprobs: None,
         })
     }
 }
@@ -86,6 +109,11 @@ pub fn router(app: Arc<AppState>, access: Arc<Access>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(messages))
+        .route("/v1/responses", post(responses))
+        // Where llama.cpp and vLLM serve them: outside /v1, which is OpenAI's.
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
         .route("/health", get(health))
@@ -144,7 +172,7 @@ async fn read_limited(body: Body, limit: usize) -> ApiResult<Bytes> {
 }
 
 pub fn outcome_usage(outcome: &Outcome) -> Value {
-    let completion = outcome.tokens.len();
+    let completion = outcome.completion_tokens();
     json!({
         "prompt_tokens": outcome.prompt_tokens,
         "completion_tokens": completion,

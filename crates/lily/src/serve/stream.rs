@@ -28,6 +28,16 @@ pub trait StreamFormat: Send + 'static {
     /// Chunks sent before the first event (e.g. the assistant role).
     fn opening(&mut self) -> Vec<Value>;
     fn on_event(&mut self, event: WorkerEvent) -> Step;
+
+    /// The SSE `event:` line of a chunk: Anthropic names every event by its type, OpenAI none.
+    fn event_name(&self, _chunk: &Value) -> Option<String> {
+        None
+    }
+
+    /// Whether `data: [DONE]` ends the stream (OpenAI's convention; Anthropic's is an event).
+    fn done_marker(&self) -> bool {
+        true
+    }
 }
 
 enum Phase {
@@ -74,7 +84,8 @@ pub fn sse_response<F: StreamFormat>(
                 if step.done {
                     phase = Phase::Finished;
                 }
-                return Some((Ok(frames(&step.chunks, step.done)), (events, format, phase)));
+                let bytes = frames(&format, &step.chunks, step.done);
+                return Some((Ok(bytes), (events, format, phase)));
             }
         },
     );
@@ -88,14 +99,19 @@ pub fn sse_response<F: StreamFormat>(
         .into_response()
 }
 
-fn frames(chunks: &[Value], done: bool) -> Bytes {
+fn frames(format: &impl StreamFormat, chunks: &[Value], done: bool) -> Bytes {
     let mut out = String::new();
     for chunk in chunks {
+        if let Some(name) = format.event_name(chunk) {
+            out.push_str("event: ");
+            out.push_str(&name);
+            out.push('\n');
+        }
         out.push_str("data: ");
         out.push_str(&chunk.to_string());
         out.push_str("\n\n");
     }
-    if done {
+    if done && format.done_marker() {
         out.push_str("data: [DONE]\n\n");
     }
     Bytes::from(out)

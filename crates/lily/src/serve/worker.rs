@@ -120,7 +120,7 @@ fn serve_queue<B: Backend>(
         }
         let mut last_text: Option<Instant> = None;
         let emit = |event| {
-            if let EngineEvent::Text(_) = &event {
+            if let EngineEvent::Text { .. } = &event {
                 let now = Instant::now();
                 match last_text {
                     None => metrics.time_to_first_token.observe(now - queued_at),
@@ -165,9 +165,9 @@ fn log_outcome<B: Backend>(outcome: &Outcome, elapsed: Duration, engine: &Engine
          {snapshots} snapshots ({:.1} MiB)",
         outcome.prompt_tokens,
         outcome.cached_tokens,
-        outcome.tokens.len(),
-        outcome.tokens.len() as f64 / seconds.max(1e-9),
-        outcome.finish,
+        outcome.completion_tokens(),
+        outcome.completion_tokens() as f64 / seconds.max(1e-9),
+        outcome.finish(),
         bytes as f64 / (1 << 20) as f64,
     );
 }

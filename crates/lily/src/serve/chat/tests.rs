@@ -4,6 +4,7 @@ use axum::body::to_bytes;
 use serde_json::json;
 
 use super::*;
+use crate::serve::engine::ChoiceOutcome;
 
 const REPLY: &[&str] = &[
     "Weather needs a tool.\n</thi",
@@ -12,15 +13,12 @@ const REPLY: &[&str] = &[
     "eter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
 ];
 
-fn turn() -> ChatTurn {
+fn turn() -> ChatTurns {
     let tools = [
         json!({"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}),
     ];
-    ChatTurn::new(ChatOutputParser::new(
-        true,
-        Some(ToolSchemas::from_tools(&tools)),
-    ))
+    ChatTurns::new(true, Some(ToolSchemas::from_tools(&tools)), None)
 }
 
 fn head() -> Head {
@@ -35,15 +33,20 @@ fn events() -> Vec<WorkerEvent> {
     let mut events = vec![WorkerEvent::Engine(EngineEvent::Started {
         prompt_tokens: 30,
         cached_tokens: 10,
+        prompt_logprobs: Vec::new(),
     })];
-    events.extend(
-        REPLY
-            .iter()
-            .map(|t| WorkerEvent::Engine(EngineEvent::Text(t.to_string()))),
-    );
+    events.extend(REPLY.iter().map(|t| {
+        WorkerEvent::Engine(EngineEvent::Text {
+            choice: 0,
+            text: t.to_string(),
+            logprobs: Vec::new(),
+        })
+    }));
     events.push(WorkerEvent::Done(Outcome {
-        finish: Finish::Stop,
-        tokens: vec![1; 25],
+        choices: vec![ChoiceOutcome {
+            finish: Finish::Stop,
+            tokens: vec![1; 25],
+        }],
         prompt_tokens: 30,
         cached_tokens: 10,
     }));
@@ -54,8 +57,9 @@ fn events() -> Vec<WorkerEvent> {
 fn streamed_chunks_carry_reasoning_content_and_tool_calls_by_index() {
     let mut stream = ChatStream {
         head: head(),
-        turn: turn(),
+        turns: turn(),
         include_usage: true,
+        n: 1,
     };
     let mut chunks = stream.opening();
     let mut done = false;
@@ -130,4 +134,42 @@ async fn a_whole_response_has_the_message_with_tool_calls() {
         json!({"city": "Roma", "days": 2})
     );
     assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 10);
+}
+
+#[tokio::test]
+async fn without_parallel_tool_calls_only_the_first_call_is_returned() {
+    let two_calls = "<tool_call>\n<function=get_weather>\n<parameter=city>\nRoma\n</parameter>\n\
+                     </function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n\
+                     <parameter=city>\nMilano\n</parameter>\n</function>\n</tool_call>";
+    // events() already holds one call (Roma, 2 days): three in all, or only that one.
+    for (single, expected) in [(false, 3), (true, 1)] {
+        let (sender, receiver) = tokio::sync::mpsc::unbounded_channel();
+        let mut events = events();
+        events.insert(
+            events.len() - 1,
+            WorkerEvent::Engine(EngineEvent::Text {
+                choice: 0,
+                text: format!("\n{two_calls}"),
+                logprobs: Vec::new(),
+            }),
+        );
+        for event in events {
+            sender.send(event).unwrap();
+        }
+        let mut turns = turn();
+        turns.single_tool_call = single;
+        let response = collect(receiver, head(), turns).await.unwrap();
+        let body: Value =
+            serde_json::from_slice(&to_bytes(response.into_body(), 1 << 20).await.unwrap())
+                .unwrap();
+        let calls = body["choices"][0]["message"]["tool_calls"]
+            .as_array()
+            .unwrap();
+        assert_eq!(calls.len(), expected, "{body}");
+        let arguments = calls[0]["function"]["arguments"].as_str().unwrap();
+        assert_eq!(
+            serde_json::from_str::<Value>(arguments).unwrap(),
+            json!({"city": "Roma", "days": 2})
+        );
+    }
 }

@@ -5,6 +5,7 @@ use std::ops::ControlFlow;
 use std::sync::{Arc, OnceLock};
 
 use lily_chat::TextModel;
+use lily_core::logprobs::TokenLogprobs;
 use lily_core::sampling::SamplingParams;
 use serde_json::{Map, Value, json};
 
@@ -29,11 +30,8 @@ fn job(messages: &[Value], max_tokens: usize, sampling: SamplingParams) -> Gener
     kwargs.insert("enable_thinking".into(), false.into());
     let prompt = chat_prompt(&text_model(), messages, &[], &kwargs).unwrap();
     GenerationJob {
-        prompt: prompt.tokens,
         turn_boundary: prompt.turn_boundary,
-        max_tokens,
-        sampling,
-        stop: Vec::new(),
+        ..GenerationJob::plain(prompt.tokens, max_tokens, sampling)
     }
 }
 
@@ -44,7 +42,7 @@ fn run(engine: &mut Engine<AnyBackend>, job: &GenerationJob) -> (Outcome, String
         .run(
             job,
             |event| {
-                if let EngineEvent::Text(t) = event {
+                if let EngineEvent::Text { text: t, .. } = event {
                     text.push_str(&t);
                 }
                 ControlFlow::Continue(())
@@ -72,15 +70,15 @@ fn the_same_seed_gives_the_same_output_and_another_seed_differs() {
     let (a, text_a) = run(&mut engine, &job(&messages, 24, sampled(7)));
     let (b, text_b) = run(&mut engine, &job(&messages, 24, sampled(7)));
     let (c, _) = run(&mut engine, &job(&messages, 24, sampled(8)));
-    assert_eq!(a.tokens.len(), 24);
-    assert_eq!(a.finish, Finish::Length);
-    assert_eq!((&a.tokens, &text_a), (&b.tokens, &text_b));
-    assert_ne!(a.tokens, c.tokens);
+    assert_eq!(a.tokens().len(), 24);
+    assert_eq!(a.finish(), Finish::Length);
+    assert_eq!((&a.tokens(), &text_a), (&b.tokens(), &text_b));
+    assert_ne!(a.tokens(), c.tokens());
     // The streamed text is the decoding of the tokens.
-    assert_eq!(text_a, text_model().tokenizer.decode(&a.tokens));
+    assert_eq!(text_a, text_model().tokenizer.decode(a.tokens()));
     // Undecodable padding ids of the lm_head are never sampled.
     let limit = text_model().tokenizer.decodable_len() as u32;
-    assert!(a.tokens.iter().chain(&c.tokens).all(|&t| t < limit));
+    assert!(a.tokens().iter().chain(c.tokens()).all(|&t| t < limit));
 }
 
 #[test]
@@ -97,7 +95,7 @@ fn a_second_turn_reuses_the_first_and_matches_a_cold_run() {
     let boundary = first_job.turn_boundary.unwrap();
     let kv = c.kv_bytes_per_token(4) * (boundary + first_job.prompt.len()) as u64;
     let expected = kv + 2 * fixed + c.vocab_size as u64 * 4;
-    assert_eq!(turn1.finish, Finish::Length);
+    assert_eq!(turn1.finish(), Finish::Length);
     assert_eq!(warm.snapshot_usage(), (2, expected as usize));
     let second = [
         first[0].clone(),
@@ -116,7 +114,7 @@ fn a_second_turn_reuses_the_first_and_matches_a_cold_run() {
     let mut cold = engine(0);
     let (cold2, cold_text) = run(&mut cold, &second_job);
     assert_eq!(cold2.cached_tokens, 0);
-    assert_eq!((turn2.tokens, text2), (cold2.tokens, cold_text));
+    assert_eq!((turn2.tokens(), text2), (cold2.tokens(), cold_text));
 
     // The same prompt again starts from the snapshot taken after it, logits included.
     let (again, _) = run(&mut warm, &second_job);
@@ -131,10 +129,10 @@ fn stop_strings_end_the_output_before_them() {
     let (full, text) = run(&mut engine, &plain);
     // A stop string made of the last character of one token and the first of the next.
     let tokenizer = &text_model().tokenizer;
-    let (k, stop) = (1..full.tokens.len())
+    let (k, stop) = (1..full.tokens().len())
         .find_map(|k| {
-            let before = tokenizer.decode(&full.tokens[..k]);
-            let after = tokenizer.decode(&full.tokens[..k + 1]);
+            let before = tokenizer.decode(&full.tokens()[..k]);
+            let after = tokenizer.decode(&full.tokens()[..k + 1]);
             let added = after.strip_prefix(before.as_str())?;
             let stop = format!("{}{}", before.chars().last()?, added.chars().next()?);
             (!stop.contains('\u{FFFD}')).then_some((k, stop))
@@ -143,11 +141,11 @@ fn stop_strings_end_the_output_before_them() {
     let mut with_stop = plain.clone();
     with_stop.stop = vec![stop.clone()];
     let (stopped, stopped_text) = run(&mut engine, &with_stop);
-    assert_eq!(stopped.finish, Finish::Stop);
+    assert_eq!(stopped.finish(), Finish::Stop);
     let first = text.find(&stop).unwrap();
     assert_eq!(stopped_text, text[..first]);
-    assert!(stopped.tokens.len() <= k + 1);
-    assert_eq!(stopped.tokens, full.tokens[..stopped.tokens.len()]);
+    assert!(stopped.tokens().len() <= k + 1);
+    assert_eq!(stopped.tokens(), &full.tokens()[..stopped.tokens().len()]);
 }
 
 #[test]
@@ -159,7 +157,7 @@ fn a_consumer_that_goes_away_cancels_the_generation() {
         .run(
             &job(&messages, 50, SamplingParams::greedy()),
             |event| match event {
-                EngineEvent::Text(_) => {
+                EngineEvent::Text { .. } => {
                     texts += 1;
                     ControlFlow::Break(())
                 }
@@ -168,9 +166,9 @@ fn a_consumer_that_goes_away_cancels_the_generation() {
             || false,
         )
         .unwrap();
-    assert_eq!(outcome.finish, Finish::Cancelled);
+    assert_eq!(outcome.finish(), Finish::Cancelled);
     assert_eq!(texts, 1);
-    assert!(outcome.tokens.len() < 50);
+    assert!(outcome.tokens().len() < 50);
     // Cancelled before the prefill: nothing is generated.
     let outcome = engine
         .run(
@@ -179,6 +177,159 @@ fn a_consumer_that_goes_away_cancels_the_generation() {
             || true,
         )
         .unwrap();
-    assert_eq!(outcome.finish, Finish::Cancelled);
-    assert!(outcome.tokens.is_empty());
+    assert_eq!(outcome.finish(), Finish::Cancelled);
+    assert!(outcome.tokens().is_empty());
+}
+
+/// Runs `job`, returning the outcome, the text of each choice and its log-probabilities.
+fn run_choices(
+    engine: &mut Engine<AnyBackend>,
+    job: &GenerationJob,
+) -> (Outcome, Vec<String>, Vec<Vec<TokenLogprobs>>) {
+    let mut texts = vec![String::new(); job.n];
+    let mut logprobs = vec![Vec::new(); job.n];
+    let outcome = engine
+        .run(
+            job,
+            |event| {
+                if let EngineEvent::Text {
+                    choice,
+                    text,
+                    logprobs: lp,
+                } = event
+                {
+                    texts[choice].push_str(&text);
+                    logprobs[choice].extend(lp);
+                }
+                ControlFlow::Continue(())
+            },
+            || false,
+        )
+        .unwrap();
+    (outcome, texts, logprobs)
+}
+
+/// Teacher-forced log p(tokens[t]) for t ≥ `from`, as `lily score` computes them.
+fn scored(engine: &Engine<AnyBackend>, tokens: &[u32], from: usize) -> Vec<f64> {
+    let backend = &engine.backend;
+    let vocab = backend.config().vocab_size;
+    let mut state = backend.new_state(tokens.len()).unwrap();
+    let logits = lily_core::generate::prefill(backend, &mut state, tokens, LogitRows::All).unwrap();
+    (from..tokens.len())
+        .map(|t| {
+            lily_core::logprobs::log_softmax_at(
+                &logits[(t - 1) * vocab..t * vocab],
+                tokens[t] as usize,
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn logprobs_of_generated_tokens_are_what_teacher_forced_scoring_gives() {
+    let mut engine = engine(0);
+    let messages = [json!({"role": "user", "content": "Name three rivers."})];
+    for sampling in [SamplingParams::greedy(), sampled(3)] {
+        let mut with_logprobs = job(&messages, 12, sampling.clone());
+        with_logprobs.logprobs = Some(5);
+        let (outcome, _, logprobs) = run_choices(&mut engine, &with_logprobs);
+        let tokens = outcome.tokens();
+        assert_eq!(tokens.len(), 12);
+        // The same tokens as without log-probabilities (the device path, where there is one).
+        let (plain, _) = run(&mut engine, &job(&messages, 12, sampling.clone()));
+        assert_eq!(plain.tokens(), tokens);
+        let lp = &logprobs[0];
+        assert_eq!(lp.iter().map(|l| l.token).collect::<Vec<_>>(), tokens);
+        let sequence = [with_logprobs.prompt.as_slice(), tokens].concat();
+        let expected = scored(&engine, &sequence, with_logprobs.prompt.len());
+        for (i, (got, want)) in lp.iter().zip(&expected).enumerate() {
+            assert!(
+                (got.logprob as f64 - want).abs() < 1e-4,
+                "token {i}: {got:?} vs {want}"
+            );
+            assert_eq!(got.top.len(), 5);
+            assert!(got.top.windows(2).all(|w| w[0].1 >= w[1].1), "{got:?}");
+            // The chosen token is among the alternatives at its own log-probability, or below.
+            assert!(got.logprob <= got.top[0].1 + 1e-6);
+        }
+        if sampling.is_greedy() {
+            assert!(lp.iter().all(|l| l.top[0].0 == l.token), "{lp:?}");
+        }
+    }
+}
+
+#[test]
+fn prompt_logprobs_score_every_prompt_token_after_the_first() {
+    let mut engine = engine(0);
+    let mut scored_job = job(
+        &[json!({"role": "user", "content": "Hi there."})],
+        0,
+        SamplingParams::greedy(),
+    );
+    scored_job.prompt_logprobs = Some(2);
+    let mut prompt_logprobs = Vec::new();
+    let outcome = engine
+        .run(
+            &scored_job,
+            |event| {
+                if let EngineEvent::Started {
+                    prompt_logprobs: p, ..
+                } = event
+                {
+                    prompt_logprobs = p;
+                }
+                ControlFlow::Continue(())
+            },
+            || false,
+        )
+        .unwrap();
+    assert_eq!(outcome.completion_tokens(), 0);
+    assert_eq!(outcome.finish(), Finish::Length);
+    let prompt = &scored_job.prompt;
+    assert_eq!(prompt_logprobs.len(), prompt.len() - 1);
+    let expected = scored(&engine, prompt, 1);
+    for ((got, want), &token) in prompt_logprobs.iter().zip(&expected).zip(&prompt[1..]) {
+        assert_eq!(got.token, token);
+        assert!(
+            (got.logprob as f64 - want).abs() < 1e-4,
+            "{got:?} vs {want}"
+        );
+    }
+}
+
+#[test]
+fn n_greedy_choices_equal_one_choice_and_seeded_choices_differ_but_repeat() {
+    let mut engine = engine(0);
+    let messages = [json!({"role": "user", "content": "Write a haiku."})];
+    let (one, one_text) = run(&mut engine, &job(&messages, 10, SamplingParams::greedy()));
+    let mut three = job(&messages, 10, SamplingParams::greedy());
+    three.n = 3;
+    let (outcome, texts, _) = run_choices(&mut engine, &three);
+    assert_eq!(outcome.choices.len(), 3);
+    for (choice, text) in outcome.choices.iter().zip(&texts) {
+        assert_eq!((&choice.tokens[..], text), (one.tokens(), &one_text));
+    }
+    assert_eq!(outcome.completion_tokens(), 3 * one.tokens().len());
+
+    let mut sampled_three = job(&messages, 16, sampled(21));
+    sampled_three.n = 3;
+    let (a, a_texts, _) = run_choices(&mut engine, &sampled_three);
+    let (b, b_texts, _) = run_choices(&mut engine, &sampled_three);
+    assert_eq!((&a, &a_texts), (&b, &b_texts));
+    let tokens: Vec<&Vec<u32>> = a.choices.iter().map(|c| &c.tokens).collect();
+    assert!(tokens[0] != tokens[1] && tokens[1] != tokens[2] && tokens[0] != tokens[2]);
+    // The first choice is what n = 1 gives with the same seed.
+    let (single, _) = run(&mut engine, &job(&messages, 16, sampled(21)));
+    assert_eq!(single.tokens(), &tokens[0][..]);
+}
+
+#[test]
+fn logit_bias_reaches_the_sampler_on_the_greedy_path() {
+    let mut engine = engine(0);
+    let messages = [json!({"role": "user", "content": "Say something."})];
+    let mut forced = job(&messages, 6, SamplingParams::greedy());
+    forced.penalties.logit_bias = vec![(9419, 100.0)];
+    let (outcome, text) = run(&mut engine, &forced);
+    assert_eq!(outcome.tokens(), [9419; 6]);
+    assert_eq!(text, "Hello".repeat(6));
 }

@@ -102,9 +102,14 @@ fn rejects(value: Value, param: &str, says: &str) {
 fn what_we_cannot_honour_is_a_400_naming_the_field() {
     let user = json!([{"role": "user", "content": "Hi"}]);
     rejects(
-        json!({"model": "m", "messages": user, "n": 2}),
+        json!({"model": "m", "messages": user, "n": 17}),
         "n",
-        "not supported",
+        "from 1 to 16",
+    );
+    rejects(
+        json!({"model": "m", "messages": user, "n": 0}),
+        "n",
+        "from 1 to 16",
     );
     rejects(
         json!({"model": "m", "messages": user, "temperature": 3}),
@@ -132,9 +137,19 @@ fn what_we_cannot_honour_is_a_400_naming_the_field() {
         "empty",
     );
     rejects(
-        json!({"model": "m", "messages": user, "logprobs": true}),
+        json!({"model": "m", "messages": user, "logprobs": 1}),
         "logprobs",
-        "not supported",
+        "true or false",
+    );
+    rejects(
+        json!({"model": "m", "messages": user, "logprobs": true, "top_logprobs": 21}),
+        "top_logprobs",
+        "0 to 20",
+    );
+    rejects(
+        json!({"model": "m", "messages": user, "top_logprobs": 2}),
+        "top_logprobs",
+        "needs logprobs",
     );
     rejects(
         json!({"model": "m", "messages": user, "tool_choice": "required"}),
@@ -142,10 +157,48 @@ fn what_we_cannot_honour_is_a_400_naming_the_field() {
         "not supported",
     );
     rejects(
-        json!({"model": "m", "messages": user, "frequency_penalty": 0.5}),
+        json!({"model": "m", "messages": user, "frequency_penalty": 2.5}),
         "frequency_penalty",
-        "not supported",
+        "[-2, 2]",
     );
+    rejects(
+        json!({"model": "m", "messages": user, "presence_penalty": -3}),
+        "presence_penalty",
+        "[-2, 2]",
+    );
+    rejects(
+        json!({"model": "m", "messages": user, "repetition_penalty": 0}),
+        "repetition_penalty",
+        "(0, 2]",
+    );
+    rejects(
+        json!({"model": "m", "messages": user, "logit_bias": {"12": 101}}),
+        "logit_bias.12",
+        "[-100, 100]",
+    );
+    rejects(
+        json!({"model": "m", "messages": user, "logit_bias": {"a": 1}}),
+        "logit_bias.a",
+        "token ids",
+    );
+    rejects(
+        json!({"model": "m", "messages": user, "logit_bias": [1]}),
+        "logit_bias",
+        "object",
+    );
+    for (field, value) in [
+        ("functions", json!([{"name": "f"}])),
+        ("function_call", json!("auto")),
+        ("audio", json!({"voice": "alloy", "format": "wav"})),
+        ("modalities", json!(["text", "audio"])),
+        ("prediction", json!({"type": "content", "content": "x"})),
+        ("web_search_options", json!({})),
+    ] {
+        let mut body = json!({"model": "m", "messages": user});
+        body[field] = value;
+        rejects(body, field, "not supported");
+    }
+    assert!(chat(json!({"model": "m", "messages": user, "modalities": ["text"]})).is_ok());
     rejects(json!({"model": "m", "messages": []}), "messages", "empty");
     rejects(json!({"messages": user}), "model", "required");
     rejects(
@@ -236,5 +289,58 @@ fn completion_prompts_are_text_or_token_ids() {
     let batch = parse(json!({"model": "m", "prompt": ["a", "b"]})).unwrap_err();
     assert_eq!(batch.param.as_deref(), Some("prompt"));
     assert!(parse(json!({"model": "m", "prompt": [-1]})).is_err());
-    assert!(parse(json!({"model": "m", "prompt": "x", "echo": true})).is_err());
+    let echo = parse(json!({"model": "m", "prompt": "x", "echo": true, "max_tokens": 0})).unwrap();
+    assert!(echo.echo && echo.common.max_tokens == Some(0) && echo.logprobs.is_none());
+    let error = parse(json!({"model": "m", "prompt": "x", "max_tokens": 0})).unwrap_err();
+    assert_eq!(error.param.as_deref(), Some("max_tokens"));
+    assert_eq!(
+        parse(json!({"model": "m", "prompt": "x", "logprobs": 3}))
+            .unwrap()
+            .logprobs,
+        Some(3)
+    );
+    let error = parse(json!({"model": "m", "prompt": "x", "logprobs": 21})).unwrap_err();
+    assert_eq!(error.param.as_deref(), Some("logprobs"));
+}
+
+#[test]
+fn penalties_choices_and_log_probabilities_are_read() {
+    let user = json!([{"role": "user", "content": "Hi"}]);
+    let request = chat(
+        json!({"model": "m", "messages": user, "n": 3, "presence_penalty": 1.5,
+        "frequency_penalty": -0.5, "repetition_penalty": 1.1, "logit_bias": {"7": -100, "9": 2.5},
+        "logprobs": true, "top_logprobs": 4}),
+    )
+    .unwrap();
+    let p = &request.common.penalties;
+    assert_eq!((p.presence, p.frequency, p.repetition), (1.5, -0.5, 1.1));
+    let mut bias = p.logit_bias.clone();
+    bias.sort_by_key(|b| b.0);
+    assert_eq!(bias, [(7, -100.0), (9, 2.5)]);
+    assert_eq!((request.common.n, request.logprobs), (3, Some(4)));
+    let plain = chat(json!({"model": "m", "messages": user, "logprobs": false})).unwrap();
+    assert!(plain.common.penalties.is_none() && plain.logprobs.is_none());
+    assert_eq!(plain.common.n, 1);
+}
+
+#[test]
+fn reasoning_effort_none_turns_thinking_off_and_others_keep_it() {
+    let user = json!([{"role": "user", "content": "Hi"}]);
+    let thinking = |v: Value| chat(v).map(|r| r.template_kwargs["enable_thinking"].clone());
+    let base = |effort: &str| json!({"model": "m", "messages": user, "reasoning_effort": effort});
+    assert_eq!(thinking(base("none")).unwrap(), false);
+    for effort in ["minimal", "low", "medium", "high"] {
+        assert_eq!(thinking(base(effort)).unwrap(), true, "{effort}");
+    }
+    rejects(base("extreme"), "reasoning_effort", "not one of");
+    let mut conflict = base("none");
+    conflict["chat_template_kwargs"] = json!({"enable_thinking": true});
+    rejects(conflict, "reasoning_effort", "contradicts");
+    let request = chat(json!({"model": "m", "messages": user, "parallel_tool_calls": false}));
+    assert!(!request.unwrap().parallel_tool_calls);
+    rejects(
+        json!({"model": "m", "messages": user, "parallel_tool_calls": "no"}),
+        "parallel_tool_calls",
+        "true or false",
+    );
 }
