@@ -422,18 +422,23 @@ fn parse_common(
     })
 }
 
+/// Whether the tools are offered, from OpenAI's `tool_choice` (chat and Responses spell it
+/// alike): "auto" and "none" are honoured, forcing a tool call is refused (no constrained decoding
+/// yet).
+pub fn tools_enabled(body: &Map<String, Value>) -> ApiResult<bool> {
+    match body.get("tool_choice") {
+        None | Some(Value::Null) => Ok(true),
+        Some(Value::String(c)) if c == "auto" => Ok(true),
+        Some(Value::String(c)) if c == "none" => Ok(false),
+        Some(_) => Err(ApiError::unsupported(
+            "tool_choice",
+            "forcing a tool call (\"required\" or a named function)",
+        )),
+    }
+}
+
 pub fn parse_tools(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
-    let use_tools = match body.get("tool_choice") {
-        None | Some(Value::Null) => true,
-        Some(Value::String(c)) if c == "auto" => true,
-        Some(Value::String(c)) if c == "none" => false,
-        Some(_) => {
-            return Err(ApiError::unsupported(
-                "tool_choice",
-                "forcing a tool call (\"required\" or a named function)",
-            ));
-        }
-    };
+    let use_tools = tools_enabled(body)?;
     let tools = match body.get("tools") {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::Array(tools)) => tools,

@@ -22,7 +22,9 @@ pub use self::store::ResponseStore;
 use super::error::{ApiError, ApiResult};
 use super::ids::{new_id, unix_time};
 use super::prompt::chat_prompt;
-use super::request::{CommonRequest, MAX_MESSAGES, MAX_TOOLS, parse_body, parse_common_fields};
+use super::request::{
+    CommonRequest, MAX_MESSAGES, MAX_TOOLS, parse_body, parse_common_fields, tools_enabled,
+};
 use super::routes::{AppState, read_body};
 use super::sampling_defaults::SamplingDefaults;
 use super::stream::sse_response;
@@ -386,17 +388,7 @@ fn reasoning_text(item: &Value) -> String {
 /// Function tools, flat as Responses writes them, into chat's nested form; `tool_choice`
 /// "auto" and "none" are honoured, forcing a tool is not supported.
 fn parse_tools(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
-    let use_tools = match body.get("tool_choice") {
-        None | Some(Value::Null) => true,
-        Some(Value::String(c)) if c == "auto" => true,
-        Some(Value::String(c)) if c == "none" => false,
-        Some(_) => {
-            return Err(ApiError::unsupported(
-                "tool_choice",
-                "forcing a tool call (\"required\" or a named function)",
-            ));
-        }
-    };
+    let use_tools = tools_enabled(body)?;
     let tools = match body.get("tools") {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::Array(tools)) if tools.len() <= MAX_TOOLS => tools,
