@@ -26,7 +26,7 @@ use super::prompt::chat_prompt;
 use super::request::{CommonRequest, MAX_MESSAGES, MAX_TOOLS, parse_body};
 use super::routes::{AppState, read_body};
 use super::sampling_defaults::SamplingDefaults;
-use super::stream::sse_response;
+use super::stream::{collect, sse_response};
 use super::worker::WorkerEvent;
 
 pub async fn messages(State(app): State<Arc<AppState>>, body: Body) -> Response {
@@ -98,28 +98,17 @@ async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
     if request.common.stream {
         return Ok(sse_response(events, MessagesStream::new(head, blocks)));
     }
-    collect(events, head, blocks).await
+    answer(events, head, blocks).await
 }
 
-async fn collect(
-    mut events: UnboundedReceiver<WorkerEvent>,
+/// The whole message of a request that does not stream.
+async fn answer(
+    events: UnboundedReceiver<WorkerEvent>,
     head: MessageHead,
-    mut blocks: Blocks,
+    blocks: Blocks,
 ) -> ApiResult<Response> {
-    while let Some(event) = events.recv().await {
-        match event {
-            // The stream events are for streaming; the blocks keep what the message needs.
-            WorkerEvent::Engine(event) => {
-                blocks.on_engine_event(event);
-            }
-            WorkerEvent::Failed(message) => return Err(ApiError::internal(message)),
-            WorkerEvent::Done(outcome) => {
-                blocks.finish();
-                return Ok(Json(blocks.message(&head, &outcome)).into_response());
-            }
-        }
-    }
-    Err(ApiError::internal("the generation ended without a result"))
+    let (blocks, outcome) = collect(events, blocks).await?;
+    Ok(Json(blocks.message(&head, &outcome)).into_response())
 }
 
 pub(super) fn parse_messages_request(

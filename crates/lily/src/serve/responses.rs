@@ -27,7 +27,7 @@ use super::request::{
 };
 use super::routes::{AppState, read_body};
 use super::sampling_defaults::SamplingDefaults;
-use super::stream::sse_response;
+use super::stream::{collect, sse_response};
 use super::worker::WorkerEvent;
 
 pub async fn responses(State(app): State<Arc<AppState>>, body: Body) -> Response {
@@ -114,30 +114,19 @@ async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
     if request.common.stream {
         return Ok(sse_response(events, ResponsesStream::new(head, items)));
     }
-    collect(events, head, items).await
+    answer(events, head, items).await
 }
 
-async fn collect(
-    mut events: UnboundedReceiver<WorkerEvent>,
+/// The whole response of a request that does not stream, kept for `previous_response_id`.
+async fn answer(
+    events: UnboundedReceiver<WorkerEvent>,
     head: ResponseHead,
-    mut items: Items,
+    items: Items,
 ) -> ApiResult<Response> {
-    while let Some(event) = events.recv().await {
-        match event {
-            // The stream events are for streaming; the items keep what the response needs.
-            WorkerEvent::Engine(event) => {
-                items.on_engine_event(event);
-            }
-            WorkerEvent::Failed(message) => return Err(ApiError::internal(message)),
-            WorkerEvent::Done(outcome) => {
-                items.finish();
-                let response = head.response(&items, Some(&outcome));
-                head.keep(&items);
-                return Ok(Json(response).into_response());
-            }
-        }
-    }
-    Err(ApiError::internal("the generation ended without a result"))
+    let (items, outcome) = collect(events, items).await?;
+    let response = head.response(&items, Some(&outcome));
+    head.keep(&items);
+    Ok(Json(response).into_response())
 }
 
 pub(super) fn parse_responses_request(

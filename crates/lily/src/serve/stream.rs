@@ -11,7 +11,8 @@ use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use super::error::ApiError;
+use super::engine::{EngineEvent, Outcome};
+use super::error::{ApiError, ApiResult};
 use super::worker::WorkerEvent;
 
 /// A comment line keeps proxies and clients from timing out during a long prefill.
@@ -115,4 +116,34 @@ fn frames(format: &impl StreamFormat, chunks: &[Value], done: bool) -> Bytes {
         out.push_str("data: [DONE]\n\n");
     }
     Bytes::from(out)
+}
+
+/// A reply built from the engine's events (Anthropic's content blocks, Responses' items): the
+/// same parts give a stream's events and a whole answer.
+pub trait Reply {
+    /// The stream events for one engine event.
+    fn on_engine_event(&mut self, event: EngineEvent) -> Vec<Value>;
+    /// The events that close the reply.
+    fn finish(&mut self) -> Vec<Value>;
+}
+
+/// The whole reply of a request that does not stream, and how its generation ended (the stream
+/// events are dropped; the reply keeps what the answer needs).
+pub async fn collect<R: Reply>(
+    mut events: UnboundedReceiver<WorkerEvent>,
+    mut reply: R,
+) -> ApiResult<(R, Outcome)> {
+    while let Some(event) = events.recv().await {
+        match event {
+            WorkerEvent::Engine(event) => {
+                reply.on_engine_event(event);
+            }
+            WorkerEvent::Failed(message) => return Err(ApiError::internal(message)),
+            WorkerEvent::Done(outcome) => {
+                reply.finish();
+                return Ok((reply, outcome));
+            }
+        }
+    }
+    Err(ApiError::internal("the generation ended without a result"))
 }

@@ -9,7 +9,7 @@ use serde_json::{Map, Value, json};
 
 use crate::serve::engine::{EngineEvent, Finish, Outcome};
 use crate::serve::ids::new_id;
-use crate::serve::stream::{Step, StreamFormat};
+use crate::serve::stream::{Reply, Step, StreamFormat};
 use crate::serve::worker::WorkerEvent;
 
 pub struct MessageHead {
@@ -53,28 +53,6 @@ impl Blocks {
             open: false,
             cached_tokens: 0,
         }
-    }
-
-    /// The stream events for what the engine produced.
-    pub fn on_engine_event(&mut self, event: EngineEvent) -> Vec<Value> {
-        match event {
-            EngineEvent::Started { cached_tokens, .. } => {
-                self.cached_tokens = cached_tokens;
-                Vec::new()
-            }
-            EngineEvent::Text { text, .. } => {
-                let deltas = self.parser.push(&text);
-                deltas.into_iter().flat_map(|d| self.apply(d)).collect()
-            }
-        }
-    }
-
-    /// The events for the parser's last deltas, and the open block's end.
-    pub fn finish(&mut self) -> Vec<Value> {
-        let deltas = self.parser.finish();
-        let mut events: Vec<Value> = deltas.into_iter().flat_map(|d| self.apply(d)).collect();
-        events.extend(self.close());
-        events
     }
 
     fn close(&mut self) -> Option<Value> {
@@ -273,5 +251,29 @@ impl StreamFormat for MessagesStream {
 
     fn done_marker(&self) -> bool {
         false
+    }
+}
+
+impl Reply for Blocks {
+    /// The stream events for what the engine produced.
+    fn on_engine_event(&mut self, event: EngineEvent) -> Vec<Value> {
+        match event {
+            EngineEvent::Started { cached_tokens, .. } => {
+                self.cached_tokens = cached_tokens;
+                Vec::new()
+            }
+            EngineEvent::Text { text, .. } => {
+                let deltas = self.parser.push(&text);
+                deltas.into_iter().flat_map(|d| self.apply(d)).collect()
+            }
+        }
+    }
+
+    /// The events for the parser's last deltas, and the open block's end.
+    fn finish(&mut self) -> Vec<Value> {
+        let deltas = self.parser.finish();
+        let mut events: Vec<Value> = deltas.into_iter().flat_map(|d| self.apply(d)).collect();
+        events.extend(self.close());
+        events
     }
 }

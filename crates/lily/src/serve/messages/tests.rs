@@ -182,7 +182,7 @@ async fn a_reply_is_thinking_text_and_tool_use_blocks() {
     for event in events(REPLY, Finish::Stop, vec![1; 20]) {
         sender.send(event).unwrap();
     }
-    let response = collect(receiver, head(), blocks(&[])).await.unwrap();
+    let response = answer(receiver, head(), blocks(&[])).await.unwrap();
     let body: Value = serde_json::from_slice(
         &axum::body::to_bytes(response.into_body(), 1 << 20)
             .await
@@ -278,7 +278,7 @@ async fn stop_reasons_name_the_stop_sequence_or_the_length() {
         for event in events(&reply, finish, tokens.clone()) {
             sender.send(event).unwrap();
         }
-        let response = collect(receiver, head(), blocks(stop)).await.unwrap();
+        let response = answer(receiver, head(), blocks(stop)).await.unwrap();
         let body: Value = serde_json::from_slice(
             &axum::body::to_bytes(response.into_body(), 1 << 20)
                 .await

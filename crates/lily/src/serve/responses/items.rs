@@ -10,7 +10,7 @@ use serde_json::{Map, Value, json};
 use super::store::ResponseStore;
 use crate::serve::engine::{EngineEvent, Finish, Outcome};
 use crate::serve::ids::new_id;
-use crate::serve::stream::{Step, StreamFormat};
+use crate::serve::stream::{Reply, Step, StreamFormat};
 use crate::serve::worker::WorkerEvent;
 
 /// What the response object says besides its output.
@@ -106,25 +106,6 @@ impl Items {
             items: Vec::new(),
             open: false,
         }
-    }
-
-    /// The stream events (without sequence numbers) for what the engine produced.
-    pub fn on_engine_event(&mut self, event: EngineEvent) -> Vec<Value> {
-        match event {
-            EngineEvent::Started { .. } => Vec::new(),
-            EngineEvent::Text { text, .. } => {
-                let deltas = self.parser.push(&text);
-                deltas.into_iter().flat_map(|d| self.apply(d)).collect()
-            }
-        }
-    }
-
-    /// The events for the parser's last deltas, and the open item's end.
-    pub fn finish(&mut self) -> Vec<Value> {
-        let deltas = self.parser.finish();
-        let mut events: Vec<Value> = deltas.into_iter().flat_map(|d| self.apply(d)).collect();
-        events.extend(self.close());
-        events
     }
 
     fn item_json(&self, item: &Item, done: bool) -> Value {
@@ -390,5 +371,26 @@ impl StreamFormat for ResponsesStream {
 
     fn done_marker(&self) -> bool {
         false
+    }
+}
+
+impl Reply for Items {
+    /// The stream events (without sequence numbers) for what the engine produced.
+    fn on_engine_event(&mut self, event: EngineEvent) -> Vec<Value> {
+        match event {
+            EngineEvent::Started { .. } => Vec::new(),
+            EngineEvent::Text { text, .. } => {
+                let deltas = self.parser.push(&text);
+                deltas.into_iter().flat_map(|d| self.apply(d)).collect()
+            }
+        }
+    }
+
+    /// The events for the parser's last deltas, and the open item's end.
+    fn finish(&mut self) -> Vec<Value> {
+        let deltas = self.parser.finish();
+        let mut events: Vec<Value> = deltas.into_iter().flat_map(|d| self.apply(d)).collect();
+        events.extend(self.close());
+        events
     }
 }

@@ -156,9 +156,7 @@ async fn a_reply_is_reasoning_message_and_function_call_items_and_is_stored() {
         for event in events(Finish::Stop) {
             sender.send(event).unwrap();
         }
-        let response = collect(receiver, head(&store), items(single))
-            .await
-            .unwrap();
+        let response = answer(receiver, head(&store), items(single)).await.unwrap();
         let body: Value = serde_json::from_slice(
             &axum::body::to_bytes(response.into_body(), 1 << 20)
                 .await
