@@ -38,9 +38,10 @@ HEADERS = {
     "attention": ["heads.cuh", "attn_decode.cuh"],
     "attention_prefill": ["heads.cuh"],
     "gdn": ["gdn_decode.cuh"],
-    "moe": ["route.cuh", "moe_decode.cuh"],
+    "moe": ["gemv_staged.cuh", "route.cuh", "moe_decode.cuh"],
     "moe_prefill": ["route.cuh"],
-    "decode": ["gdn_decode.cuh", "heads.cuh", "attn_decode.cuh", "route.cuh", "moe_decode.cuh"],
+    "gemv": ["gemv_staged.cuh"],
+    "decode": ["gemv_staged.cuh", "gemv_stream.cuh", "gdn_decode.cuh", "heads.cuh", "attn_decode.cuh", "route.cuh", "moe_decode.cuh"],
 }
 # decode.cu's weight formats (decode.rs, StepFormats::MLX_4BIT; --dense: every format f32).
 STEP_FORMATS = {"BITS_EMBED": 4, "BITS_LM": 4, "BITS_GDN_IN": 4, "BITS_GDN_OUT": 4, "BITS_ATTN_IN": 4,
@@ -129,6 +130,7 @@ def main():
         for k, v in STEP_FORMATS.items():
             DEFINES[k] = "32" if a.dense else str(v)
         DEFINES["STEP_PERSISTENT"] = "1"
+        DEFINES["STREAM_WARP_BYTES"] = "18432"   # decode.rs, stream_warp_bytes on an H100/H200
     source = open(os.path.join(KERNELS, "common.cuh")).read() + "\n"
     for h in HEADERS.get(a.file, []):
         source += open(os.path.join(KERNELS, h)).read() + "\n"

@@ -38,7 +38,7 @@ impl KernelFile {
 pub const KERNEL_FILES: [KernelFile; 13] = [
     KernelFile {
         name: "gemv",
-        headers: &[],
+        headers: &[GEMV_STAGED],
         source: include_str!("kernels/gemv.cu"),
         entries: &[
             "gemv_b4",
@@ -79,7 +79,7 @@ pub const KERNEL_FILES: [KernelFile; 13] = [
     },
     KernelFile {
         name: "moe",
-        headers: &[ROUTE, MOE_DECODE],
+        headers: &[GEMV_STAGED, ROUTE, MOE_DECODE],
         source: include_str!("kernels/moe.cu"),
         entries: &[
             "moe_route_b4",
@@ -179,12 +179,22 @@ const HEADS: &str = include_str!("kernels/heads.cuh");
 const GDN_DECODE: &str = include_str!("kernels/gdn_decode.cuh");
 const ATTN_DECODE: &str = include_str!("kernels/attn_decode.cuh");
 const MOE_DECODE: &str = include_str!("kernels/moe_decode.cuh");
+const GEMV_STAGED: &str = include_str!("kernels/gemv_staged.cuh");
+const GEMV_STREAM: &str = include_str!("kernels/gemv_stream.cuh");
 
 /// The persistent decode step. Compiled apart from [`KERNEL_FILES`], once the weights are laid out:
 /// their formats are constants of it too (`crate::decode::StepFormats`).
 pub const DECODE_FILE: KernelFile = KernelFile {
     name: "decode",
-    headers: &[GDN_DECODE, HEADS, ATTN_DECODE, ROUTE, MOE_DECODE],
+    headers: &[
+        GEMV_STAGED,
+        GEMV_STREAM,
+        GDN_DECODE,
+        HEADS,
+        ATTN_DECODE,
+        ROUTE,
+        MOE_DECODE,
+    ],
     source: include_str!("kernels/decode.cu"),
     entries: &["decode_step", "decode_layout"],
     only_for: None,

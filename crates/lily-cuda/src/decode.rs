@@ -263,13 +263,48 @@ pub fn args_bytes() -> usize {
     std::mem::size_of::<DecArgs>()
 }
 
-/// Every -D constant of decode.cu for a model and its formats.
-pub fn step_defines(c: &ModelConfig, kv: KvPrecision, f: &StepFormats) -> Vec<(String, String)> {
+/// Warps a block of the step (decode.cu, DEC_THREADS / 32).
+const STEP_WARPS: usize = 8;
+/// Shared memory the step's ops other than the streamed GEMVs take beside the rings, at most
+/// (decode.cu: the attention split's, ~74 KiB with 256-dim heads; decode_layout reports the
+/// real total, which is checked against the device).
+const OTHER_SMEM: usize = 80 * 1024;
+/// The largest ring a warp gets: 5 stages of 4 row-chunks a lane (3,200 bytes each), 4 of them
+/// in flight, 8 KB of codes a warp and ~8.5 MB over 132 SMs, above the ~6 MB that DRAM's
+/// bandwidth × latency asks for.
+const MAX_STREAM_WARP_BYTES: usize = 18 * 1024;
+/// The smallest: two stages (gemv_stream.cuh refuses fewer).
+const MIN_STREAM_WARP_BYTES: usize = 2 * 3200;
+
+/// The shared-memory ring of one warp's streamed GEMV units (gemv_stream.cuh) on a device whose
+/// blocks may take `shared_optin` bytes.
+pub fn stream_warp_bytes(shared_optin: usize) -> Result<usize> {
+    let fit = shared_optin.saturating_sub(OTHER_SMEM) / STEP_WARPS / 16 * 16;
+    ensure!(
+        fit >= MIN_STREAM_WARP_BYTES,
+        "the persistent decode step needs at least {} bytes of shared memory a block, the device \
+         allows {shared_optin} (use the graph step: LILY_DECODE=graph)",
+        OTHER_SMEM + STEP_WARPS * MIN_STREAM_WARP_BYTES
+    );
+    Ok(fit.min(MAX_STREAM_WARP_BYTES))
+}
+
+/// Every -D constant of decode.cu for a model, its formats and the warps' rings.
+pub fn step_defines(
+    c: &ModelConfig,
+    kv: KvPrecision,
+    f: &StepFormats,
+    stream_warp_bytes: usize,
+) -> Vec<(String, String)> {
     let mut d = model_defines(c, kv);
     d.extend(f.defines());
     // The shared device code's loads for a kernel whose blocks read each other's outputs
-    // (common.cuh, load_act).
+    // (common.cuh, load_act), and the GEMVs' weights streamed (gemv_stream.cuh).
     d.push(("STEP_PERSISTENT".to_string(), "1".to_string()));
+    d.push((
+        "STREAM_WARP_BYTES".to_string(),
+        stream_warp_bytes.to_string(),
+    ));
     d
 }
 
@@ -326,7 +361,7 @@ impl PersistentStep {
     pub fn new(gpu: &Gpu, c: &ModelConfig, w: &DeviceWeights) -> Result<Self> {
         check_shapes(c)?;
         let formats = StepFormats::of(w)?;
-        let defines = step_defines(c, gpu.kv, &formats);
+        let defines = step_defines(c, gpu.kv, &formats, stream_warp_bytes(gpu.shared_optin)?);
         let ptx = compile(&DECODE_FILE, &defines, &gpu.arch)?;
         let module = gpu
             .ctx
@@ -359,6 +394,11 @@ impl PersistentStep {
             &sizes[1..5]
         );
         let (smem, threads) = (sizes[0], sizes[5]);
+        ensure!(
+            threads as usize == STEP_WARPS * 32,
+            "decode.cu's blocks have {threads} threads, decode.rs plans its rings for {}",
+            STEP_WARPS * 32
+        );
         ensure!(
             smem as usize <= gpu.shared_optin,
             "the persistent decode step needs {smem} bytes of shared memory a block, {} has {}",
@@ -586,5 +626,20 @@ mod tests {
         assert_eq!(std::mem::size_of::<DecLayer>(), 24 + 232 + 176 + 320);
         assert_eq!(std::mem::size_of::<DecModel>(), 2 * 40 + 8);
         assert_eq!(std::mem::size_of::<DecArgs>(), 3 * 8 + 18 * 8 + 4 * 4);
+    }
+
+    /// The rings take what the device's shared memory leaves beside the ops' own, capped, and a
+    /// device with too little for two stages a warp is refused with the way out.
+    #[test]
+    fn the_rings_fit_the_devices_shared_memory() {
+        // H100 / H200: the cap, 5 stages of 3,200 bytes.
+        assert_eq!(stream_warp_bytes(232_448).unwrap(), MAX_STREAM_WARP_BYTES);
+        // A100: what is left, a multiple of 16 bytes, at least two stages.
+        let a100 = stream_warp_bytes(166_912).unwrap();
+        assert_eq!(a100, (166_912 - OTHER_SMEM) / STEP_WARPS / 16 * 16);
+        assert!(a100 >= MIN_STREAM_WARP_BYTES && a100 < MAX_STREAM_WARP_BYTES);
+        // An RTX 4090's 99 KiB: refused, naming the graph step.
+        let err = stream_warp_bytes(101_376).unwrap_err().to_string();
+        assert!(err.contains("LILY_DECODE=graph"), "{err}");
     }
 }

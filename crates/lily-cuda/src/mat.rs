@@ -104,7 +104,11 @@ impl DeviceMat {
         cols: usize,
         group: usize,
     ) -> Result<Self> {
-        let groups = || gpu.zeros::<u16>(rows * cols / group);
+        // One element more than the groups: the persistent step reads a scale or bias as the
+        // aligned 4-byte word holding it (gemv_stream.cuh), which for the last one may be the
+        // pad. Never downloaded.
+        let n = rows * cols / group;
+        let groups = || gpu.zeros::<u16>(n + 1);
         let (scales, biases) = match bits {
             32 => (None, None),
             _ => (Some(groups()?), Some(groups()?)),
@@ -123,11 +127,13 @@ impl DeviceMat {
     /// The stored bytes: codes (or f32 values), scales and biases (empty for a dense matrix), so
     /// that tests can compare two devices' copies to the bit.
     pub fn download(&self, gpu: &Gpu) -> Result<[Vec<u8>; 3]> {
+        let n = self.rows * self.cols / self.group;
         let halves = |b: &Option<CudaSlice<u16>>| -> Result<Vec<u8>> {
             let values = b.as_ref().map(|b| gpu.download(b)).transpose()?;
             Ok(values
                 .unwrap_or_default()
                 .iter()
+                .take(n)
                 .flat_map(|v| v.to_le_bytes())
                 .collect())
         };

@@ -83,7 +83,7 @@ fn every_kernel_compiles_for_every_architecture() {
 #[ignore = "needs libnvrtc.so.13 on LD_LIBRARY_PATH; scripts/test.sh installs it and runs this"]
 fn the_persistent_decode_step_compiles_with_the_hosts_argument_layout() {
     use lily_cuda::compile::{DECODE_FILE, compile};
-    use lily_cuda::decode::{StepFormats, args_bytes, step_defines};
+    use lily_cuda::decode::{StepFormats, args_bytes, step_defines, stream_warp_bytes};
     let cache = std::env::temp_dir().join(format!("lily-nvrtc-decode-{}", std::process::id()));
     // SAFETY: set before any thread of this test binary reads the environment.
     unsafe { std::env::set_var("LILY_KERNEL_CACHE", &cache) };
@@ -97,8 +97,10 @@ fn the_persistent_decode_step_compiles_with_the_hosts_argument_layout() {
     ];
     for (name, config) in models {
         for formats in [StepFormats::MLX_4BIT, StepFormats::DENSE] {
-            for arch in ["sm_80", "sm_90"] {
-                let defines = step_defines(&config, KvPrecision::Bf16, &formats);
+            // An A100's and an H100's shared memory a block.
+            for (arch, optin) in [("sm_80", 166_912), ("sm_90", 232_448)] {
+                let ring = stream_warp_bytes(optin).unwrap();
+                let defines = step_defines(&config, KvPrecision::Bf16, &formats, ring);
                 let ptx = compile(&DECODE_FILE, &defines, arch)
                     .unwrap_or_else(|e| panic!("{name} {formats:?} for {arch}: {e:#}"));
                 let text = ptx.to_src();

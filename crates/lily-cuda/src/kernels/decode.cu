@@ -131,8 +131,9 @@ __device__ __forceinline__ void grid_sync(GridSync& g, int nblk) {
 
 // ---- Shared memory ----
 //
-// One dynamic buffer, laid out anew by each op. The staged GEMVs take xs | xsum | scratch; the
-// largest user is the attention split (AsSmem<DEC_WARPS> after the group's queries).
+// One dynamic buffer: the streamed GEMVs' rings, then what each op lays out anew. The staged GEMVs
+// take xs | xsum | scratch; the largest user is the attention split (AsSmem<DEC_WARPS> after the
+// group's queries).
 #define XS_MAX (XS_FLOATS(8) > XS_FLOATS(4) ? (XS_FLOATS(8) > XS_FLOATS(32) ? XS_FLOATS(8) : XS_FLOATS(32)) \
                                             : (XS_FLOATS(4) > XS_FLOATS(32) ? XS_FLOATS(4) : XS_FLOATS(32)))
 #define XSUM_MAX XSUM_FLOATS(4)
@@ -149,7 +150,11 @@ struct SplitSmem {
     AsSmem<DEC_WARPS> as;
 };
 
-extern __shared__ __align__(16) unsigned char dec_smem[];
+// The warps' rings of the streamed GEMVs first (gemv_stream.cuh), then the op's own.
+#define DEC_RING_BYTES (DEC_WARPS * STREAM_WARP_BYTES)
+
+template <class T>
+__device__ __forceinline__ T& op_smem() { return *reinterpret_cast<T*>(dec_smem + DEC_RING_BYTES); }
 
 // ---- Ops ----
 
@@ -224,7 +229,7 @@ __device__ void stage_gated(const DecArgs& A, const float* norm, GemvSmem& sm) {
 }
 
 // One GEMV of the step; for Y_LOGITS, the block's best row among the first `choices` in best_v
-// and best_i (lane 0 of each warp holds its own; lm_head_choose reduces them).
+// and best_i (each lane holds the best of the rows it stored; lm_head_choose reduces them).
 template <int B, int ROWS, int NB>
 __device__ void step_gemv(const DecArgs& A, const GemvOp& op, GemvSmem& sm, int blk, int nblk, float& best_v,
                           int& best_i) {
@@ -247,7 +252,7 @@ __device__ void step_gemv(const DecArgs& A, const GemvOp& op, GemvSmem& sm, int 
             A.proj[(which > 0 ? NH * 2 * HD : 0) + (which > 1 ? NKV * HD : 0) + row] = v;
             break;
         case Y_RESIDUAL:
-            A.hidden[row] = ldcg(A.hidden + row) + v;
+            add_owned(A.hidden + row, v);
             break;
         case Y_ROUTER:
             A.router_logits[which ? NE : row] = v;
@@ -280,12 +285,22 @@ __device__ void gemv_any(const DecArgs& A, const GemvOp& op, int bits, GemvSmem&
 #endif
 }
 
+// Positions a split takes at least (8 a warp): at short contexts a split's fixed cost (its
+// queries' norm and RoPE, the ring's first requests) outweighs its positions, and every split
+// more is one more partial for the combine to read.
+#define DEC_SPLIT_POSITIONS 64
+
+// Splits a KV head's `len` positions take: one block each, at most every block.
+__device__ __forceinline__ int attn_nsplit(int len, int nblk) {
+    return min(max(nblk / NKV, 1), (len + DEC_SPLIT_POSITIONS - 1) / DEC_SPLIT_POSITIONS);
+}
+
 // One (KV head, split) item a block: the group's queries normalised and rotated into shared
 // memory by every item of the group (a few KB from L2), the new key and value written into the
 // cache at `pos` by the last split (the one whose positions end there), then the split itself.
 __device__ void attn_split_op(const DecArgs& A, const DecLayer& L, const DecLayerState& S, SplitSmem& sm,
                               int pos, int blk, int nblk) {
-    const int nsplit = max(nblk / NKV, 1);
+    const int nsplit = attn_nsplit(pos + 1, nblk);
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     for (int item = blk; item < NKV * nsplit; item += nblk) {
         const int kv = item / nsplit, split = item % nsplit;
@@ -308,8 +323,8 @@ __device__ void attn_split_op(const DecArgs& A, const DecLayer& L, const DecLaye
 }
 
 // The splits merged and gated, a thread per (head, dim), into attn_out.
-__device__ void attn_combine_op(const DecArgs& A, int blk, int nblk) {
-    const int nsplit = max(nblk / NKV, 1);
+__device__ void attn_combine_op(const DecArgs& A, int pos, int blk, int nblk) {
+    const int nsplit = attn_nsplit(pos + 1, nblk);
     for (int i = blk * blockDim.x + threadIdx.x; i < NH * HD; i += nblk * blockDim.x)
         A.attn_out[i] = attn_combine_one(i / HD, i % HD, A.part_ml, A.part_acc, nsplit, A.proj);
 }
@@ -333,21 +348,29 @@ __device__ void moe_gate_up(const DecArgs& A, const DecLayer& L, GemvSmem& sm, i
                          A.act, sm.xs, sm.xsum, sm.scratch, blk, nblk);
 }
 
-// After the lm_head GEMV: each block's best row (best_v, best_i on each warp's lane 0) among the
+// After the lm_head GEMV: each block's best row (best_v, best_i on each lane) among the
 // first `choices`; the last block to finish picks the token (lowest id on ties, as the host's
 // argmax), writes it into the slot, advances the position and resets the counters.
 __device__ void lm_head_choose(const DecArgs& A, float best_v, int best_i, int blk, int nblk) {
-    // Only lane 0 of each warp took rows: reduce over the warps' lane 0s.
     __shared__ float wv[DEC_WARPS];
     __shared__ int wi[DEC_WARPS];
     __shared__ bool last;
+    auto better = [](float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); };
+    // The lanes' bests, then the warps'.
+    for (int o = WARP / 2; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, best_v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, best_i, o);
+        if (better(ov, oi, best_v, best_i)) {
+            best_v = ov;
+            best_i = oi;
+        }
+    }
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     if (lane == 0) {
         wv[warp] = best_v;
         wi[warp] = best_i;
     }
     __syncthreads();
-    auto better = [](float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); };
     if (threadIdx.x == 0) {
         for (int w = 0; w < DEC_WARPS; w++)
             if (better(wv[w], wi[w], best_v, best_i)) {
@@ -382,7 +405,7 @@ __device__ void lm_head_choose(const DecArgs& A, float best_v, int best_i, int b
 // The recurrence of one GDN layer, a (value head, GDN_COLS columns) item a block at a time.
 __device__ void gdn_recur(const DecArgs& A, const DecLayer& L, const DecLayerState& S, int blk,
                                        int nblk) {
-    auto& sm = *reinterpret_cast<GdnStepSmem<DEC_THREADS / GDN_COLS>*>(dec_smem);
+    auto& sm = op_smem<GdnStepSmem<DEC_THREADS / GDN_COLS>>();
     const int col_groups = (DV + GDN_COLS - 1) / GDN_COLS;
     for (int item = blk; item < NV * col_groups; item += nblk)
         gdn_step_cols<DEC_THREADS / GDN_COLS>(item / col_groups, item % col_groups * GDN_COLS, A.conv_out, A.proj,
@@ -392,7 +415,7 @@ __device__ void gdn_recur(const DecArgs& A, const DecLayer& L, const DecLayerSta
 // hidden += the chosen experts' and the shared expert's down projections, weighted.
 __device__ void moe_down(const DecArgs& A, const DecLayer& L, int blk, int nblk) {
     down_combine<BITS_EXPERT>(L.m.down, L.m.sh_down, A.inter, A.model->embed.cols, A.ids, A.weights, A.router_logits,
-                              A.act, A.hidden, *reinterpret_cast<DownSmem<BITS_EXPERT>*>(dec_smem), blk, nblk);
+                              A.act, A.hidden, op_smem<DownSmem<BITS_EXPERT>>(), blk, nblk);
 }
 
 // The ops of a layer in order, a grid barrier after each (every op reads what the one before it
@@ -431,7 +454,7 @@ __device__ GemvOp layer_gemv(const DecArgs& A, const DecLayer& L, const DecLayer
 
 extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1) decode_step(const DecArgs A) {
     const int blk = blockIdx.x, nblk = gridDim.x;
-    GemvSmem& gsm = *reinterpret_cast<GemvSmem*>(dec_smem);
+    GemvSmem& gsm = op_smem<GemvSmem>();
     __shared__ int ids[TOPK];
     __shared__ float weights[TOPK];
     GridSync sync{A.sync, 0, A.timeline, 0};
@@ -464,9 +487,9 @@ extern "C" __global__ void __launch_bounds__(DEC_THREADS, 1) decode_step(const D
             }
             case OP_GDN_RECUR: gdn_recur(A, L, S, blk, nblk); break;
             case OP_ATTN_SPLIT:
-                attn_split_op(A, L, S, *reinterpret_cast<SplitSmem*>(dec_smem), pos, blk, nblk);
+                attn_split_op(A, L, S, op_smem<SplitSmem>(), pos, blk, nblk);
                 break;
-            case OP_ATTN_COMBINE: attn_combine_op(A, blk, nblk); break;
+            case OP_ATTN_COMBINE: attn_combine_op(A, pos, blk, nblk); break;
             case OP_GATE_UP: moe_gate_up(A, L, gsm, ids, weights, blk, nblk); break;
             case OP_DOWN: moe_down(A, L, blk, nblk); break;
             default: break;
@@ -489,7 +512,7 @@ extern "C" __global__ void decode_layout(u32* out) {
     smem = smem > sizeof(SplitSmem) ? smem : sizeof(SplitSmem);
     smem = smem > sizeof(GdnStepSmem<DEC_THREADS / GDN_COLS>) ? smem : sizeof(GdnStepSmem<DEC_THREADS / GDN_COLS>);
     smem = smem > sizeof(DownSmem<BITS_EXPERT>) ? smem : sizeof(DownSmem<BITS_EXPERT>);
-    out[0] = (u32)smem;
+    out[0] = (u32)(DEC_RING_BYTES + smem);
     out[1] = (u32)sizeof(DecArgs);
     out[2] = (u32)sizeof(DecLayer);
     out[3] = (u32)sizeof(DecLayerState);

@@ -32,15 +32,12 @@ __device__ void gate_up(Mat gate, Mat up, Mat sh_gate, Mat sh_up, int inter, con
             xoff[2 * i] = xoff[2 * i + 1] = 0;
         }
     };
-    auto stage = [&]() {
-        float inv = block_inv_rms(hidden, gate.cols, eps, scratch);
-        stage_x<BITS>(gate.cols, hidden, norm_w, inv, xs, xsum);
-    };
+    auto stage = [&]() { stage_maybe_normed<BITS>(gate.cols, hidden, norm_w, eps, xs, xsum, scratch); };
     auto store = [&](long u, float (&acc)[2 * PAIRS]) {
 #pragma unroll
         for (int i = 0; i < PAIRS; i++) {
             float g = warp_sum(acc[2 * i]), v = warp_sum(acc[2 * i + 1]);
-            if (threadIdx.x % WARP == 0 && u * PAIRS + i < pairs) act[u * PAIRS + i] = siluf(g) * v;
+            if (threadIdx.x % WARP == i && u * PAIRS + i < pairs) act[u * PAIRS + i] = siluf(g) * v;
         }
     };
     staged_units<BITS, 2 * PAIRS, GEMV_BATCH, true, false>(units, gate.cols, gate.group, rows_of, stage, store,
@@ -98,38 +95,57 @@ __device__ void down_combine_dense(Mat down, Mat sh_down, int inter, int hidden,
 
 // Output row h of the down projection as one "virtual row" of TOPK·rch + sch chunks: the chosen
 // experts' down rows (expert id_k, row h) one after another, then the shared expert's row h, in
-// the order act lays out its slots, so chunk ch multiplies staged x chunk ch. Fills the batch
-// with rows h0 … h0 + R - 1 (ragged ones clamped to the last row; their sums are not stored).
+// the order act lays out its slots, so chunk ch multiplies staged x chunk ch.
+struct DownChunk {
+    const uint4* q;       // the chunk's codes in row h0
+    const u16* scales;    // its group's scale and bias in row h0
+    const u16* biases;
+    u32 vecs, groups;     // chunks and groups a row of its matrix (row h0 + r is r of them on)
+};
+
+template <int BITS>
+__device__ __forceinline__ DownChunk down_chunk(const Mat& down, const Mat& sh, const int* sid, long h0,
+                                                int hidden, int rch, int ch) {
+    constexpr int PER = 128 / BITS;
+    u32 seg = min((u32)ch / (u32)rch, (u32)TOPK);
+    u32 within = (u32)ch - seg * (u32)rch;
+    // Field by field: selecting a whole Mat by reference puts both in local memory.
+    bool routed = seg < TOPK;
+    const uint4* w = (const uint4*)(routed ? down.w : sh.w);
+    const u16* sc = routed ? down.scales : sh.scales;
+    const u16* bi = routed ? down.biases : sh.biases;
+    u32 cols = routed ? down.cols : sh.cols, group = routed ? down.group : sh.group;
+    long row0 = routed ? (long)sid[routed ? seg : 0] * hidden + h0 : h0;
+    u32 vecs = cols / PER, groups = cols / group;
+    long gi = row0 * groups + within * PER / group;
+    return DownChunk{w + row0 * vecs + within, sc + gi, bi + gi, vecs, groups};
+}
+
+// The rows h0 … h0 + R − 1 of a unit (ragged ones repeat the last row, uniform across the warp;
+// their sums are not stored), as offsets from h0.
+template <int R>
+__device__ __forceinline__ void down_rows(long h0, int hidden, int (&dr)[R]) {
+#pragma unroll
+    for (int r = 0; r < R; r++) dr[r] = (int)min((long)r, hidden - 1 - h0);
+}
+
+// Fills the batch with the chunks base + lane + j·WARP of rows h0 … h0 + R − 1.
 template <int BITS, int R, int NB>
 __device__ __forceinline__ void load_down(Batch<BITS, R, NB>& b, const Mat& down, const Mat& sh,
                                           const int* sid, long h0, int hidden, int rch,
                                           int chunks, int base, int lane) {
-    constexpr int PER = 128 / BITS;
-    // Rows past the end repeat the last one (uniform across the warp).
     int dr[R];
-#pragma unroll
-    for (int r = 0; r < R; r++) dr[r] = (int)min((long)r, hidden - 1 - h0);
+    down_rows<R>(h0, hidden, dr);
 #pragma unroll
     for (int j = 0; j < NB; j++) {
         int ch = base + lane + j * WARP;
         if (ch < chunks) {
-            u32 seg = min((u32)ch / (u32)rch, (u32)TOPK);
-            u32 within = (u32)ch - seg * (u32)rch;
-            // Field by field: selecting a whole Mat by reference puts both in local memory.
-            bool routed = seg < TOPK;
-            const uint4* w = (const uint4*)(routed ? down.w : sh.w);
-            const u16* sc = routed ? down.scales : sh.scales;
-            const u16* bi = routed ? down.biases : sh.biases;
-            u32 cols = routed ? down.cols : sh.cols, group = routed ? down.group : sh.group;
-            long row0 = routed ? (long)sid[routed ? seg : 0] * hidden + h0 : h0;
-            u32 vecs = cols / PER, groups = cols / group;
-            const uint4* q = w + row0 * vecs + within;
-            long gi = row0 * groups + within * PER / group;
+            const DownChunk c = down_chunk<BITS>(down, sh, sid, h0, hidden, rch, ch);
 #pragma unroll
             for (int r = 0; r < R; r++) {
-                b.q[r][j] = load_weight4(q + dr[r] * vecs);
-                b.scale[r][j] = load_weight16(sc + gi + dr[r] * groups);
-                b.bias[r][j] = load_weight16(bi + gi + dr[r] * groups);
+                b.q[r][j] = load_weight4(c.q + dr[r] * c.vecs);
+                b.scale[r][j] = load_weight16(c.scales + dr[r] * c.groups);
+                b.bias[r][j] = load_weight16(c.biases + dr[r] * c.groups);
             }
         }
     }
@@ -151,7 +167,7 @@ __device__ void down_combine_q(Mat down, Mat sh_down, int inter, int hidden, con
                                const float* weights, const float* logits, const float* act,
                                float* residual, float* xs, float* xsum, int* sid, float* segw, int blk,
                                int nblk) {
-    constexpr int PER = 128 / BITS, R = DOWN_ROWS, NB = DOWN_BATCH;
+    constexpr int PER = 128 / BITS, R = DOWN_ROWS;
     if (threadIdx.x < TOPK) {
         sid[threadIdx.x] = ldcg_int(ids + threadIdx.x);
         segw[threadIdx.x] = ldcg(weights + threadIdx.x);
@@ -162,14 +178,9 @@ __device__ void down_combine_q(Mat down, Mat sh_down, int inter, int hidden, con
     int lane = threadIdx.x % WARP;
     int rch = inter / PER, chunks = TOPK * rch + sh_down.cols / PER;
     long units = (hidden + R - 1) / R;
-    long stride = (long)nblk * (blockDim.x / WARP);
-    long u = (long)(threadIdx.x / WARP) * nblk + blk;   // as staged_units numbers them
-    Batch<BITS, R, NB> b;
-    if (u < units) load_down<BITS, R, NB>(b, down, sh_down, sid, u * R, hidden, rch, chunks, 0, lane);
-    pdl_wait();
     // Stage act · slot weight, as stage_x does (padded, prescaled, chunk sums); a float4 and a
     // chunk never straddle two slots (inter and the shared width are multiples of PER).
-    {
+    auto stage = [&]() {
         int n4 = (TOPK * inter + sh_down.cols) / 4, end = (n4 + WARP - 1) / WARP * WARP;
         for (int c = threadIdx.x; c < end; c += blockDim.x * DOWN_STAGE_UNROLL) {
             float4 v[DOWN_STAGE_UNROLL];
@@ -187,7 +198,49 @@ __device__ void down_combine_q(Mat down, Mat sh_down, int inter, int hidden, con
             for (int k = 0; k < DOWN_STAGE_UNROLL; k++) stage_float4<BITS>(v[k], c + k * blockDim.x, n4, xs, xsum);
         }
         __syncthreads();
-    }
+    };
+    // Every lane holds each row's sum after warp_sum; lane r adds row r, so the rows' adds
+    // (each a round trip in the graph step) go out together.
+    auto store = [&](long u, float (&acc)[R]) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float v = warp_sum(acc[r]);
+            if (lane == r && u * R + r < hidden) {
+#if STEP_PERSISTENT
+                add_owned(residual + u * R + r, v);
+#else
+                residual[u * R + r] = load_act(residual + u * R + r) + v;
+#endif
+            }
+        }
+    };
+#if STEP_PERSISTENT
+    constexpr int SNB = stream_nb<R>();
+    auto issue = [&](long u, int base, StreamSlab<R, SNB>& slab, int lane) {
+        int dr[R];
+        down_rows<R>(u * R, hidden, dr);
+        u32 halves = 0;
+#pragma unroll
+        for (int j = 0; j < SNB; j++) {
+            const int ch = base + lane + j * WARP;
+            if (ch >= chunks) break;
+            const DownChunk c = down_chunk<BITS>(down, sh_down, sid, u * R, hidden, rch, ch);
+#pragma unroll
+            for (int r = 0; r < R; r++)
+                stream_chunk(slab, r, j, lane, c.q + dr[r] * c.vecs, c.scales + dr[r] * c.groups,
+                             c.biases + dr[r] * c.groups, halves);
+        }
+        return halves;
+    };
+    stream_units<BITS, R>(units, chunks, issue, stage, store, xs, xsum, blk, nblk);
+#else
+    constexpr int NB = DOWN_BATCH;
+    long stride = (long)nblk * (blockDim.x / WARP);
+    long u = (long)(threadIdx.x / WARP) * nblk + blk;   // as staged_units numbers them
+    Batch<BITS, R, NB> b;
+    if (u < units) load_down<BITS, R, NB>(b, down, sh_down, sid, u * R, hidden, rch, chunks, 0, lane);
+    pdl_wait();
+    stage();
     const int xoff[R] = {};
     for (; u < units; u += stride) {
         float acc[R] = {};
@@ -197,12 +250,9 @@ __device__ void down_combine_q(Mat down, Mat sh_down, int inter, int hidden, con
         }
         if (u + stride < units)
             load_down<BITS, R, NB>(b, down, sh_down, sid, (u + stride) * R, hidden, rch, chunks, 0, lane);
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            float v = warp_sum(acc[r]);
-            if (lane == 0 && u * R + r < hidden) residual[u * R + r] = load_act(residual + u * R + r) + v;
-        }
+        store(u, acc);
     }
+#endif
 }
 
 // The shared memory of down_combine: staged act and its chunk sums, the routing.
