@@ -637,7 +637,7 @@ mod tests {
         // A100: what is left, a multiple of 16 bytes, at least two stages.
         let a100 = stream_warp_bytes(166_912).unwrap();
         assert_eq!(a100, (166_912 - OTHER_SMEM) / STEP_WARPS / 16 * 16);
-        assert!(a100 >= MIN_STREAM_WARP_BYTES && a100 < MAX_STREAM_WARP_BYTES);
+        assert!((MIN_STREAM_WARP_BYTES..MAX_STREAM_WARP_BYTES).contains(&a100));
         // An RTX 4090's 99 KiB: refused, naming the graph step.
         let err = stream_warp_bytes(101_376).unwrap_err().to_string();
         assert!(err.contains("LILY_DECODE=graph"), "{err}");
