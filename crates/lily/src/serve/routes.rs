@@ -101,6 +101,7 @@ impl AppState {
             n: request.n,
             logprobs: None,
             prompt_logprobs: None,
+            grammar: None,
         })
     }
 }
