@@ -235,7 +235,10 @@ mod tests {
                 tokens.push(stage.decode(&backend, &mut (), last).unwrap().token);
             }
             assert_eq!(tokens.len(), 7, "{tokens:?}");
-            assert!(tokens[..6].iter().all(|t| t.is_multiple_of(3)), "{tokens:?}");
+            assert!(
+                tokens[..6].iter().all(|t| t.is_multiple_of(3)),
+                "{tokens:?}"
+            );
         }
         // Constrained decoding takes the logits path: the mask is applied on the host.
         assert!(backend.calls.lock().unwrap().iter().all(|c| *c == "logits"));

@@ -12,6 +12,7 @@ use lily_core::model_ref::ModelRef;
 use crate::cmd::pull::resolve_model;
 use crate::device::{Device, load};
 use crate::serve::access::Access;
+use crate::serve::constrained::GrammarEngine;
 use crate::serve::engine::Engine;
 use crate::serve::ids::unix_time;
 use crate::serve::listen;
@@ -104,6 +105,7 @@ pub fn run(args: Args) -> Result<()> {
     );
     eprintln!("lily: {}", text.provenance);
     let vocab_size = backend.config().vocab_size;
+    let grammars = GrammarEngine::new(backend.config().eos_token_ids.clone());
     let budget = args.snapshot_cache_mb << 20;
     let engine = Engine::new(backend, text.clone(), max_seq, budget)?;
     let metrics = Metrics::new();
@@ -126,6 +128,7 @@ pub fn run(args: Args) -> Result<()> {
         body_timeout,
         metrics,
         responses: Default::default(),
+        grammars,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
