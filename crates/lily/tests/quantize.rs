@@ -86,6 +86,35 @@ fn quantize_then_score_against_the_source_and_mlx_lm() {
     assert!(agreement > 0.3 && agreement < 1.0, "{agreement}");
     assert!(ratio > 0.5 && ratio < 2.0 && ratio != 1.0, "{ratio}");
     assert_eq!(fidelity["perplexity"], same["perplexity"]);
+
+    // `generate --quantize q4` decodes with the weights `lily quantize` writes: the same tokens.
+    let generate = |model: &Path, quantize: bool| {
+        let mut args = vec![
+            "generate",
+            "--device",
+            "cpu",
+            "--json",
+            "--temperature",
+            "0",
+        ];
+        args.extend(["--max-tokens", "12", "--ignore-eos", "--tokens", &tokens]);
+        args.extend(["--model", model.to_str().unwrap()]);
+        if quantize {
+            args.extend(["--quantize", "q4"]);
+        }
+        score_json(&args)["tokens"].clone()
+    };
+    let at_load = generate(&hf, true);
+    assert_eq!(at_load.as_array().map(Vec::len), Some(12), "{at_load}");
+    assert_eq!(at_load, generate(&q4, false));
+    // And every command that loads a model takes the flag.
+    for command in ["serve", "chat", "bench"] {
+        let o = lily(&[command, "--help"]);
+        assert!(
+            text(&o.stdout).contains("--quantize <QUANTIZE>"),
+            "{command}"
+        );
+    }
 }
 
 #[test]

@@ -10,7 +10,8 @@ use lily_core::config::ModelConfig;
 use lily_core::model_ref::ModelRef;
 
 use crate::cmd::pull::resolve_model;
-use crate::device::{Device, load};
+use crate::cmd::quantize::QuantizeArg;
+use crate::device::{Device, load_with};
 use crate::serve::access::Access;
 use crate::serve::constrained::GrammarEngine;
 use crate::serve::engine::Engine;
@@ -48,6 +49,9 @@ pub struct Args {
     /// The model name clients send (default: the --model argument).
     #[arg(long)]
     served_model_name: Option<String>,
+    /// Quantise --model's bf16/f32 weights to 4 bits at load (what `lily quantize` would write).
+    #[arg(long, value_enum)]
+    quantize: Option<QuantizeArg>,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health [env: LILY_API_KEY].
@@ -97,7 +101,7 @@ pub fn run(args: Args) -> Result<()> {
     listener.set_nonblocking(true)?;
     // Every endpoint returns text, so a checkpoint without a tokenizer cannot be served at all.
     let text = Arc::new(text_model_for(&model)?);
-    let backend = load(&args.model, args.device)?;
+    let backend = load_with(&args.model, args.device, args.quantize.is_some())?;
     eprintln!(
         "lily: {} on {}",
         model.display_name(),
