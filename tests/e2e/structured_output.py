@@ -97,6 +97,12 @@ def check_json_object_and_streaming(server):
         if chunk.choices
     )
     jsonschema.validate(json.loads(text), schema)
+    # n choices: each walks the grammar from its start, with its own seed.
+    reply = ask(server, schema, 1.0, seed=5, n=3)
+    assert len(reply.choices) == 3, reply
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), schema)
     # Any object: keys are unbounded strings, which random weights rarely close, so only a
     # finished reply is parsed and a cut one must say "length".
     for seed in range(4):

@@ -173,3 +173,58 @@ fn bad_grammars_and_tool_choices_are_errors() {
     let error = tool_call_lark(&tools, Some("g"), true).unwrap_err();
     assert_eq!(error.param, "tool_choice");
 }
+
+/// What a client controls (names, patterns, enum values, schemas) reaches the grammar's text;
+/// whatever it holds, compiling answers (an error or a grammar), never panics, and a grammar
+/// that compiles is followed.
+#[test]
+fn hostile_names_and_patterns_compile_or_fail_cleanly() {
+    let strings = [
+        "(",
+        ")",
+        "/",
+        "\\",
+        "\"",
+        "\n",
+        "a/b",
+        "[",
+        "{2,1}",
+        "\u{0}",
+        "é\u{1F600}",
+        "<",
+        "",
+        "a{99999}",
+        "%json",
+        "\"start: x\"",
+    ];
+    for text in strings {
+        let tools = [
+            json!({"type": "function", "function": {"name": text, "parameters": {
+            "type": "object", "properties": {
+                text: {"type": "string", "pattern": text},
+                "e": {"type": "string", "enum": [text, "x"]},
+            }, "required": [text]}}}),
+        ];
+        if let Ok(lark) = tool_call_lark(&tools, None, false) {
+            let _ = grammars().compile(&lark, false);
+        }
+        let schema = json!({"type": "object", "properties": {text: {"type": "string", "pattern": text}},
+                            "required": [text]});
+        let _ = grammars().compile(&OutputFormat::JsonSchema(schema).answer_lark(), true);
+    }
+    let mut deep = json!({"type": "integer"});
+    for _ in 0..200 {
+        deep = json!({"type": "array", "items": deep, "maxItems": 1});
+    }
+    let _ = grammars().compile(&OutputFormat::JsonSchema(deep).answer_lark(), false);
+    // A name with a quote and a newline is still written exactly.
+    let tools = [json!({"type": "function", "function": {"name": "a\"b\nc"}})];
+    let grammar = grammars()
+        .compile(&tool_call_lark(&tools, None, false).unwrap(), false)
+        .unwrap();
+    let text = generate(&grammar, 1.0, 5, &[]).unwrap();
+    assert_eq!(
+        text,
+        "<tool_call>\n<function=a\"b\nc>\n</function>\n</tool_call>"
+    );
+}
