@@ -86,7 +86,10 @@ pub fn run(args: Args) -> Result<()> {
     };
     // Weights read per decoded token: the active ones (chosen experts, not the embedding table)
     // in the format they were loaded in.
-    let format = weight_format(&crate::cmd::pull::resolve_model(&args.model)?, false)?;
+    let format = weight_format(
+        &crate::cmd::pull::resolve_model(&args.model)?,
+        args.quantize.is_some(),
+    )?;
     let weight_bytes = match format {
         WeightFormat::F32 => c.param_count().active * 4,
         WeightFormat::Mlx => c.weight_bytes().q4_active,
