@@ -18,6 +18,9 @@ cargo check --manifest-path fuzz/Cargo.toml --bins
 python3 -c "import openai" 2>/dev/null || python3 -m pip install -q "openai>=1.40"
 cargo build -p lily
 timeout 600 python3 tests/e2e/openai_client.py "${CARGO_TARGET_DIR:-target}/debug/lily"
+# Constrained decoding: every output of many generated schemas validates (jsonschema checks it).
+python3 -c "import jsonschema" 2>/dev/null || python3 -m pip install -q "jsonschema>=4.0"
+timeout 600 python3 tests/e2e/structured_output.py "${CARGO_TARGET_DIR:-target}/debug/lily"
 # /v1/messages against the official Anthropic client (blocks, streaming events, tools, errors).
 python3 -c "import anthropic" 2>/dev/null || python3 -m pip install -q "anthropic>=0.40"
 timeout 300 python3 tests/e2e/anthropic_client.py "${CARGO_TARGET_DIR:-target}/debug/lily"

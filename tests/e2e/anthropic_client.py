@@ -5,6 +5,7 @@
 Usage: python3 tests/e2e/anthropic_client.py path/to/lily
 """
 
+import json
 import sys
 
 import anthropic
@@ -99,6 +100,28 @@ def check_tools(client):
     assert message.stop_reason in ("end_turn", "max_tokens", "tool_use"), message
 
 
+def check_constrained(client):
+    """A forced tool call (`any`, `tool`) and `output_config.format` follow their schemas."""
+    city = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Rome", "Oslo"]}},
+            "required": ["city"], "additionalProperties": False}
+    tool = dict(WEATHER_TOOL, input_schema=city)
+    for seed, choice in enumerate([{"type": "any"}, {"type": "tool", "name": "get_weather"}]):
+        message = client.messages.create(
+            model=MODEL, max_tokens=120, messages=HELLO, thinking=NO_THINK, tools=[tool],
+            tool_choice=choice, extra_body={"temperature": 1, "seed": seed},
+        )
+        assert message.stop_reason == "tool_use", message
+        uses = [b for b in message.content if b.type == "tool_use"]
+        assert uses and all(u.name == "get_weather" and u.input["city"] in ("Rome", "Oslo") for u in uses), message
+    message = client.messages.create(
+        model=MODEL, max_tokens=120, messages=HELLO, thinking=NO_THINK,
+        output_config={"format": {"type": "json_schema", "schema": city}},
+        extra_body={"temperature": 1, "seed": 3},
+    )
+    assert message.stop_reason == "end_turn", message
+    assert json.loads(message.content[0].text)["city"] in ("Rome", "Oslo"), message
+
+
 def check_errors(client):
     """Anthropic's error shapes, raised as the client's own exceptions."""
     try:
@@ -107,9 +130,9 @@ def check_errors(client):
     except anthropic.NotFoundError as e:
         assert e.status_code == 404 and e.body["error"]["type"] == "not_found_error", e.body
     for fields, named in [
-        ({"tool_choice": {"type": "any"}, "tools": [WEATHER_TOOL]}, "tool_choice"),
+        ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER_TOOL]}, "tool_choice"),
         ({"extra_body": {"temperature": 1.5}}, "temperature"),
-        ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
+        ({"output_config": {"format": {"type": "json_schema", "schema": {"type": "frob"}}}},
          "output_config.format"),
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
             "type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, "messages[0].content[0]"),
@@ -134,6 +157,7 @@ def main():
         ("message", lambda: replies.update(text=check_message(server, client))),
         ("streaming", lambda: check_streaming(client, replies["text"])),
         ("tools", lambda: check_tools(client)),
+        ("constrained decoding", lambda: check_constrained(client)),
         ("errors", lambda: check_errors(client)),
     ]
     passed = 0

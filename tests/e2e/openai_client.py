@@ -255,7 +255,9 @@ def check_errors(server):
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"logit_bias": {"999999": 1}}, "logit_bias.999999"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}},
+         "response_format"),
+        ({"tool_choice": "required"}, "tool_choice"),
     ]:
         try:
             server.client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2, **fields)
@@ -467,9 +469,9 @@ def check_responses(server):
                                             max_output_tokens=4, temperature=0)
     assert called.usage.input_tokens > 250, called.usage
     for fields, param in [
-        ({"tool_choice": "required", "tools": [tool]}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [tool]}, "tool_choice"),
         ({"tools": [{"type": "web_search"}]}, "tools[0]"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
     ]:
         try:

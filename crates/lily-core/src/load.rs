@@ -69,6 +69,24 @@ pub fn check_fits(
     Ok(())
 }
 
+/// An f32 load that does not fit is told what would: 4-bit weights, made at load by the
+/// command's `--quantize q4` or written once by `lily quantize`.
+fn with_quantize_hint(
+    error: anyhow::Error,
+    name: &str,
+    config: &ModelConfig,
+    format: WeightFormat,
+) -> anyhow::Error {
+    if format != WeightFormat::F32 {
+        return error;
+    }
+    let q4 = weight_bytes(config, WeightFormat::Mlx) as f64 / 1e9;
+    anyhow::anyhow!(
+        "{error}; add --quantize q4 to load it as 4-bit weights ({q4:.1} GB), or write them once \
+         with `lily quantize --model {name} --out DIR`"
+    )
+}
+
 /// `MemAvailable` from /proc/meminfo, where there is one.
 pub fn available_memory() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -87,7 +105,9 @@ pub fn load_weights(
     let format = weight_format(model, quantize)?;
     let (config, source) = model.open()?;
     let needed = weight_bytes(&config, format);
-    check_fits(&model.display_name(), format, needed, available_memory())?;
+    let name = model.display_name();
+    check_fits(&name, format, needed, available_memory())
+        .map_err(|e| with_quantize_hint(e, &name, &config, format))?;
     let source = if quantize {
         Box::new(QuantizingSource::new(source))
     } else {
@@ -121,6 +141,15 @@ mod tests {
         check_fits("x", format, needed, None).unwrap();
         let f32 = weight_bytes(&config, WeightFormat::F32);
         assert_eq!(f32, 4 * 34_660_610_688);
+        // An f32 load that does not fit names the flag that makes it fit.
+        let err = check_fits("big", WeightFormat::F32, f32, Some(64 << 30)).unwrap_err();
+        let err = with_quantize_hint(err, "big", &config, WeightFormat::F32).to_string();
+        assert!(
+            err.contains("138.6 GB for its f32 weights")
+                && err.contains("--quantize q4 to load it as 4-bit weights (19.5 GB)")
+                && err.contains("lily quantize --model big"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -5,6 +5,12 @@
 //! from them, exactly. Penalties need the logits too; the backend sees that through
 //! `Sampler::is_raw_greedy`. A device-side sampler (mask, penalties, top log-probabilities on
 //! the device) replaces the body of this module, not its callers.
+//!
+//! A constraint (constrained decoding: a grammar the output must follow) also takes the logits
+//! path: the tokens it forbids get a logit of -inf before the choice, and it is told the token
+//! chosen. On CUDA its mask is still applied on the host, after the logits came back.
+
+use std::fmt::Debug;
 
 use anyhow::Result;
 
@@ -15,10 +21,25 @@ use crate::sampling::Sampler;
 /// The most alternatives a request may ask for (OpenAI's limit).
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
+/// One generation's walk through a grammar.
+pub trait Constraint: Send {
+    /// Sets the logit of every token not allowed next to -inf. At least one token stays allowed:
+    /// once the grammar is complete, only the end-of-turn token is, so the generation stops.
+    fn mask(&mut self, logits: &mut [f32]) -> Result<()>;
+    /// `token` was chosen (one the last mask allowed).
+    fn advance(&mut self, token: u32) -> Result<()>;
+}
+
+/// A grammar a request's output must follow; each choice walks it with a constraint of its own.
+pub trait Grammar: Send + Sync + Debug {
+    fn start(&self) -> Result<Box<dyn Constraint>>;
+}
+
 pub struct SamplingStage {
     sampler: Sampler,
     /// `Some(k)`: report the chosen token's log-probability and the `k` most likely.
     logprobs: Option<usize>,
+    constraint: Option<Box<dyn Constraint>>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -32,19 +53,36 @@ impl SamplingStage {
         SamplingStage {
             sampler,
             logprobs: logprobs.map(|k| k.min(MAX_TOP_LOGPROBS)),
+            constraint: None,
         }
     }
 
-    /// The next token from logits already on the host (those of a prefill).
-    pub fn pick(&mut self, logits: &[f32]) -> Pick {
-        let token = self.sampler.sample(logits);
+    /// Every token from now on must be one `constraint` allows.
+    pub fn with_constraint(mut self, constraint: Box<dyn Constraint>) -> Self {
+        self.constraint = Some(constraint);
+        self
+    }
+
+    /// The next token from logits already on the host (those of a prefill). Log-probabilities
+    /// are the model's own, before any constraint's mask.
+    pub fn pick(&mut self, logits: &[f32]) -> Result<Pick> {
+        let token = match &mut self.constraint {
+            None => self.sampler.sample(logits),
+            Some(constraint) => {
+                let mut masked = logits.to_vec();
+                constraint.mask(&mut masked)?;
+                let token = self.sampler.sample(&masked);
+                constraint.advance(token)?;
+                token
+            }
+        };
         let choosable = self.sampler.vocab_limit().unwrap_or(logits.len());
-        Pick {
+        Ok(Pick {
             token,
             logprobs: self
                 .logprobs
                 .map(|k| token_logprobs(logits, token, k, choosable)),
-        }
+        })
     }
 
     /// Feeds `token` to `state` and picks the one that follows.
@@ -54,7 +92,7 @@ impl SamplingStage {
         state: &mut B::State,
         token: u32,
     ) -> Result<Pick> {
-        if self.logprobs.is_none() {
+        if self.logprobs.is_none() && self.constraint.is_none() {
             let token = backend.decode_sample(state, token, &mut self.sampler)?;
             return Ok(Pick {
                 token,
@@ -62,7 +100,7 @@ impl SamplingStage {
             });
         }
         let logits = backend.decode(state, token)?;
-        Ok(self.pick(&logits))
+        self.pick(&logits)
     }
 }
 
@@ -138,5 +176,71 @@ mod tests {
         assert!((lp.logprob as f64 - expected).abs() < 1e-6, "{lp:?}");
         assert_eq!(lp.top[0].0, pick.token);
         assert_eq!(lp.top.len(), 2);
+    }
+
+    /// Allows only multiples of `step` below `END` for `len` tokens, then only `END`.
+    struct Counting {
+        step: u32,
+        len: usize,
+        seen: Vec<u32>,
+    }
+
+    const END: u32 = 15;
+
+    impl Constraint for Counting {
+        fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
+            for (t, logit) in logits.iter_mut().enumerate() {
+                let t = t as u32;
+                let allowed = if self.seen.len() < self.len {
+                    t.is_multiple_of(self.step) && t != END
+                } else {
+                    t == END
+                };
+                if !allowed {
+                    *logit = f32::NEG_INFINITY;
+                }
+            }
+            Ok(())
+        }
+        fn advance(&mut self, token: u32) -> Result<()> {
+            self.seen.push(token);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_constraint_decides_every_token_whatever_the_logits() {
+        let backend = Device {
+            config: ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap(),
+            calls: Mutex::new(Vec::new()),
+        };
+        let mut rng = crate::rng::Rng::new(7);
+        for (case, temperature) in [0.0, 1.0, 2.0].into_iter().cycle().take(30).enumerate() {
+            let params = SamplingParams {
+                temperature,
+                seed: case as u64,
+                ..SamplingParams::greedy()
+            };
+            let constraint = Counting {
+                step: 3,
+                len: 6,
+                seen: Vec::new(),
+            };
+            let mut stage = SamplingStage::new(Sampler::new(params), None)
+                .with_constraint(Box::new(constraint));
+            let random: Vec<f32> = (0..16).map(|_| rng.next_f32() * 8.0 - 4.0).collect();
+            let mut tokens = vec![stage.pick(&random).unwrap().token];
+            while *tokens.last().unwrap() != END {
+                let last = *tokens.last().unwrap();
+                tokens.push(stage.decode(&backend, &mut (), last).unwrap().token);
+            }
+            assert_eq!(tokens.len(), 7, "{tokens:?}");
+            assert!(
+                tokens[..6].iter().all(|t| t.is_multiple_of(3)),
+                "{tokens:?}"
+            );
+        }
+        // Constrained decoding takes the logits path: the mask is applied on the host.
+        assert!(backend.calls.lock().unwrap().iter().all(|c| *c == "logits"));
     }
 }

@@ -19,12 +19,8 @@ pub enum Device {
     Cuda,
 }
 
-/// Loads `model` onto the chosen device (`auto`: the GPU when one is present).
-pub fn load(model: &str, device: Device) -> Result<AnyBackend> {
-    load_with(model, device, false)
-}
-
-/// As [`load`]; `quantize` makes MLX 4-bit weights of a bf16/f32 checkpoint (`--quantize q4`).
+/// Loads `model` onto the chosen device (`auto`: the GPU when one is present); `quantize` makes
+/// MLX 4-bit weights of a bf16/f32 checkpoint (`--quantize q4`).
 pub fn load_with(model: &str, device: Device, quantize: bool) -> Result<AnyBackend> {
     let use_cuda = match device {
         Device::Cuda => true,

@@ -86,6 +86,66 @@ fn quantize_then_score_against_the_source_and_mlx_lm() {
     assert!(agreement > 0.3 && agreement < 1.0, "{agreement}");
     assert!(ratio > 0.5 && ratio < 2.0 && ratio != 1.0, "{ratio}");
     assert_eq!(fidelity["perplexity"], same["perplexity"]);
+
+    // `generate --quantize q4` decodes with the weights `lily quantize` writes: the same tokens.
+    let generate = |model: &Path, quantize: bool| {
+        let mut args = vec![
+            "generate",
+            "--device",
+            "cpu",
+            "--json",
+            "--temperature",
+            "0",
+        ];
+        args.extend(["--max-tokens", "12", "--ignore-eos", "--tokens", &tokens]);
+        args.extend(["--model", model.to_str().unwrap()]);
+        if quantize {
+            args.extend(["--quantize", "q4"]);
+        }
+        score_json(&args)["tokens"].clone()
+    };
+    let at_load = generate(&hf, true);
+    assert_eq!(at_load.as_array().map(Vec::len), Some(12), "{at_load}");
+    assert_eq!(at_load, generate(&q4, false));
+    // `bench --quantize q4` measures, and counts the bytes of, the 4-bit weights.
+    let bench_bytes = |quantize: bool| {
+        let json = out.path().join(format!("bench-{quantize}.json"));
+        let mut args = vec![
+            "bench",
+            "--device",
+            "cpu",
+            "--prompt-lens",
+            "8",
+            "--contexts",
+            "8",
+        ];
+        args.extend([
+            "--model",
+            hf.to_str().unwrap(),
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        if quantize {
+            args.extend(["--quantize", "q4"]);
+        }
+        let o = lily(&args);
+        assert!(o.status.success(), "{}", text(&o.stderr));
+        let report: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+        report["weight_bytes_per_decoded_token"].as_f64().unwrap()
+    };
+    let (f32_bytes, q4_bytes) = (bench_bytes(false), bench_bytes(true));
+    assert!(
+        q4_bytes > 0.0 && q4_bytes * 5.0 < f32_bytes,
+        "{q4_bytes} vs {f32_bytes}"
+    );
+    // And every command that loads a model takes the flag.
+    for command in ["serve", "chat", "bench"] {
+        let o = lily(&[command, "--help"]);
+        assert!(
+            text(&o.stdout).contains("--quantize <QUANTIZE>"),
+            "{command}"
+        );
+    }
 }
 
 #[test]

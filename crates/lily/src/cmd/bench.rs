@@ -17,7 +17,8 @@ use lily_core::sampling::{Sampler, SamplingParams};
 use rayon::prelude::*;
 
 use crate::backends::{AnyBackend, AnyState};
-use crate::device::{Device, load};
+use crate::cmd::quantize::QuantizeArg;
+use crate::device::{Device, load_with};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -42,6 +43,9 @@ pub struct Args {
     /// Also write every sample and the run's metadata as JSON.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Quantise --model's bf16/f32 weights to 4 bits at load (what `lily quantize` would write).
+    #[arg(long, value_enum)]
+    quantize: Option<QuantizeArg>,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
     /// llama-bench JSON results measured on this machine in the same run (`peer.sh gpu|cpu`
@@ -55,7 +59,7 @@ pub fn run(args: Args) -> Result<()> {
     ensure!(args.decode_steps >= 1, "--decode-steps must be at least 1");
     // Read before the model loads: a bad file fails in a second, not after the weights.
     let peer = Peer::read(&args.peer)?;
-    let backend = load(&args.model, args.device)?;
+    let backend = load_with(&args.model, args.device, args.quantize.is_some())?;
     let c = backend.config().clone();
     let longest = args
         .prompt_lens
@@ -82,7 +86,10 @@ pub fn run(args: Args) -> Result<()> {
     };
     // Weights read per decoded token: the active ones (chosen experts, not the embedding table)
     // in the format they were loaded in.
-    let format = weight_format(&crate::cmd::pull::resolve_model(&args.model)?, false)?;
+    let format = weight_format(
+        &crate::cmd::pull::resolve_model(&args.model)?,
+        args.quantize.is_some(),
+    )?;
     let weight_bytes = match format {
         WeightFormat::F32 => c.param_count().active * 4,
         WeightFormat::Mlx => c.weight_bytes().q4_active,

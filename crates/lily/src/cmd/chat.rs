@@ -19,7 +19,8 @@ use serde_json::{Value, json};
 use self::conversation::{Command, Conversation};
 use self::input::{Input, Line};
 use crate::cmd::pull::resolve_model;
-use crate::device::{Device, load};
+use crate::cmd::quantize::QuantizeArg;
+use crate::device::{Device, load_with};
 use crate::serve::engine::{Engine, EngineEvent, Finish, GenerationJob, Outcome};
 use crate::serve::ids::random_u64;
 use crate::serve::prompt::chat_prompt;
@@ -62,6 +63,9 @@ pub struct Args {
     /// Memory for conversation snapshots in MiB (what makes later turns start fast).
     #[arg(long, default_value_t = 1024)]
     snapshot_cache_mb: usize,
+    /// Quantise --model's bf16/f32 weights to 4 bits at load (what `lily quantize` would write).
+    #[arg(long, value_enum)]
+    quantize: Option<QuantizeArg>,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
 }
@@ -80,7 +84,7 @@ pub fn run(args: Args) -> Result<()> {
     sampling.top_p = args.top_p.unwrap_or(sampling.top_p);
     sampling.min_p = args.min_p.unwrap_or(sampling.min_p);
     super::generate::check_sampling(sampling.temperature, sampling.top_p, sampling.min_p)?;
-    let backend = load(&args.model, args.device)?;
+    let backend = load_with(&args.model, args.device, args.quantize.is_some())?;
     let budget = args.snapshot_cache_mb << 20;
     let mut engine = Engine::new(backend, text.clone(), max_seq, budget)?;
     ctrlc::set_handler(|| {

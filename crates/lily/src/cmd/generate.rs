@@ -8,7 +8,8 @@ use lily_core::generate::generate;
 use lily_core::sampling::{Sampler, SamplingParams};
 
 use crate::cmd::pull::resolve_model;
-use crate::device::{Device, load};
+use crate::cmd::quantize::QuantizeArg;
+use crate::device::{Device, load_with};
 use crate::serve::engine::{Engine, EngineEvent, GenerationJob};
 use crate::serve::prompt::chat_prompt;
 use crate::serve::text_model_for;
@@ -53,6 +54,9 @@ pub struct Args {
     /// Print {"tokens": [...], "text": ...} instead of plain ids.
     #[arg(long)]
     json: bool,
+    /// Quantise --model's bf16/f32 weights to 4 bits at load (what `lily quantize` would write).
+    #[arg(long, value_enum)]
+    quantize: Option<QuantizeArg>,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
 }
@@ -78,7 +82,7 @@ fn sampling(args: &Args) -> SamplingParams {
 
 /// Token ids in and out, no tokenizer involved.
 fn run_tokens(args: &Args, prompt: Vec<u32>) -> Result<()> {
-    let backend = load(&args.model, args.device)?;
+    let backend = load_with(&args.model, args.device, args.quantize.is_some())?;
     let max_seq = args.max_seq.unwrap_or(prompt.len() + args.max_tokens);
     let mut state = backend.new_state(max_seq)?;
     let stop: Vec<u32> = if args.ignore_eos {
@@ -134,7 +138,12 @@ fn run_prompt(args: &Args, prompt: &str) -> Result<()> {
     let max_seq = args
         .max_seq
         .unwrap_or(prompt.tokens.len() + args.max_tokens);
-    let mut engine = Engine::new(load(&args.model, args.device)?, text, max_seq, 0)?;
+    let mut engine = Engine::new(
+        load_with(&args.model, args.device, args.quantize.is_some())?,
+        text,
+        max_seq,
+        0,
+    )?;
     let job = GenerationJob {
         stop: args.stop.clone(),
         ..GenerationJob::plain(prompt.tokens, args.max_tokens, sampling(args))

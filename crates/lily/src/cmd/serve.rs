@@ -10,8 +10,10 @@ use lily_core::config::ModelConfig;
 use lily_core::model_ref::ModelRef;
 
 use crate::cmd::pull::resolve_model;
-use crate::device::{Device, load};
+use crate::cmd::quantize::QuantizeArg;
+use crate::device::{Device, load_with};
 use crate::serve::access::Access;
+use crate::serve::constrained::GrammarEngine;
 use crate::serve::engine::Engine;
 use crate::serve::ids::unix_time;
 use crate::serve::listen;
@@ -47,6 +49,9 @@ pub struct Args {
     /// The model name clients send (default: the --model argument).
     #[arg(long)]
     served_model_name: Option<String>,
+    /// Quantise --model's bf16/f32 weights to 4 bits at load (what `lily quantize` would write).
+    #[arg(long, value_enum)]
+    quantize: Option<QuantizeArg>,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     device: Device,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health [env: LILY_API_KEY].
@@ -96,7 +101,7 @@ pub fn run(args: Args) -> Result<()> {
     listener.set_nonblocking(true)?;
     // Every endpoint returns text, so a checkpoint without a tokenizer cannot be served at all.
     let text = Arc::new(text_model_for(&model)?);
-    let backend = load(&args.model, args.device)?;
+    let backend = load_with(&args.model, args.device, args.quantize.is_some())?;
     eprintln!(
         "lily: {} on {}",
         model.display_name(),
@@ -104,6 +109,7 @@ pub fn run(args: Args) -> Result<()> {
     );
     eprintln!("lily: {}", text.provenance);
     let vocab_size = backend.config().vocab_size;
+    let grammars = GrammarEngine::new(backend.config().eos_token_ids.clone());
     let budget = args.snapshot_cache_mb << 20;
     let engine = Engine::new(backend, text.clone(), max_seq, budget)?;
     let metrics = Metrics::new();
@@ -126,6 +132,7 @@ pub fn run(args: Args) -> Result<()> {
         body_timeout,
         metrics,
         responses: Default::default(),
+        grammars,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -13,6 +13,7 @@ use lily_core::logprobs::TokenLogprobs;
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use super::constrained::{GrammarJob, compile_grammar};
 use super::engine::{EngineEvent, Finish, Outcome};
 use super::error::{ApiError, ApiResult};
 use super::ids::{new_id, unix_time};
@@ -34,6 +35,7 @@ async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
     let request = parse_chat(&body, &app.defaults, app.default_thinking)?;
     app.check_model(&request.common.model)?;
     let text = app.text.clone();
+    let output = request.output.clone();
     let (messages, tools, kwargs) = (
         request.messages,
         request.tools.clone(),
@@ -51,6 +53,14 @@ async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
         "messages",
     )?;
     job.logprobs = request.logprobs;
+    let grammar = output.map(|rule| GrammarJob {
+        rule,
+        tools: request.tools.clone(),
+        parallel: request.parallel_tool_calls,
+        thinking: prompt.thinking,
+        format_param: "response_format",
+    });
+    job.grammar = compile_grammar(&app, grammar).await?;
     let events = app.engine.submit(job)?;
     let schemas = (!request.tools.is_empty()).then(|| ToolSchemas::from_tools(&request.tools));
     let logprobs = request

@@ -11,6 +11,7 @@ use lily_core::logprobs::TokenLogprobs;
 use serde_json::{Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use super::constrained::{GrammarJob, OutputRule, compile_grammar};
 use super::engine::{EngineEvent, Finish};
 use super::error::{ApiError, ApiResult};
 use super::ids::{new_id, unix_time};
@@ -59,6 +60,15 @@ async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
     let mut job = app.job(tokens, None, &request.common, "prompt")?;
     job.logprobs = request.logprobs;
     job.prompt_logprobs = request.logprobs.filter(|_| request.echo);
+    // A raw prompt opens no reasoning block: the grammar starts at the first token.
+    let grammar = request.format.clone().map(|format| GrammarJob {
+        rule: OutputRule::Format(format),
+        tools: Vec::new(),
+        parallel: false,
+        thinking: false,
+        format_param: "response_format",
+    });
+    job.grammar = compile_grammar(&app, grammar).await?;
     let events = app.engine.submit(job)?;
     let head = CompletionHead {
         id: new_id("cmpl-"),

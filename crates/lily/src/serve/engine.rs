@@ -13,7 +13,7 @@ use lily_core::logprobs::{TokenLogprobs, token_logprobs};
 use lily_core::penalties::Penalties;
 use lily_core::rng::mix64;
 use lily_core::sampling::{Sampler, SamplingParams};
-use lily_core::sampling_stage::{MAX_TOP_LOGPROBS, SamplingStage};
+use lily_core::sampling_stage::{Grammar, MAX_TOP_LOGPROBS, SamplingStage};
 
 use super::snapshots::SnapshotCache;
 
@@ -37,6 +37,8 @@ pub struct GenerationJob {
     pub logprobs: Option<usize>,
     /// `Some(k)`: the same for every prompt token after the first (completions' `echo`).
     pub prompt_logprobs: Option<usize>,
+    /// What the output must follow (`response_format`, a forced tool call).
+    pub grammar: Option<Arc<dyn Grammar>>,
 }
 
 impl GenerationJob {
@@ -52,6 +54,7 @@ impl GenerationJob {
             n: 1,
             logprobs: None,
             prompt_logprobs: None,
+            grammar: None,
         }
     }
 }
@@ -266,7 +269,10 @@ impl<B: Backend> Engine<B> {
             .with_vocab_limit(tokenizer.decodable_len())
             .with_penalties(job.penalties.clone(), prompt);
         let mut stage = SamplingStage::new(sampler, job.logprobs);
-        let mut pick = stage.pick(logits);
+        if let Some(grammar) = &job.grammar {
+            stage = stage.with_constraint(grammar.start()?);
+        }
+        let mut pick = stage.pick(logits)?;
         let mut pending = Vec::new();
         let mut send = |text: String, pending: &mut Vec<TokenLogprobs>| {
             if text.is_empty() && pending.is_empty() {

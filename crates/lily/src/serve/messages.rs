@@ -20,6 +20,7 @@ use serde_json::{Map, Value, json};
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use self::blocks::{Blocks, MessageHead, MessagesStream};
+use super::constrained::{GrammarJob, OutputRule, compile_grammar, parse_format};
 use super::error::{ApiError, ApiResult};
 use super::ids::{new_id, random_u64};
 use super::prompt::chat_prompt;
@@ -61,6 +62,10 @@ pub(super) struct MessagesRequest {
     common: CommonRequest,
     messages: Vec<Value>,
     tools: Vec<Value>,
+    /// `output_config.format`, or `tool_choice` "any" or "tool" (tool calls only).
+    forced: Option<OutputRule>,
+    /// `tool_choice.disable_parallel_tool_use`.
+    parallel: bool,
     thinking: Option<bool>,
 }
 
@@ -78,12 +83,20 @@ async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
             .await
             .map_err(|e| ApiError::internal(format!("rendering the prompt: {e}")))?
             .map_err(|e| ApiError::param("messages", format!("{e:#}")))?;
-    let job = app.job(
+    let mut job = app.job(
         prompt.tokens,
         prompt.turn_boundary,
         &request.common,
         "messages",
     )?;
+    let grammar = request.forced.clone().map(|rule| GrammarJob {
+        rule,
+        tools: request.tools.clone(),
+        parallel: request.parallel,
+        thinking: prompt.thinking,
+        format_param: "output_config.format",
+    });
+    job.grammar = compile_grammar(&app, grammar).await?;
     let events = app.engine.submit(job)?;
     let schemas = (!request.tools.is_empty()).then(|| ToolSchemas::from_tools(&request.tools));
     let blocks = Blocks::new(
@@ -191,6 +204,25 @@ pub(super) fn parse_messages_request(
             return Err(ApiError::unsupported(name, what));
         }
     }
+    let tools = parse_tools(body)?;
+    let (forced, parallel) = parse_tool_choice(body, !tools.is_empty())?;
+    // Anthropic's structured outputs: `output_config.format` is `{"type": "json_schema",
+    // "schema": …}`, flat as Responses writes it.
+    let format = parse_format(
+        body.get("output_config").and_then(|c| c.get("format")),
+        "output_config.format",
+        true,
+    )?;
+    let forced = match (format, forced) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::unsupported(
+                "output_config.format",
+                "a structured output together with a forced tool call (send one of them)",
+            ));
+        }
+        (Some(format), None) => Some(OutputRule::Format(format)),
+        (None, forced) => forced,
+    };
     let mut messages = system_messages(body.get("system"))?;
     match body.get("messages") {
         Some(Value::Array(list)) if list.len() > MAX_MESSAGES => {
@@ -220,22 +252,18 @@ pub(super) fn parse_messages_request(
             include_usage: false,
         },
         messages,
-        tools: parse_tools(body)?,
+        tools,
+        forced,
+        parallel,
         thinking,
     })
 }
 
 /// `thinking` as the template's `enable_thinking` ("enabled" and "adaptive" turn it on; the
 /// budget is not enforced, as Qwen's thinking has none); `output_config.effort` is accepted and
-/// changes nothing, `output_config.format` (structured output) is refused.
+/// changes nothing.
 fn parse_thinking(body: &Map<String, Value>) -> ApiResult<Option<bool>> {
     if let Some(config) = body.get("output_config").filter(|c| !c.is_null()) {
-        if config.get("format").is_some_and(|f| !f.is_null()) {
-            return Err(ApiError::unsupported(
-                "output_config.format",
-                "structured output",
-            ));
-        }
         match config.get("effort") {
             None | Some(Value::Null) => {}
             Some(Value::String(e))
@@ -394,23 +422,56 @@ fn template_messages(index: usize, message: &Value) -> ApiResult<Vec<Value>> {
     Ok(vec![assistant])
 }
 
-/// Anthropic tools (`name`, `description`, `input_schema`) as the template's function tools;
-/// `tool_choice` "auto" and "none" are honoured, forcing a tool is not supported.
-fn parse_tools(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
-    let use_tools = match body
-        .get("tool_choice")
-        .map(|c| c.get("type").and_then(Value::as_str))
-    {
-        None | Some(Some("auto")) => true,
-        Some(Some("none")) => false,
-        Some(Some("any" | "tool")) => {
-            return Err(ApiError::unsupported(
-                "tool_choice",
-                "forcing a tool call (\"any\" or \"tool\")",
+/// Anthropic's `tool_choice`: "any" forces a call of some tool, "tool" of the named one (each a
+/// grammar); `disable_parallel_tool_use` allows one call only.
+fn parse_tool_choice(
+    body: &Map<String, Value>,
+    has_tools: bool,
+) -> ApiResult<(Option<OutputRule>, bool)> {
+    let Some(choice) = body.get("tool_choice").filter(|c| !c.is_null()) else {
+        return Ok((None, true));
+    };
+    let parallel = match choice.get("disable_parallel_tool_use") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(disable)) => !disable,
+        Some(_) => {
+            return Err(ApiError::param(
+                "tool_choice.disable_parallel_tool_use",
+                "must be true or false",
             ));
         }
-        Some(_) => return Err(ApiError::param("tool_choice.type", "must be auto or none")),
     };
+    let forced = match choice.get("type").and_then(Value::as_str) {
+        Some("auto" | "none") => None,
+        Some("any") => Some(OutputRule::ToolCall(None)),
+        Some("tool") => match choice.get("name").and_then(Value::as_str) {
+            Some(name) => Some(OutputRule::ToolCall(Some(name.to_string()))),
+            None => return Err(ApiError::param("tool_choice.name", "is required")),
+        },
+        _ => {
+            return Err(ApiError::param(
+                "tool_choice.type",
+                "must be auto, any, tool or none",
+            ));
+        }
+    };
+    if forced.is_some() && !has_tools {
+        return Err(ApiError::param(
+            "tool_choice",
+            "forces a tool call but no tools are given",
+        ));
+    }
+    Ok((forced, parallel))
+}
+
+/// Anthropic tools (`name`, `description`, `input_schema`) as the template's function tools;
+/// none when `tool_choice` is "none".
+fn parse_tools(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
+    let use_tools = body
+        .get("tool_choice")
+        .and_then(|c| c.get("type"))
+        .and_then(Value::as_str)
+        != Some("none");
     let tools = match body.get("tools") {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::Array(tools)) if tools.len() <= MAX_TOOLS => tools,

@@ -4,6 +4,7 @@
 pub mod access;
 pub mod chat;
 pub mod completions;
+pub mod constrained;
 pub mod engine;
 pub mod error;
 pub mod ids;

@@ -6,7 +6,10 @@ use lily_core::sampling::SamplingParams;
 use lily_core::sampling_stage::MAX_TOP_LOGPROBS;
 use serde_json::{Map, Value};
 
+use lily_grammar::OutputFormat;
+
 use self::fields::{Fields, parse_logit_bias, parse_stop};
+use super::constrained::{OutputRule, output_rule, parse_format, parse_tool_choice};
 use super::error::{ApiError, ApiResult};
 use super::ids::random_u64;
 use super::sampling_defaults::SamplingDefaults;
@@ -49,6 +52,8 @@ pub struct ChatRequest {
     pub tokens_as_ids: bool,
     /// false: at most one tool call is returned.
     pub parallel_tool_calls: bool,
+    /// `response_format` or a forced `tool_choice`.
+    pub output: Option<OutputRule>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -66,6 +71,8 @@ pub struct CompletionRequest {
     /// The prompt comes back before the output (with its log-probabilities when asked).
     pub echo: bool,
     pub tokens_as_ids: bool,
+    /// `response_format` (an extension of vLLM's and llama.cpp's on completions).
+    pub format: Option<OutputFormat>,
 }
 
 /// The body as a JSON object.
@@ -125,18 +132,15 @@ pub fn parse_chat(
             ));
         }
     }
-    match body.get("response_format") {
-        None | Some(Value::Null) => {}
-        Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}
-        Some(_) => {
-            return Err(ApiError::unsupported(
-                "response_format",
-                "structured output",
-            ));
-        }
-    }
+    let format = parse_format(body.get("response_format"), "response_format", false)?;
     let messages = parse_messages(body)?;
     let tools = parse_tools(body)?;
+    let output = output_rule(
+        format,
+        &parse_tool_choice(body)?,
+        !tools.is_empty(),
+        "response_format",
+    )?;
     let mut template_kwargs = parse_template_kwargs(body, default_thinking)?;
     if let Some(thinking) = reasoning_effort_thinking(body)? {
         let explicit = body
@@ -159,6 +163,7 @@ pub fn parse_chat(
         logprobs,
         tokens_as_ids: fields.flag("return_tokens_as_token_ids")?.unwrap_or(false),
         parallel_tool_calls: fields.flag("parallel_tool_calls")?.unwrap_or(true),
+        output,
     })
 }
 
@@ -290,6 +295,7 @@ pub fn parse_completion(
         logprobs,
         echo,
         tokens_as_ids,
+        format: parse_format(body.get("response_format"), "response_format", false)?,
     })
 }
 
@@ -422,23 +428,8 @@ fn parse_common(
     })
 }
 
-/// Whether the tools are offered, from OpenAI's `tool_choice` (chat and Responses spell it
-/// alike): "auto" and "none" are honoured, forcing a tool call is refused (no constrained decoding
-/// yet).
-pub fn tools_enabled(body: &Map<String, Value>) -> ApiResult<bool> {
-    match body.get("tool_choice") {
-        None | Some(Value::Null) => Ok(true),
-        Some(Value::String(c)) if c == "auto" => Ok(true),
-        Some(Value::String(c)) if c == "none" => Ok(false),
-        Some(_) => Err(ApiError::unsupported(
-            "tool_choice",
-            "forcing a tool call (\"required\" or a named function)",
-        )),
-    }
-}
-
 pub fn parse_tools(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
-    let use_tools = tools_enabled(body)?;
+    let use_tools = parse_tool_choice(body)?.offers_tools();
     let tools = match body.get("tools") {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::Array(tools)) => tools,

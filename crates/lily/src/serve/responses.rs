@@ -19,12 +19,13 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use self::items::{Items, ResponseHead, ResponsesStream};
 pub use self::store::ResponseStore;
+use super::constrained::{
+    GrammarJob, OutputRule, compile_grammar, output_rule, parse_format, parse_tool_choice,
+};
 use super::error::{ApiError, ApiResult};
 use super::ids::{new_id, unix_time};
 use super::prompt::chat_prompt;
-use super::request::{
-    CommonRequest, MAX_MESSAGES, MAX_TOOLS, parse_body, parse_common_fields, tools_enabled,
-};
+use super::request::{CommonRequest, MAX_MESSAGES, MAX_TOOLS, parse_body, parse_common_fields};
 use super::routes::{AppState, read_body};
 use super::sampling_defaults::SamplingDefaults;
 use super::stream::{collect, sse_response};
@@ -43,6 +44,8 @@ pub(super) struct ResponsesRequest {
     instructions: Option<String>,
     previous: Option<String>,
     tools: Vec<Value>,
+    /// `text.format` or a forced `tool_choice`.
+    output: Option<OutputRule>,
     thinking: Option<bool>,
     parallel_tool_calls: bool,
     store: bool,
@@ -80,12 +83,20 @@ async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
             .await
             .map_err(|e| ApiError::internal(format!("rendering the prompt: {e}")))?
             .map_err(|e| ApiError::param("input", format!("{e:#}")))?;
-    let job = app.job(
+    let mut job = app.job(
         prompt.tokens,
         prompt.turn_boundary,
         &request.common,
         "input",
     )?;
+    let grammar = request.output.clone().map(|rule| GrammarJob {
+        rule,
+        tools: request.tools.clone(),
+        parallel: request.parallel_tool_calls,
+        thinking: prompt.thinking,
+        format_param: "text.format",
+    });
+    job.grammar = compile_grammar(&app, grammar).await?;
     let events = app.engine.submit(job)?;
     let schemas = (!request.tools.is_empty()).then(|| ToolSchemas::from_tools(&request.tools));
     let items = Items::new(
@@ -181,11 +192,11 @@ pub(super) fn parse_responses_request(
     if flag("background", false)? {
         return Err(ApiError::unsupported("background", "background responses"));
     }
-    match body.get("text").and_then(|t| t.get("format")) {
-        None | Some(Value::Null) => {}
-        Some(f) if f.get("type").and_then(Value::as_str) == Some("text") => {}
-        Some(_) => return Err(ApiError::unsupported("text.format", "structured output")),
-    }
+    let format = parse_format(
+        body.get("text").and_then(|t| t.get("format")),
+        "text.format",
+        true,
+    )?;
     let thinking = match body.get("reasoning").and_then(|r| r.get("effort")) {
         None | Some(Value::Null) => None,
         Some(Value::String(e)) if e == "none" => Some(false),
@@ -199,6 +210,13 @@ pub(super) fn parse_responses_request(
             ));
         }
     };
+    let tools = parse_tools(body)?;
+    let output = output_rule(
+        format,
+        &parse_tool_choice(body)?,
+        !tools.is_empty(),
+        "text.format",
+    )?;
     let input = match body.get("input") {
         Some(Value::String(s)) => vec![json!({"role": "user", "content": s})],
         Some(Value::Array(items)) if items.len() > MAX_MESSAGES => {
@@ -222,7 +240,8 @@ pub(super) fn parse_responses_request(
         input,
         instructions: string("instructions")?,
         previous: string("previous_response_id")?,
-        tools: parse_tools(body)?,
+        tools,
+        output,
         thinking,
         parallel_tool_calls: flag("parallel_tool_calls", true)?,
         store: flag("store", true)?,
@@ -374,10 +393,10 @@ fn reasoning_text(item: &Value) -> String {
         .to_string()
 }
 
-/// Function tools, flat as Responses writes them, into chat's nested form; `tool_choice`
-/// "auto" and "none" are honoured, forcing a tool is not supported.
+/// Function tools, flat as Responses writes them, into chat's nested form; none when
+/// `tool_choice` is "none".
 fn parse_tools(body: &Map<String, Value>) -> ApiResult<Vec<Value>> {
-    let use_tools = tools_enabled(body)?;
+    let use_tools = parse_tool_choice(body)?.offers_tools();
     let tools = match body.get("tools") {
         None | Some(Value::Null) => return Ok(Vec::new()),
         Some(Value::Array(tools)) if tools.len() <= MAX_TOOLS => tools,

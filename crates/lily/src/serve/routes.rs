@@ -19,6 +19,7 @@ use serde_json::{Value, json};
 use super::access::{Access, guard};
 use super::chat::chat_completions;
 use super::completions::completions;
+use super::constrained::GrammarEngine;
 use super::engine::{GenerationJob, Outcome};
 use super::error::{ApiError, ApiResult};
 use super::messages::messages;
@@ -49,6 +50,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Conversations kept for `/v1/responses`' `previous_response_id`.
     pub responses: Arc<ResponseStore>,
+    /// Grammars for `response_format` and forced tool calls.
+    pub grammars: GrammarEngine,
 }
 
 impl AppState {
@@ -101,6 +104,7 @@ impl AppState {
             n: request.n,
             logprobs: None,
             prompt_logprobs: None,
+            grammar: None,
         })
     }
 }

@@ -11,7 +11,7 @@ use serde_json::{Map, Value, json};
 
 use super::*;
 use crate::backends::AnyBackend;
-use crate::device::{Device, load};
+use crate::device::{Device, load_with};
 use crate::serve::prompt::chat_prompt;
 
 fn text_model() -> Arc<TextModel> {
@@ -21,7 +21,7 @@ fn text_model() -> Arc<TextModel> {
 }
 
 fn engine(snapshot_budget: usize) -> Engine<AnyBackend> {
-    let backend = load("synthetic:tiny", Device::Cpu).unwrap();
+    let backend = load_with("synthetic:tiny", Device::Cpu, false).unwrap();
     Engine::new(backend, text_model(), 4096, snapshot_budget).unwrap()
 }
 

@@ -154,7 +154,35 @@ fn what_we_cannot_honour_is_a_400_naming_the_field() {
     rejects(
         json!({"model": "m", "messages": user, "tool_choice": "required"}),
         "tool_choice",
+        "no tools",
+    );
+    let tools = json!([{"type": "function", "function": {"name": "f"}}]);
+    rejects(
+        json!({"model": "m", "messages": user, "tools": tools, "tool_choice": "required",
+               "response_format": {"type": "json_object"}}),
+        "response_format",
         "not supported",
+    );
+    rejects(
+        json!({"model": "m", "messages": user, "tool_choice": "always"}),
+        "tool_choice",
+        "not one of",
+    );
+    rejects(
+        json!({"model": "m", "messages": user, "response_format": {"type": "json_schema"}}),
+        "response_format.json_schema",
+        "is required",
+    );
+    rejects(
+        json!({"model": "m", "messages": user,
+               "response_format": {"type": "json_schema", "json_schema": {"schema": true}}}),
+        "response_format.json_schema.schema",
+        "an object",
+    );
+    rejects(
+        json!({"model": "m", "messages": user, "response_format": {"type": "yaml"}}),
+        "response_format.type",
+        "not one of",
     );
     rejects(
         json!({"model": "m", "messages": user, "frequency_penalty": 2.5}),

@@ -70,7 +70,7 @@ fn what_is_wrong_or_unsupported_is_a_400_naming_the_field() {
         ),
         (
             json!({"model": "m", "input": "x", "text": {"format": {"type": "json_schema"}}}),
-            "text.format",
+            "text.format.schema",
         ),
         (
             json!({"model": "m", "input": "x", "reasoning": {"effort": "max"}}),
