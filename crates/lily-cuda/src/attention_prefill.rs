@@ -138,7 +138,7 @@ pub fn prep_rows(
 ) -> Result<()> {
     let (t, pos0, ld) = chunk.ints()?;
     let heads = (c.num_attention_heads + c.num_kv_heads) as u32;
-    // One warp per (head, token): kernels/common.cuh, head_norm_rope.
+    // One warp per (head, token): kernels/heads.cuh, head_norm_rope.
     launch!(gpu, "attn_prep_rows", (heads, t as u32, 1), 32;
         chunk.qkv, ld, q_norm, k_norm, pos0, chunk.q, chunk.k_cache, chunk.v_cache,
         c.rms_norm_eps);

@@ -156,9 +156,9 @@ impl DeviceMat {
     }
 }
 
-/// Rows one warp of `gemv_b*` computes (kernels/common.cuh, GEMV_ROWS).
+/// Rows one warp of `gemv_b*` computes (kernels/gemv_staged.cuh, GEMV_ROWS).
 const GEMV_ROWS: usize = 4;
-/// The widest input the staged GEMVs hold in shared memory (kernels/common.cuh, XS_COLS).
+/// The widest input the staged GEMVs hold in shared memory (kernels/gemv_staged.cuh, XS_COLS).
 pub const XS_COLS: usize = 8192;
 /// Most blocks of a staged kernel: each stages x once and strides over its share of the rows, so
 /// the lm_head's 62,000 warps of work need not each stage x again.

@@ -1,4 +1,4 @@
-// y = W · x for one token, W quantised or dense (gemv_staged in common.cuh: x staged in shared
+// y = W · x for one token, W quantised or dense (gemv_staged in gemv_staged.cuh: x staged in shared
 // memory, four rows per warp). Up to four matrices that read the same x (q|k|v, qkv|z|b|a) run as
 // one launch, their outputs laid end to end in y. Three forms, so that decode needs no separate
 // norm or residual-add launches:
