@@ -2,7 +2,7 @@
 //! command and the server are written once for any backend.
 
 use anyhow::{Result, bail};
-use lily_core::backend::{Backend, LogitRows};
+use lily_core::backend::{Backend, DecodeRow, Decoded, LogitRows};
 use lily_core::config::ModelConfig;
 use lily_core::sampling::Sampler;
 use lily_cpu::{CpuBackend, CpuState};
@@ -113,4 +113,35 @@ impl Backend for AnyBackend {
     ) -> Result<u32> {
         with_state!(self, state, b, s => b.decode_sample(s, token, sampler))
     }
+
+    fn decode_batch(&self, rows: &mut [DecodeRow<'_, AnyState>]) -> Result<Vec<Decoded>> {
+        match self {
+            AnyBackend::Cpu(b) => b.decode_batch(&mut narrowed(rows, |s| match s {
+                AnyState::Cpu(s) => Some(s),
+                AnyState::Cuda(_) => None,
+            })?),
+            // No batched CUDA step yet (it comes with the persistent decode kernel): the
+            // trait's default runs the rows one at a time through the single-sequence step.
+            AnyBackend::Cuda(b) => b.decode_batch(&mut narrowed(rows, |s| match s {
+                AnyState::Cuda(s) => Some(&mut **s),
+                AnyState::Cpu(_) => None,
+            })?),
+        }
+    }
+}
+
+/// The rows with their states as the backend's own kind, which `state` picks out.
+fn narrowed<'a, S>(
+    rows: &'a mut [DecodeRow<'_, AnyState>],
+    state: impl Fn(&'a mut AnyState) -> Option<&'a mut S>,
+) -> Result<Vec<DecodeRow<'a, S>>> {
+    rows.iter_mut()
+        .map(|row| {
+            Ok(DecodeRow {
+                state: state(&mut *row.state).ok_or_else(mismatch)?,
+                token: row.token,
+                sampler: row.sampler.as_deref_mut(),
+            })
+        })
+        .collect()
 }
