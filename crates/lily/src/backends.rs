@@ -33,6 +33,19 @@ macro_rules! with_state {
     };
 }
 
+impl AnyBackend {
+    /// How many generations the server runs at once unless told. CUDA: 8, what its batched
+    /// decode step is built for. The CPU: one per core (from 2 to 8), since the attention and
+    /// the Gated DeltaNet of each sequence run on cores of their own while the batch shares
+    /// every weight read.
+    pub fn default_max_batch(&self) -> usize {
+        match self {
+            AnyBackend::Cpu(_) => rayon::current_num_threads().clamp(2, 8),
+            AnyBackend::Cuda(_) => 8,
+        }
+    }
+}
+
 impl Backend for AnyBackend {
     type State = AnyState;
 

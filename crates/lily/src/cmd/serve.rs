@@ -35,9 +35,13 @@ pub struct Args {
     /// positions if fewer].
     #[arg(long)]
     max_seq: Option<usize>,
-    /// Requests that may wait while one generates; more get 429.
+    /// Requests that may wait while the batch is full; more get 429.
     #[arg(long, default_value_t = 16)]
     queue_size: usize,
+    /// Generations run at once, each advancing one token per batched step [default: 8 on
+    /// CUDA; on the CPU the number of cores, from 2 to 8].
+    #[arg(long)]
+    max_batch: Option<usize>,
     /// Memory for snapshots of conversation states (multi-turn reuse), in MiB; 0 turns it off.
     #[arg(long, default_value_t = 2048)]
     snapshot_cache_mb: usize,
@@ -104,10 +108,20 @@ pub fn run(args: Args) -> Result<()> {
     );
     eprintln!("lily: {}", text.provenance);
     let vocab_size = backend.config().vocab_size;
+    let max_batch = args
+        .max_batch
+        .unwrap_or_else(|| backend.default_max_batch());
+    if max_batch == 0 {
+        bail!("--max-batch must be at least 1");
+    }
+    eprintln!(
+        "lily: up to {max_batch} generations at once, {} more queued",
+        args.queue_size.max(1)
+    );
     let budget = args.snapshot_cache_mb << 20;
     let engine = Engine::new(backend, text.clone(), max_seq, budget)?;
     let metrics = Metrics::new();
-    let engine = EngineHandle::spawn(engine, args.queue_size, metrics.clone())
+    let engine = EngineHandle::spawn(engine, args.queue_size, max_batch, metrics.clone())
         .context("starting the engine")?;
     let app = Arc::new(AppState {
         engine,
