@@ -154,9 +154,14 @@ def check_limits(server):
         status, _, answer = call(server, "POST", "/v1/chat/completions", body)
         error = error_of(status, answer, 400)
         assert error["param"] == param and says in error["message"], error
-    # max_tokens beyond the context is cut to what the context has left, not refused.
-    status, _, answer = call(server, "POST", "/v1/completions",
-                             {"model": MODEL, "prompt": "word " * 500, "max_tokens": 10**9})
+    # max_tokens beyond what the context leaves is a 400 that says the numbers (as OpenAI and
+    # vLLM answer); without max_tokens the reply may take the rest of the context.
+    long_prompt = {"model": MODEL, "prompt": "word " * 500}
+    status, _, answer = call(server, "POST", "/v1/completions", {**long_prompt, "max_tokens": 10**9})
+    error = error_of(status, answer, 400)
+    assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded", error
+    assert "context is 512 tokens" in error["message"], error
+    status, _, answer = call(server, "POST", "/v1/completions", long_prompt)
     assert status == 200, answer
     usage = json.loads(answer)["usage"]
     assert 480 < usage["prompt_tokens"] < 512 and usage["total_tokens"] <= 512, usage
