@@ -274,7 +274,15 @@ def check_metrics(server):
     lines = [json.loads(line[len("lily: "):]) for line in server.log if line.startswith("lily: {")]
     answered = [line for line in lines if line.get("event") == "request"]
     assert len(answered) >= 5000, len(answered)
-    assert all(set(line) == {"event", "method", "path", "status", "headers_ms"} for line in answered)
+    fields = {"event", "id", "client", "method", "path", "status", "headers_ms"}
+    assert all(set(line) == fields for line in answered), answered[:3]
+    # Each request has its own id, and the client's loopback address.
+    assert len({line["id"] for line in answered}) == len(answered)
+    assert all(line["client"].startswith("127.0.0.1:") for line in answered), answered[:3]
+    # The engine's line about a generation carries its request's id.
+    generations = [line for line in server.log if " generated in " in line]
+    ids = {line["id"] for line in answered}
+    assert generations and all(line.split(": ")[1] in ids for line in generations), generations[:3]
     assert not [line for line in server.log if HELLO[0]["content"] in line or "word word" in line]
 
 

@@ -17,6 +17,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use super::engine::{Engine, EngineEvent, Finished, GenerationJob, Outcome, Sink};
 use super::error::ApiError;
 use super::metrics::Metrics;
+use super::request_id::current_request_id;
 
 #[derive(Debug)]
 pub enum WorkerEvent {
@@ -27,6 +28,8 @@ pub enum WorkerEvent {
 
 struct QueuedJob {
     job: GenerationJob,
+    /// The request's id, which every line logged about it carries.
+    request_id: String,
     events: UnboundedSender<WorkerEvent>,
     queued_at: Instant,
 }
@@ -79,6 +82,7 @@ impl EngineHandle {
         let (events, receiver) = unbounded_channel();
         let queued = QueuedJob {
             job,
+            request_id: current_request_id(),
             events,
             queued_at: Instant::now(),
         };
@@ -108,6 +112,7 @@ impl EngineHandle {
 
 /// What a generation in the batch reports to: its request's channel and the metrics.
 struct WorkerSink {
+    request_id: String,
     events: UnboundedSender<WorkerEvent>,
     queued_at: Instant,
     started: Instant,
@@ -169,6 +174,7 @@ fn serve_queue<B: Backend>(
                 continue;
             }
             let sink = WorkerSink {
+                request_id: queued.request_id,
                 events: queued.events,
                 queued_at: queued.queued_at,
                 started: Instant::now(),
@@ -204,23 +210,23 @@ fn report<B: Backend>(finished: Finished<WorkerSink>, engine: &Engine<B>) {
     let last = match finished.result {
         Ok(outcome) => {
             sink.metrics.count_outcome(&outcome);
-            log_outcome(&outcome, sink.started.elapsed(), engine);
+            log_outcome(&sink.request_id, &outcome, sink.started.elapsed(), engine);
             WorkerEvent::Done(outcome)
         }
         Err(e) => {
             let message = format!("{e:#}");
-            eprintln!("lily: generation failed: {message}");
+            eprintln!("lily: {}: generation failed: {message}", sink.request_id);
             WorkerEvent::Failed(message)
         }
     };
     let _ = sink.events.send(last);
 }
 
-fn log_outcome<B: Backend>(outcome: &Outcome, elapsed: Duration, engine: &Engine<B>) {
+fn log_outcome<B: Backend>(id: &str, outcome: &Outcome, elapsed: Duration, engine: &Engine<B>) {
     let (snapshots, bytes) = engine.snapshot_usage();
     let seconds = elapsed.as_secs_f64();
     eprintln!(
-        "lily: {} prompt tokens ({} cached), {} generated in {seconds:.2} s ({:.1} tok/s), {:?}; \
+        "lily: {id}: {} prompt tokens ({} cached), {} generated in {seconds:.2} s ({:.1} tok/s), {:?}; \
          {snapshots} snapshots ({:.1} MiB)",
         outcome.prompt_tokens,
         outcome.cached_tokens,
