@@ -15,6 +15,8 @@ use std::sync::Arc;
 use anyhow::{Result, anyhow, bail};
 use lily_chat::TextModel;
 use lily_core::backend::{Backend, LogitRows};
+/// How a generation ended: the one finish type of the engine and of `lily generate --tokens`.
+pub use lily_core::generate::Finish;
 use lily_core::logprobs::TokenLogprobs;
 use lily_core::penalties::Penalties;
 use lily_core::rng::mix64;
@@ -58,16 +60,6 @@ impl GenerationJob {
             prompt_logprobs: None,
         }
     }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Finish {
-    /// An end-of-turn token, or a stop string.
-    Stop,
-    /// `max_tokens`, or the context is full.
-    Length,
-    /// The consumer went away.
-    Cancelled,
 }
 
 #[derive(Clone, Debug, PartialEq)]
