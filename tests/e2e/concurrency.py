@@ -9,6 +9,9 @@ official `openai` client (issue 17).
    finishes, and the long one keeps streaming after it: the newcomer waited for one prefill
    chunk, not for the other generation. Asserted on the order of events, not on wall time.
 4. `--max-tokens` is the reply length of a request that sets none.
+5. The inter-token gaps of a stream before and while a newcomer's prompt of one prefill chunk
+   (~490 tokens; the CPU's chunk is 512) comes in: printed for docs/BENCHMARKS.md, the bound
+   being one chunk's prefill plus one batched step.
 
 Usage: python3 tests/e2e/concurrency.py path/to/lily
 """
@@ -148,6 +151,43 @@ def check_default_max_tokens(server):
     assert reply.choices[0].finish_reason == "length", reply
 
 
+def measure_gaps_during_a_prefill(server):
+    arrivals = []
+
+    def generate():
+        chunks = server.client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=300,
+            temperature=0, stream=True, logit_bias={"9419": 100}, extra_body=NO_THINKING,
+        )
+        for _ in chunks:
+            arrivals.append(time.monotonic())
+
+    streaming = threading.Thread(target=generate, daemon=True)
+    streaming.start()
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    while len(arrivals) < 50 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sent = time.monotonic()
+    newcomer = server.client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "word " * 480}], max_tokens=2,
+        temperature=0, extra_body=NO_THINKING,
+    )
+    prefilled = time.monotonic()
+    streaming.join(timeout=REQUEST_TIMEOUT_S)
+    assert not streaming.is_alive(), "the stream never finished"
+    gaps = [(b - a, a) for a, b in zip(arrivals, arrivals[1:])]
+    before = sorted(g for g, at in gaps if at < sent)
+    during = sorted(g for g, at in gaps if sent <= at < prefilled)
+    # A measurement, not a check: what the gaps are depends on the machine and its load.
+    median = f"{before[len(before) // 2] * 1e3:.0f} ms" if before else "none seen"
+    largest = f"{during[-1] * 1e3:.0f} ms over {len(during)} gaps" if during else "none seen"
+    print(
+        f"a {newcomer.usage.prompt_tokens}-token prompt came in in {prefilled - sent:.2f} s; "
+        f"the stream's gaps before: median {median}; meanwhile: max {largest}",
+        flush=True,
+    )
+
+
 def main():
     binary = sys.argv[1]
     server = Server(binary, "--max-batch", str(BATCH), "--snapshot-cache-mb", "0",
@@ -157,6 +197,7 @@ def main():
         ("concurrent throughput", check_concurrent_throughput),
         ("a newcomer waits one prefill chunk", check_newcomer_waits_one_chunk),
         ("the server's --max-tokens", check_default_max_tokens),
+        ("inter-token gaps during a newcomer's prefill", measure_gaps_during_a_prefill),
     ]
     passed = 0
     try:
