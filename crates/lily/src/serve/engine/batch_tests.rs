@@ -173,3 +173,70 @@ fn a_newcomer_streams_its_first_token_while_a_long_generation_goes_on() {
         "{first_short:?} {last_long:?}"
     );
 }
+
+/// A sink whose consumer goes away after `keep` text events.
+struct Leaving {
+    texts: usize,
+    keep: usize,
+}
+
+impl Sink for Leaving {
+    fn emit(&mut self, event: EngineEvent) -> ControlFlow<()> {
+        if let EngineEvent::Text { .. } = event {
+            self.texts += 1;
+            if self.texts > self.keep {
+                return ControlFlow::Break(());
+            }
+        }
+        ControlFlow::Continue(())
+    }
+    fn cancelled(&self) -> bool {
+        self.texts > self.keep
+    }
+}
+
+#[test]
+fn a_consumer_that_leaves_frees_its_place_at_once_and_costs_the_others_nothing() {
+    let jobs = jobs();
+    let mut engine = engine(0);
+    let text = engine.text_model();
+    let (staying, leaving) = (&jobs[0], &jobs[3]);
+    let alone = engine
+        .run(staying, |_| ControlFlow::Continue(()), || false)
+        .unwrap();
+    let stay = Leaving {
+        texts: 0,
+        keep: usize::MAX,
+    };
+    let leave = Leaving { texts: 0, keep: 2 };
+    let mut batch = vec![engine.admit(staying.clone(), stay, &text).ok().unwrap()];
+    batch.push(engine.admit(leaving.clone(), leave, &text).ok().unwrap());
+    // A job that cannot run never joins: the batch does not see it.
+    let mut too_long = staying.clone();
+    too_long.prompt = vec![1; 5000];
+    let refused = engine.admit(too_long, Leaving { texts: 0, keep: 0 }, &text);
+    assert!(refused.is_err_and(|f| f.result.is_err()));
+    let mut left_at = None;
+    let mut outcome = None;
+    for step in 0.. {
+        for finished in engine.step(&mut batch) {
+            let result = finished.result.unwrap();
+            if finished.sink.keep == 2 {
+                assert_eq!(result.finish(), Finish::Cancelled);
+                assert_eq!(
+                    batch.len(),
+                    1,
+                    "the leaver's place is free in the step it left"
+                );
+                left_at = Some(step);
+            } else {
+                outcome = Some(result);
+            }
+        }
+        if batch.is_empty() {
+            break;
+        }
+    }
+    assert!(left_at.is_some());
+    assert_eq!(outcome.as_ref(), Some(&alone));
+}
