@@ -266,6 +266,7 @@ def check_metrics(server):
         assert samples.get(key, 0) >= 1, (key, requests)
     assert samples["lily_generated_tokens_total"] > 0 and samples["lily_prompt_tokens_total"] > 500
     assert "lily_cached_prompt_tokens_total" in samples and samples["lily_queue_depth"] == 0
+    assert samples["lily_running_generations"] == 0, samples
     ttft = samples["lily_time_to_first_token_seconds_count"]
     assert ttft >= 2 and samples['lily_time_to_first_token_seconds_bucket{le="+Inf"}'] == ttft
     assert samples["lily_inter_token_latency_seconds_count"] >= 1, samples

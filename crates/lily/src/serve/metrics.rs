@@ -48,6 +48,8 @@ pub struct Metrics {
     generated_tokens: AtomicU64,
     /// Requests accepted but not yet taken by the engine.
     pub queued: AtomicUsize,
+    /// Generations in the engine's batch (at most `--max-batch`).
+    pub running: AtomicUsize,
     pub time_to_first_token: Histogram<12>,
     pub inter_token: Histogram<11>,
 }
@@ -127,6 +129,12 @@ impl Metrics {
             out,
             "# HELP lily_queue_depth Requests waiting for the engine.\n\
              # TYPE lily_queue_depth gauge\nlily_queue_depth {queued}"
+        );
+        let running = self.running.load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "# HELP lily_running_generations Generations in the engine's batch.\n\
+             # TYPE lily_running_generations gauge\nlily_running_generations {running}"
         );
         self.time_to_first_token.render(
             &mut out,

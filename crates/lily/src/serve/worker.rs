@@ -187,20 +187,22 @@ fn serve_queue<B: Backend>(
                 Err(finished) => report(finished, &engine),
             }
         }
+        metrics.running.store(batch.len(), Ordering::Relaxed);
         // A bug in one step must not take the server down with it: the batch it ran fails.
-        match std::panic::catch_unwind(AssertUnwindSafe(|| engine.step(&mut batch))) {
-            Ok(finished) => finished.into_iter().for_each(|f| report(f, &engine)),
-            Err(_) => {
-                for sequence in batch.drain(..) {
-                    let failed = Err(anyhow::anyhow!("the generation engine panicked"));
-                    let finished = Finished {
-                        sink: sequence.into_sink(),
-                        result: failed,
-                    };
-                    report(finished, &engine);
-                }
-            }
-        }
+        let finished = match std::panic::catch_unwind(AssertUnwindSafe(|| engine.step(&mut batch)))
+        {
+            Ok(finished) => finished,
+            Err(_) => batch
+                .drain(..)
+                .map(|sequence| Finished {
+                    sink: sequence.into_sink(),
+                    result: Err(anyhow::anyhow!("the generation engine panicked")),
+                })
+                .collect(),
+        };
+        // Counted before the clients hear, so that /metrics after a reply never shows it.
+        metrics.running.store(batch.len(), Ordering::Relaxed);
+        finished.into_iter().for_each(|f| report(f, &engine));
     }
 }
 
