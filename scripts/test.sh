@@ -21,6 +21,8 @@ timeout 600 python3 tests/e2e/openai_client.py "${CARGO_TARGET_DIR:-target}/debu
 # Constrained decoding: every output of many generated schemas validates (jsonschema checks it).
 python3 -c "import jsonschema" 2>/dev/null || python3 -m pip install -q "jsonschema>=4.0"
 timeout 600 python3 tests/e2e/structured_output.py "${CARGO_TARGET_DIR:-target}/debug/lily"
+# Several clients at once: batched streams equal their runs alone, a newcomer waits one chunk.
+timeout 600 python3 tests/e2e/concurrency.py "${CARGO_TARGET_DIR:-target}/debug/lily"
 # /v1/messages against the official Anthropic client (blocks, streaming events, tools, errors).
 python3 -c "import anthropic" 2>/dev/null || python3 -m pip install -q "anthropic>=0.40"
 timeout 300 python3 tests/e2e/anthropic_client.py "${CARGO_TARGET_DIR:-target}/debug/lily"

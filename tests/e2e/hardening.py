@@ -154,9 +154,14 @@ def check_limits(server):
         status, _, answer = call(server, "POST", "/v1/chat/completions", body)
         error = error_of(status, answer, 400)
         assert error["param"] == param and says in error["message"], error
-    # max_tokens beyond the context is cut to what the context has left, not refused.
-    status, _, answer = call(server, "POST", "/v1/completions",
-                             {"model": MODEL, "prompt": "word " * 500, "max_tokens": 10**9})
+    # max_tokens beyond what the context leaves is a 400 that says the numbers (as OpenAI and
+    # vLLM answer); without max_tokens the reply may take the rest of the context.
+    long_prompt = {"model": MODEL, "prompt": "word " * 500}
+    status, _, answer = call(server, "POST", "/v1/completions", {**long_prompt, "max_tokens": 10**9})
+    error = error_of(status, answer, 400)
+    assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded", error
+    assert "context is 512 tokens" in error["message"], error
+    status, _, answer = call(server, "POST", "/v1/completions", long_prompt)
     assert status == 200, answer
     usage = json.loads(answer)["usage"]
     assert 480 < usage["prompt_tokens"] < 512 and usage["total_tokens"] <= 512, usage
@@ -261,6 +266,7 @@ def check_metrics(server):
         assert samples.get(key, 0) >= 1, (key, requests)
     assert samples["lily_generated_tokens_total"] > 0 and samples["lily_prompt_tokens_total"] > 500
     assert "lily_cached_prompt_tokens_total" in samples and samples["lily_queue_depth"] == 0
+    assert samples["lily_running_generations"] == 0, samples
     ttft = samples["lily_time_to_first_token_seconds_count"]
     assert ttft >= 2 and samples['lily_time_to_first_token_seconds_bucket{le="+Inf"}'] == ttft
     assert samples["lily_inter_token_latency_seconds_count"] >= 1, samples
@@ -269,7 +275,15 @@ def check_metrics(server):
     lines = [json.loads(line[len("lily: "):]) for line in server.log if line.startswith("lily: {")]
     answered = [line for line in lines if line.get("event") == "request"]
     assert len(answered) >= 5000, len(answered)
-    assert all(set(line) == {"event", "method", "path", "status", "headers_ms"} for line in answered)
+    fields = {"event", "id", "client", "method", "path", "status", "headers_ms"}
+    assert all(set(line) == fields for line in answered), answered[:3]
+    # Each request has its own id, and the client's loopback address.
+    assert len({line["id"] for line in answered}) == len(answered)
+    assert all(line["client"].startswith("127.0.0.1:") for line in answered), answered[:3]
+    # The engine's line about a generation carries its request's id.
+    generations = [line for line in server.log if " generated in " in line]
+    ids = {line["id"] for line in answered}
+    assert generations and all(line.split(": ")[1] in ids for line in generations), generations[:3]
     assert not [line for line in server.log if HELLO[0]["content"] in line or "word word" in line]
 
 

@@ -487,7 +487,8 @@ def check_responses(server):
 
 
 def check_disconnect_and_queue(server):
-    """A client that goes away cancels its generation; a full queue answers 429."""
+    """A client that goes away cancels its generation; with the batch (of one) and the queue full,
+    a further request answers 429."""
     stream = server.client.chat.completions.create(
         model=MODEL, messages=HELLO, max_tokens=400, stream=True, extra_body=NO_THINKING
     )
@@ -538,7 +539,9 @@ def check_cli_matches_server(binary, server):
 def main():
     binary = sys.argv[1]
     server = Server(binary)
-    cold_server = Server(binary, "--snapshot-cache-mb", "0", "--queue-size", "1")
+    cold_server = Server(
+        binary, "--snapshot-cache-mb", "0", "--queue-size", "1", "--max-batch", "1"
+    )
     replies = {}
     checks = [
         ("models", lambda: check_models(server)),

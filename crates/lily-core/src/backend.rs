@@ -18,6 +18,23 @@ pub enum LogitRows {
     All,
 }
 
+/// One sequence's part in a batched decode step: the token it consumes, and how the token after
+/// it is to be chosen.
+pub struct DecodeRow<'a, S> {
+    pub state: &'a mut S,
+    pub token: u32,
+    /// `Some`: the backend picks the next token with this sampler, on its device where it can
+    /// ([`Backend::decode_sample`]); `None`: the logits come back ([`Backend::decode`]).
+    pub sampler: Option<&'a mut Sampler>,
+}
+
+/// What a batched decode step gives one sequence, as its [`DecodeRow`] asked.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decoded {
+    Token(u32),
+    Logits(Vec<f32>),
+}
+
 pub trait Backend: Send + Sync {
     /// Everything one sequence carries between steps: KV cache, conv and recurrent state, length.
     type State: Send;
@@ -80,5 +97,20 @@ pub trait Backend: Send + Sync {
     ) -> Result<u32> {
         let logits = self.decode(state, token)?;
         Ok(sampler.sample(&logits))
+    }
+
+    /// Advances every row's state by its token, in one step where the backend can (each weight
+    /// read once for all rows); returns one [`Decoded`] per row, in order. Every row must give
+    /// what the same row decoded alone gives. This default runs the rows one at a time; if it
+    /// fails, rows before the failing one have advanced, so a caller ends the whole batch.
+    fn decode_batch(&self, rows: &mut [DecodeRow<'_, Self::State>]) -> Result<Vec<Decoded>> {
+        rows.iter_mut()
+            .map(|row| match row.sampler.as_deref_mut() {
+                Some(sampler) => self
+                    .decode_sample(row.state, row.token, sampler)
+                    .map(Decoded::Token),
+                None => self.decode(row.state, row.token).map(Decoded::Logits),
+            })
+            .collect()
     }
 }

@@ -1,5 +1,7 @@
-//! The generation loop shared by every front end: chunked prefill, then one token per step until
-//! a stop token or the token budget.
+//! Token-level generation for callers without a tokenizer (`lily generate --tokens`, the
+//! backends' tests): chunked prefill, then one token per step until a stop token or the token
+//! budget. Text generation (stop strings, several sequences at once) is the server's engine,
+//! which ends its generations with the same [`Finish`].
 
 use std::ops::ControlFlow;
 
@@ -8,20 +10,21 @@ use anyhow::{Result, ensure};
 use crate::backend::{Backend, LogitRows};
 use crate::sampling::Sampler;
 
+/// How a generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    /// A stop token was produced (it is not part of the output).
+pub enum Finish {
+    /// A stop token was produced (it is not part of the output), or a stop string.
     Stop,
-    /// `max_tokens` were produced.
+    /// `max_tokens` were produced, or the context is full.
     Length,
-    /// The caller's callback asked to stop (a stop string, a disconnected client).
+    /// The consumer went away, or asked to stop.
     Cancelled,
 }
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Generation {
     pub tokens: Vec<u32>,
-    pub finish: FinishReason,
+    pub finish: Finish,
 }
 
 /// Feeds `tokens` in chunks the backend accepts; returns the logits of `rows`.
@@ -80,7 +83,7 @@ pub fn generate<B: Backend>(
     if max_tokens == 0 {
         return Ok(Generation {
             tokens,
-            finish: FinishReason::Length,
+            finish: Finish::Length,
         });
     }
     let mut next = prefill_sample(backend, state, prompt, sampler)?;
@@ -88,20 +91,20 @@ pub fn generate<B: Backend>(
         if stop_ids.contains(&next) {
             return Ok(Generation {
                 tokens,
-                finish: FinishReason::Stop,
+                finish: Finish::Stop,
             });
         }
         tokens.push(next);
         if on_token(next).is_break() {
             return Ok(Generation {
                 tokens,
-                finish: FinishReason::Cancelled,
+                finish: Finish::Cancelled,
             });
         }
         if tokens.len() >= max_tokens {
             return Ok(Generation {
                 tokens,
-                finish: FinishReason::Length,
+                finish: Finish::Length,
             });
         }
         next = backend.decode_sample(state, next, sampler)?;

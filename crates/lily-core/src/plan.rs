@@ -98,6 +98,38 @@ pub struct MemoryNeed {
     pub total: u64,
 }
 
+/// Memory that `sequences` generations of up to `max_seq` tokens each hold at once beside the
+/// weights (the server's `--max-batch` states): each one's KV cache of the whole context, its
+/// Gated DeltaNet recurrent state and conv window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchNeed {
+    pub sequences: usize,
+    pub max_seq: usize,
+    /// KV cache of one full context.
+    pub kv_per_sequence: u64,
+    /// Recurrent and conv state of one sequence.
+    pub state_per_sequence: u64,
+    pub total: u64,
+}
+
+impl BatchNeed {
+    pub fn per_sequence(&self) -> u64 {
+        self.kv_per_sequence + self.state_per_sequence
+    }
+
+    /// How many sequences of this context fit in `available` bytes.
+    pub fn sequences_fitting(&self, available: u64) -> u64 {
+        available / self.per_sequence().max(1)
+    }
+
+    /// The longest context that `self.sequences` sequences fit in `available` bytes.
+    pub fn context_fitting(&self, available: u64) -> u64 {
+        let n = self.sequences.max(1) as u64;
+        let per_token = (self.kv_per_sequence / self.max_seq.max(1) as u64).max(1);
+        (available / n).saturating_sub(self.state_per_sequence) / per_token
+    }
+}
+
 /// Parameter counts of the text model (vision tower and MTP head excluded).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ParamCount {
@@ -240,6 +272,20 @@ impl ModelConfig {
         }
     }
 
+    /// What `sequences` generations of `max_seq` tokens hold beside the weights, with KV
+    /// elements of `kv_elem_bytes` (the conv window and recurrent state in f32).
+    pub fn batch_need(&self, kv_elem_bytes: usize, max_seq: usize, sequences: usize) -> BatchNeed {
+        let kv_per_sequence = self.kv_bytes_per_token(kv_elem_bytes) * max_seq as u64;
+        let state_per_sequence = self.recurrent_state_bytes() + self.conv_state_bytes(4);
+        BatchNeed {
+            sequences,
+            max_seq,
+            kv_per_sequence,
+            state_per_sequence,
+            total: (kv_per_sequence + state_per_sequence) * sequences as u64,
+        }
+    }
+
     /// The longest context whose memory need fits in `available` bytes, at most the model's
     /// `max_position_embeddings`; `None` when not even an empty context fits.
     pub fn longest_context(&self, layout: &MemoryLayout, available: u64) -> Option<usize> {
@@ -346,5 +392,29 @@ mod tests {
         // 8.5 bits per quantised weight instead of 4.5: about 1.9x the 4-bit size.
         let q4 = c.weight_bytes_in(WeightFormat::MLX_Q4) as f64;
         assert!((q8 as f64 / q4 - 8.5 / 4.5).abs() < 0.01, "{q8} vs {q4}");
+    }
+
+    #[test]
+    fn a_batch_of_full_contexts_counts_every_sequence() {
+        let c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
+        // 10 attention layers × K and V × 2 KV heads × 256 dims × 2 bytes; 30 Gated DeltaNet
+        // layers of 32 value heads × 128 × 128 f32, plus their 3-row conv windows of 8192.
+        let need = c.batch_need(2, 32768, 8);
+        assert_eq!(need.kv_per_sequence, 10 * 2 * 2 * 256 * 2 * 32768);
+        assert_eq!(
+            need.state_per_sequence,
+            30 * 32 * 128 * 128 * 4 + 30 * 3 * 8192 * 4
+        );
+        assert_eq!(need.total, 8 * need.per_sequence());
+        assert_eq!(need.sequences_fitting(3 * need.per_sequence() + 1), 3);
+        // Half the memory holds the eight at under half the context: each keeps its whole
+        // fixed state (63 MB, 3,086 tokens' worth of KV) and halves only its KV.
+        let per_token = need.kv_per_sequence / 32768;
+        let half = need.context_fitting(need.total / 2);
+        assert_eq!(
+            half,
+            (need.per_sequence() / 2 - need.state_per_sequence) / per_token
+        );
+        assert!((14000..16384).contains(&half), "{half}");
     }
 }

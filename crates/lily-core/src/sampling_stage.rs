@@ -4,7 +4,8 @@
 //! which case they come back (`decode`) and both the choice and the log-probabilities are made
 //! from them, exactly. Penalties need the logits too; the backend sees that through
 //! `Sampler::is_raw_greedy`. A device-side sampler (mask, penalties, top log-probabilities on
-//! the device) replaces the body of this module, not its callers.
+//! the device) replaces the body of this module, not its callers. A batched step
+//! ([`decode_batch`]) asks each sequence's own stage the same question.
 //!
 //! A constraint (constrained decoding: a grammar the output must follow) also takes the logits
 //! path: the tokens it forbids get a logit of -inf before the choice, and it is told the token
@@ -12,9 +13,9 @@
 
 use std::fmt::Debug;
 
-use anyhow::Result;
+use anyhow::{Result, ensure};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, DecodeRow, Decoded};
 use crate::logprobs::{TokenLogprobs, token_logprobs};
 use crate::sampling::Sampler;
 
@@ -92,8 +93,8 @@ impl SamplingStage {
         state: &mut B::State,
         token: u32,
     ) -> Result<Pick> {
-        if self.logprobs.is_none() && self.constraint.is_none() {
-            let token = backend.decode_sample(state, token, &mut self.sampler)?;
+        if let Some(sampler) = self.device_sampler() {
+            let token = backend.decode_sample(state, token, sampler)?;
             return Ok(Pick {
                 token,
                 logprobs: None,
@@ -102,6 +103,55 @@ impl SamplingStage {
         let logits = backend.decode(state, token)?;
         self.pick(&logits)
     }
+
+    /// The sampler, when the backend may choose with it on its device; `None` when the logits
+    /// must come back (log-probabilities are made from them; a constraint masks them).
+    fn device_sampler(&mut self) -> Option<&mut Sampler> {
+        (self.logprobs.is_none() && self.constraint.is_none()).then_some(&mut self.sampler)
+    }
+}
+
+/// One sequence's part in a batched step: its own stage and state, and the token it consumes.
+pub struct BatchEntry<'a, S> {
+    pub stage: &'a mut SamplingStage,
+    pub state: &'a mut S,
+    pub token: u32,
+}
+
+/// Feeds every entry's token to its state in one batched backend step and picks each one's next
+/// token, each stage deciding for its own sequence exactly as [`SamplingStage::decode`] does.
+/// On error the batch as a whole has failed (see [`Backend::decode_batch`]).
+pub fn decode_batch<B: Backend>(
+    backend: &B,
+    entries: &mut [BatchEntry<'_, B::State>],
+) -> Result<Vec<Pick>> {
+    let mut rows: Vec<DecodeRow<'_, B::State>> = entries
+        .iter_mut()
+        .map(|e| DecodeRow {
+            state: &mut *e.state,
+            token: e.token,
+            sampler: e.stage.device_sampler(),
+        })
+        .collect();
+    let decoded = backend.decode_batch(&mut rows)?;
+    drop(rows);
+    ensure!(
+        decoded.len() == entries.len(),
+        "the backend returned {} results for a batch of {}",
+        decoded.len(),
+        entries.len()
+    );
+    entries
+        .iter_mut()
+        .zip(decoded)
+        .map(|(e, d)| match d {
+            Decoded::Token(token) => Ok(Pick {
+                token,
+                logprobs: None,
+            }),
+            Decoded::Logits(logits) => e.stage.pick(&logits),
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -242,5 +292,38 @@ mod tests {
         }
         // Constrained decoding takes the logits path: the mask is applied on the host.
         assert!(backend.calls.lock().unwrap().iter().all(|c| *c == "logits"));
+    }
+
+    #[test]
+    fn a_batch_asks_each_stage_as_it_would_be_asked_alone() {
+        let backend = Device {
+            config: ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap(),
+            calls: Mutex::new(Vec::new()),
+        };
+        let mut scored = SamplingStage::new(Sampler::new(SamplingParams::greedy()), Some(1));
+        let mut plain = SamplingStage::new(Sampler::new(SamplingParams::greedy()), None);
+        let (mut a, mut b) = ((), ());
+        let picks = decode_batch(
+            &backend,
+            &mut [
+                BatchEntry {
+                    stage: &mut scored,
+                    state: &mut a,
+                    token: 3,
+                },
+                BatchEntry {
+                    stage: &mut plain,
+                    state: &mut b,
+                    token: 5,
+                },
+            ],
+        )
+        .unwrap();
+        assert_eq!(*backend.calls.lock().unwrap(), ["logits", "device"]);
+        let mut alone = SamplingStage::new(Sampler::new(SamplingParams::greedy()), Some(1));
+        assert_eq!(picks[0], alone.decode(&backend, &mut (), 3).unwrap());
+        assert!(picks[0].logprobs.is_some());
+        let mut alone = SamplingStage::new(Sampler::new(SamplingParams::greedy()), None);
+        assert_eq!(picks[1], alone.decode(&backend, &mut (), 5).unwrap());
     }
 }

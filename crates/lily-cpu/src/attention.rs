@@ -19,11 +19,75 @@ pub fn attention(
     cache: &mut KvCache,
     nx: Numerics,
 ) -> Vec<f32> {
-    let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
-    let qg = nx.matmul(x, rows, &w.q_proj);
-    let mut k = nx.matmul(x, rows, &w.k_proj);
-    let v = nx.matmul(x, rows, &w.v_proj);
+    let p = Projections::of(w, x, rows, nx);
+    let out = attend(c, w, p, start, cache, nx);
+    nx.matmul(&out, rows, &w.o_proj)
+}
 
+/// One decode step of several sequences, row `i` of `x` at position `starts[i]` of
+/// `caches[i]`: the projections take every row at once (each weight read once), the attention
+/// itself runs per sequence over its own cache. In f32, as every decode step computes.
+pub fn attention_batch(
+    c: &ModelConfig,
+    w: &AttentionWeights,
+    x: &[f32],
+    starts: &[usize],
+    caches: &mut [&mut KvCache],
+) -> Vec<f32> {
+    let (rows, nx) = (caches.len(), Numerics::F32);
+    let p = Projections::of(w, x, rows, nx);
+    let out: Vec<f32> = caches
+        .par_iter_mut()
+        .zip(starts)
+        .enumerate()
+        .flat_map_iter(|(i, (cache, &start))| attend(c, w, p.row(i, rows), start, cache, nx))
+        .collect();
+    nx.matmul(&out, rows, &w.o_proj)
+}
+
+/// The query (with its gate), key and value rows of a chunk.
+struct Projections {
+    qg: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl Projections {
+    fn of(w: &AttentionWeights, x: &[f32], rows: usize, nx: Numerics) -> Self {
+        Projections {
+            qg: nx.matmul(x, rows, &w.q_proj),
+            k: nx.matmul(x, rows, &w.k_proj),
+            v: nx.matmul(x, rows, &w.v_proj),
+        }
+    }
+
+    /// Row `i` of `rows`, on its own.
+    fn row(&self, i: usize, rows: usize) -> Projections {
+        let at = |m: &[f32]| {
+            let width = m.len() / rows;
+            m[i * width..(i + 1) * width].to_vec()
+        };
+        Projections {
+            qg: at(&self.qg),
+            k: at(&self.k),
+            v: at(&self.v),
+        }
+    }
+}
+
+/// Attention of one sequence's projected rows (the first at position `start`) over its cache,
+/// which takes their keys and values; the gated output before `o_proj`.
+fn attend(
+    c: &ModelConfig,
+    w: &AttentionWeights,
+    p: Projections,
+    start: usize,
+    cache: &mut KvCache,
+    nx: Numerics,
+) -> Vec<f32> {
+    let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
+    let Projections { qg, mut k, v } = p;
+    let rows = qg.len() / (nh * 2 * hd);
     let mut q = vec![0f32; rows * nh * hd];
     let mut gate = vec![0f32; rows * nh * hd];
     for (t, row) in qg.chunks(nh * 2 * hd).enumerate() {
@@ -70,7 +134,7 @@ pub fn attention(
         let g = &gate[i * hd..(i + 1) * hd];
         o.iter_mut().zip(g).for_each(|(o, g)| *o *= sigmoid(*g));
     });
-    nx.matmul(&out, rows, &w.o_proj)
+    out
 }
 
 /// One query head against the cache rows of its KV head.

@@ -34,18 +34,82 @@ pub fn gated_delta_net(
     form: GdnForm,
     nx: Numerics,
 ) -> Vec<f32> {
+    let p = Projections::of(w, x, rows, nx);
+    let out = mix(c, w, &p, rows, state, form);
+    nx.matmul(&out, rows, &w.out_proj)
+}
+
+/// One decode step of several sequences, row `i` of `x` into `states[i]`: the projections take
+/// every row at once (each weight read once), the conv and the delta rule run per sequence on
+/// its own state. In f32, as every decode step computes.
+pub fn gated_delta_net_batch(
+    c: &ModelConfig,
+    w: &GdnWeights,
+    x: &[f32],
+    states: &mut [&mut GdnState],
+) -> Vec<f32> {
+    let (rows, nx) = (states.len(), Numerics::F32);
+    let p = Projections::of(w, x, rows, nx);
+    let out: Vec<f32> = states
+        .par_iter_mut()
+        .enumerate()
+        .flat_map_iter(|(i, state)| mix(c, w, &p.row(i, rows), 1, state, GdnForm::Recurrent))
+        .collect();
+    nx.matmul(&out, rows, &w.out_proj)
+}
+
+/// The input projections of a chunk: q|k|v before the conv, the output gate z, and the rows
+/// that become β and the decay.
+struct Projections {
+    mixed: Vec<f32>,
+    z: Vec<f32>,
+    b: Vec<f32>,
+    a: Vec<f32>,
+}
+
+impl Projections {
+    fn of(w: &GdnWeights, x: &[f32], rows: usize, nx: Numerics) -> Self {
+        Projections {
+            mixed: nx.matmul(x, rows, &w.in_proj_qkv),
+            z: nx.matmul(x, rows, &w.in_proj_z),
+            b: nx.matmul(x, rows, &w.in_proj_b),
+            a: nx.matmul(x, rows, &w.in_proj_a),
+        }
+    }
+
+    /// Row `i` of `rows`, on its own.
+    fn row(&self, i: usize, rows: usize) -> Projections {
+        let at = |m: &[f32]| {
+            let width = m.len() / rows;
+            m[i * width..(i + 1) * width].to_vec()
+        };
+        Projections {
+            mixed: at(&self.mixed),
+            z: at(&self.z),
+            b: at(&self.b),
+            a: at(&self.a),
+        }
+    }
+}
+
+/// One sequence's conv, delta rule and gated norm over its projected rows, advancing `state`;
+/// the output before `out_proj`.
+fn mix(
+    c: &ModelConfig,
+    w: &GdnWeights,
+    p: &Projections,
+    rows: usize,
+    state: &mut GdnState,
+    form: GdnForm,
+) -> Vec<f32> {
     let (nk, nv) = (c.linear_num_key_heads, c.linear_num_value_heads);
     let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
     let (key_dim, conv_dim, kernel) = (c.gdn_key_dim(), c.gdn_conv_dim(), c.conv_kernel);
-
-    let mixed = nx.matmul(x, rows, &w.in_proj_qkv);
-    let z = nx.matmul(x, rows, &w.in_proj_z);
-    let b = nx.matmul(x, rows, &w.in_proj_b);
-    let a = nx.matmul(x, rows, &w.in_proj_a);
+    let Projections { mixed, z, b, a } = p;
 
     // Causal conv: the window is the cached pre-conv rows followed by this chunk's rows.
     let mut window = std::mem::take(&mut state.conv);
-    window.extend_from_slice(&mixed);
+    window.extend_from_slice(mixed);
     let mut conv = vec![0f32; rows * conv_dim];
     conv.par_chunks_mut(conv_dim)
         .enumerate()
@@ -117,5 +181,5 @@ pub fn gated_delta_net(
             }
         }
     }
-    nx.matmul(&out, rows, &w.out_proj)
+    out
 }

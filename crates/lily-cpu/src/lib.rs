@@ -4,6 +4,7 @@
 //! hold the GPU to a reference that differs from it only by summation order.
 
 mod attention;
+mod batch;
 pub mod delta_rule;
 mod gdn;
 mod moe;
@@ -15,7 +16,7 @@ mod state;
 use std::sync::Arc;
 
 use anyhow::{Result, bail, ensure};
-use lily_core::backend::{Backend, LogitRows};
+use lily_core::backend::{Backend, DecodeRow, Decoded, LogitRows};
 use lily_core::config::ModelConfig;
 use lily_core::weights::{Mixer, ModelWeights};
 
@@ -194,5 +195,21 @@ impl Backend for CpuBackend {
     /// A prefill of one token in f32 whatever the numerics: the CUDA decode step computes in f32.
     fn decode(&self, state: &mut CpuState, token: u32) -> Result<Vec<f32>> {
         self.run(state, &[token], LogitRows::Last, None, Numerics::F32)
+    }
+
+    /// One step for every row, each weight read once for all of them (batch.rs).
+    fn decode_batch(&self, rows: &mut [DecodeRow<'_, CpuState>]) -> Result<Vec<Decoded>> {
+        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
+        let mut states: Vec<&mut CpuState> = rows.iter_mut().map(|r| &mut *r.state).collect();
+        let logits = self.decode_rows(&mut states, &tokens)?;
+        let vocab = self.config.vocab_size;
+        Ok(rows
+            .iter_mut()
+            .zip(logits.chunks(vocab))
+            .map(|(row, logits)| match row.sampler.as_deref_mut() {
+                Some(sampler) => Decoded::Token(sampler.sample(logits)),
+                None => Decoded::Logits(logits.to_vec()),
+            })
+            .collect())
     }
 }

@@ -2,7 +2,7 @@
 //! command and the server are written once for any backend.
 
 use anyhow::{Result, bail};
-use lily_core::backend::{Backend, LogitRows};
+use lily_core::backend::{Backend, DecodeRow, Decoded, LogitRows};
 use lily_core::config::ModelConfig;
 use lily_core::sampling::Sampler;
 use lily_cpu::{CpuBackend, CpuState};
@@ -31,6 +31,19 @@ macro_rules! with_state {
             _ => bail!(mismatch()),
         }
     };
+}
+
+impl AnyBackend {
+    /// How many generations the server runs at once unless told. CUDA: 8, what its batched
+    /// decode step is built for. The CPU: one per core (from 2 to 8), since the attention and
+    /// the Gated DeltaNet of each sequence run on cores of their own while the batch shares
+    /// every weight read.
+    pub fn default_max_batch(&self) -> usize {
+        match self {
+            AnyBackend::Cpu(_) => rayon::current_num_threads().clamp(2, 8),
+            AnyBackend::Cuda(_) => 8,
+        }
+    }
 }
 
 impl Backend for AnyBackend {
@@ -113,4 +126,35 @@ impl Backend for AnyBackend {
     ) -> Result<u32> {
         with_state!(self, state, b, s => b.decode_sample(s, token, sampler))
     }
+
+    fn decode_batch(&self, rows: &mut [DecodeRow<'_, AnyState>]) -> Result<Vec<Decoded>> {
+        match self {
+            AnyBackend::Cpu(b) => b.decode_batch(&mut narrowed(rows, |s| match s {
+                AnyState::Cpu(s) => Some(s),
+                AnyState::Cuda(_) => None,
+            })?),
+            // No batched CUDA step yet (it comes with the persistent decode kernel): the
+            // trait's default runs the rows one at a time through the single-sequence step.
+            AnyBackend::Cuda(b) => b.decode_batch(&mut narrowed(rows, |s| match s {
+                AnyState::Cuda(s) => Some(&mut **s),
+                AnyState::Cpu(_) => None,
+            })?),
+        }
+    }
+}
+
+/// The rows with their states as the backend's own kind, which `state` picks out.
+fn narrowed<'a, S>(
+    rows: &'a mut [DecodeRow<'_, AnyState>],
+    state: impl Fn(&'a mut AnyState) -> Option<&'a mut S>,
+) -> Result<Vec<DecodeRow<'a, S>>> {
+    rows.iter_mut()
+        .map(|row| {
+            Ok(DecodeRow {
+                state: state(&mut *row.state).ok_or_else(mismatch)?,
+                token: row.token,
+                sampler: row.sampler.as_deref_mut(),
+            })
+        })
+        .collect()
 }

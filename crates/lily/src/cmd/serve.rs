@@ -1,5 +1,7 @@
 //! `lily serve`: the OpenAI-compatible HTTP server.
 
+mod batch_plan;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,6 +11,7 @@ use lily_core::backend::Backend;
 use lily_core::config::ModelConfig;
 use lily_core::model_ref::ModelRef;
 
+use self::batch_plan::BatchPlan;
 use crate::cmd::pull::resolve_model;
 use crate::cmd::quantize::QuantizeArg;
 use crate::device::{Device, load_with};
@@ -37,9 +40,17 @@ pub struct Args {
     /// positions if fewer].
     #[arg(long)]
     max_seq: Option<usize>,
-    /// Requests that may wait while one generates; more get 429.
+    /// Requests that may wait while the batch is full; more get 429.
     #[arg(long, default_value_t = 16)]
     queue_size: usize,
+    /// The reply length of a request that sets no max_tokens [default: the rest of the context].
+    /// A request that asks for more than its context leaves is a 400.
+    #[arg(long)]
+    max_tokens: Option<usize>,
+    /// Generations run at once, each advancing one token per batched step [default: 8 on
+    /// CUDA; on the CPU the number of cores, from 2 to 8].
+    #[arg(long)]
+    max_batch: Option<usize>,
     /// Memory for snapshots of conversation states (multi-turn reuse), in MiB; 0 turns it off.
     #[arg(long, default_value_t = 2048)]
     snapshot_cache_mb: usize,
@@ -110,10 +121,22 @@ pub fn run(args: Args) -> Result<()> {
     eprintln!("lily: {}", text.provenance);
     let vocab_size = backend.config().vocab_size;
     let grammars = GrammarEngine::new(backend.config().eos_token_ids.clone());
+    let max_batch = args
+        .max_batch
+        .unwrap_or_else(|| backend.default_max_batch());
+    if max_batch == 0 {
+        bail!("--max-batch must be at least 1");
+    }
     let budget = args.snapshot_cache_mb << 20;
+    let plan = BatchPlan::check(&backend, max_seq, max_batch, budget as u64)?;
+    eprintln!(
+        "lily: {}; {} more requests may queue",
+        plan.summary(),
+        args.queue_size.max(1)
+    );
     let engine = Engine::new(backend, text.clone(), max_seq, budget)?;
     let metrics = Metrics::new();
-    let engine = EngineHandle::spawn(engine, args.queue_size, metrics.clone())
+    let engine = EngineHandle::spawn(engine, args.queue_size, max_batch, metrics.clone())
         .context("starting the engine")?;
     let app = Arc::new(AppState {
         engine,
@@ -125,6 +148,7 @@ pub fn run(args: Args) -> Result<()> {
         model_aliases: vec![args.model.clone()],
         created: unix_time(),
         max_seq,
+        default_max_tokens: args.max_tokens,
         vocab_size,
         defaults,
         default_thinking: !args.no_thinking,

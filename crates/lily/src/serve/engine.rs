@@ -1,25 +1,31 @@
-//! One generation from a tokenised prompt to text, on any backend: reuse of snapshotted state,
-//! chunked prefill, sampling, stop tokens and stop strings, and `n` choices from one prefill.
-//! The server's worker thread, `lily chat` and `lily generate --prompt` all run generations
-//! through this.
+//! Generations from tokenised prompts to text, on any backend, several at once: reuse of
+//! snapshotted state, chunked prefill, sampling, stop tokens and stop strings, and `n` choices
+//! from one prefill. The engine advances a batch of [`Sequence`]s one [`Engine::step`] at a time:
+//! a chunk of the oldest prompt still going in, then one token for every sequence generating,
+//! in one batched backend step. The server's worker thread runs a batch of up to `--max-batch`;
+//! `lily chat` and `lily generate --prompt` run a batch of one through [`Engine::run`]: one
+//! generation loop for all of them.
+
+mod choice;
+mod prefill;
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
 
-use anyhow::{Result, bail};
+use anyhow::{Result, anyhow, bail};
 use lily_chat::TextModel;
 use lily_core::backend::{Backend, LogitRows};
-use lily_core::logprobs::{TokenLogprobs, token_logprobs};
+/// How a generation ended: the one finish type of the engine and of `lily generate --tokens`.
+pub use lily_core::generate::Finish;
+use lily_core::logprobs::TokenLogprobs;
 use lily_core::penalties::Penalties;
 use lily_core::rng::mix64;
-use lily_core::sampling::{Sampler, SamplingParams};
-use lily_core::sampling_stage::{Grammar, MAX_TOP_LOGPROBS, SamplingStage};
+use lily_core::sampling::SamplingParams;
+use lily_core::sampling_stage::{BatchEntry, Grammar, decode_batch};
 
+use self::choice::ChoiceRun;
+use self::prefill::PromptFill;
 use super::snapshots::SnapshotCache;
-
-/// Rows of logits a prompt scored for its log-probabilities is fed in: each row is a whole
-/// vocabulary (1 MB at 248K), so the chunk bounds the memory, not the speed.
-const SCORED_CHUNK: usize = 64;
 
 #[derive(Clone, Debug)]
 pub struct GenerationJob {
@@ -57,16 +63,6 @@ impl GenerationJob {
             grammar: None,
         }
     }
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Finish {
-    /// An end-of-turn token, or a stop string.
-    Stop,
-    /// `max_tokens`, or the context is full.
-    Length,
-    /// The consumer went away.
-    Cancelled,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -135,6 +131,69 @@ fn choice_seed(seed: u64, index: usize) -> u64 {
     }
 }
 
+/// Where a generation's events go, and how it learns that its consumer has gone.
+pub trait Sink {
+    /// Receives an event; breaking cancels the generation.
+    fn emit(&mut self, event: EngineEvent) -> ControlFlow<()>;
+    /// Polled between steps where no event is due (prefill chunks, held-back text).
+    fn cancelled(&self) -> bool;
+}
+
+/// A sink of two closures, for a caller that runs one generation ([`Engine::run`]).
+struct Callbacks<E, C> {
+    emit: E,
+    cancelled: C,
+}
+
+impl<E: FnMut(EngineEvent) -> ControlFlow<()>, C: Fn() -> bool> Sink for Callbacks<E, C> {
+    fn emit(&mut self, event: EngineEvent) -> ControlFlow<()> {
+        (self.emit)(event)
+    }
+    fn cancelled(&self) -> bool {
+        (self.cancelled)()
+    }
+}
+
+/// One generation in the engine's batch, from its prompt's prefill to its last choice. `'t` is
+/// the text model its text streams decode with.
+pub struct Sequence<'t, S, K> {
+    job: GenerationJob,
+    sink: K,
+    text: &'t TextModel,
+    outcome: Outcome,
+    phase: Phase<'t, S>,
+}
+
+enum Phase<'t, S> {
+    /// The prompt going in, a chunk per step.
+    Prefill(PromptFill<S>),
+    /// A choice generating. `prompt` keeps the prompt's state and logits for the choices after
+    /// it (each starts from a fork; the last takes the state itself).
+    Decode {
+        choice: Box<ChoiceRun<'t, S>>,
+        prompt: Option<(S, Vec<f32>)>,
+    },
+    /// Ended (the outcome is complete) or failed; it leaves the batch at the end of the step.
+    Ended(Result<()>),
+}
+
+impl<S, K> Sequence<'_, S, K> {
+    /// The sequence's sink, for a caller that must end it from outside (a panicked step).
+    pub fn into_sink(self) -> K {
+        self.sink
+    }
+
+    fn is_prefilling(&self) -> bool {
+        matches!(&self.phase, Phase::Prefill(fill) if fill.logits.is_none())
+    }
+}
+
+/// A sequence that has left the batch, with its sink and how it went.
+pub struct Finished<K> {
+    pub sink: K,
+    pub result: Result<Outcome>,
+}
+
 pub struct Engine<B: Backend> {
     backend: B,
     text: Arc<TextModel>,
@@ -176,248 +235,264 @@ impl<B: Backend> Engine<B> {
         (self.snapshots.len(), self.snapshots.used_bytes())
     }
 
-    /// Runs `job`. `emit` receives the events and may cancel by breaking; `cancelled` is polled
-    /// between steps where no event is due (prefill chunks, held-back text).
+    /// The text model sequences decode with; a batch's sequences borrow it.
+    pub fn text_model(&self) -> Arc<TextModel> {
+        self.text.clone()
+    }
+
+    /// Runs `job` alone, start to end: a batch of one through the same steps as the server's.
+    /// `emit` receives the events and may cancel by breaking; `cancelled` is polled between
+    /// steps where no event is due (prefill chunks, held-back text).
     pub fn run(
         &mut self,
         job: &GenerationJob,
-        mut emit: impl FnMut(EngineEvent) -> ControlFlow<()>,
+        emit: impl FnMut(EngineEvent) -> ControlFlow<()>,
         cancelled: impl Fn() -> bool,
     ) -> Result<Outcome> {
-        let prompt = &job.prompt;
-        if prompt.is_empty() {
+        let text = self.text_model();
+        let sink = Callbacks { emit, cancelled };
+        let mut batch = match self.admit(job.clone(), sink, &text) {
+            Ok(sequence) => vec![sequence],
+            Err(finished) => return finished.result,
+        };
+        loop {
+            if let Some(finished) = self.step(&mut batch).pop() {
+                return finished.result;
+            }
+        }
+    }
+
+    /// Makes `job` a sequence ready to join a batch, from the best snapshot of its prompt; a
+    /// job that cannot run comes back finished.
+    pub fn admit<'t, K: Sink>(
+        &mut self,
+        job: GenerationJob,
+        sink: K,
+        text: &'t TextModel,
+    ) -> Result<Sequence<'t, B::State, K>, Finished<K>> {
+        let fill = self.check(&job).and_then(|()| self.begin_fill(&job));
+        let fill = match fill {
+            Ok(fill) => fill,
+            Err(e) => {
+                return Err(Finished {
+                    sink,
+                    result: Err(e),
+                });
+            }
+        };
+        let outcome = Outcome {
+            choices: Vec::new(),
+            prompt_tokens: job.prompt.len(),
+            cached_tokens: fill.cached,
+        };
+        Ok(Sequence {
+            job,
+            sink,
+            text,
+            outcome,
+            phase: Phase::Prefill(fill),
+        })
+    }
+
+    fn check(&self, job: &GenerationJob) -> Result<()> {
+        if job.prompt.is_empty() {
             bail!("the prompt is empty");
         }
-        if prompt.len() >= self.max_seq {
+        if job.prompt.len() >= self.max_seq {
             bail!(
                 "the prompt has {} tokens but the context holds {} (including at least one \
                  generated token)",
-                prompt.len(),
+                job.prompt.len(),
                 self.max_seq
             );
         }
-        let mut outcome = Outcome {
-            choices: Vec::new(),
-            prompt_tokens: prompt.len(),
-            cached_tokens: 0,
+        Ok(())
+    }
+
+    /// One step of `batch`: a chunk of the oldest prompt still going in, then one token for
+    /// every sequence generating, all in one batched backend step. So a generating sequence
+    /// waits at most one prefill chunk and one batched step per token. The sequences that end
+    /// leave `batch` (which keeps its order) and come back.
+    pub fn step<'t, K: Sink>(
+        &mut self,
+        batch: &mut Vec<Sequence<'t, B::State, K>>,
+    ) -> Vec<Finished<K>> {
+        if let Some(sequence) = batch.iter_mut().find(|s| s.is_prefilling()) {
+            self.advance_prefill(sequence);
+        }
+        // A prompt whose logits came whole from a snapshot starts at once.
+        for sequence in batch.iter_mut() {
+            if matches!(&sequence.phase, Phase::Prefill(fill) if fill.logits.is_some()) {
+                self.start_choices(sequence);
+            }
+        }
+        self.decode_step(batch);
+        let mut finished = Vec::new();
+        let mut kept = Vec::with_capacity(batch.len());
+        for sequence in batch.drain(..) {
+            match sequence.phase {
+                Phase::Ended(result) => finished.push(Finished {
+                    sink: sequence.sink,
+                    result: result.map(|()| sequence.outcome),
+                }),
+                _ => kept.push(sequence),
+            }
+        }
+        *batch = kept;
+        finished
+    }
+
+    fn advance_prefill<K: Sink>(&mut self, sequence: &mut Sequence<'_, B::State, K>) {
+        if sequence.sink.cancelled() {
+            sequence.phase = Phase::Ended(Ok(()));
+            return;
+        }
+        let Phase::Prefill(fill) = &mut sequence.phase else {
+            return;
         };
-        let mut prompt_logprobs = Vec::new();
-        let prefilled = self.prefill_prompt(job, &mut outcome, &mut prompt_logprobs, &cancelled)?;
-        let Some((state, logits)) = prefilled else {
-            return Ok(outcome);
+        if let Err(e) = self.fill_chunk(&sequence.job, fill) {
+            sequence.phase = Phase::Ended(Err(e));
+        }
+    }
+
+    /// The prompt is in: says so, then starts the first choice with the prompt's logits.
+    fn start_choices<K: Sink>(&mut self, sequence: &mut Sequence<'_, B::State, K>) {
+        let Phase::Prefill(fill) = std::mem::replace(&mut sequence.phase, Phase::Ended(Ok(())))
+        else {
+            return;
+        };
+        let Some(logits) = fill.logits else {
+            return;
         };
         let started = EngineEvent::Started {
-            prompt_tokens: prompt.len(),
-            cached_tokens: outcome.cached_tokens,
-            prompt_logprobs,
+            prompt_tokens: sequence.job.prompt.len(),
+            cached_tokens: fill.cached,
+            prompt_logprobs: fill.prompt_logprobs,
         };
-        if emit(started).is_break() {
-            return Ok(outcome);
+        if sequence.sink.emit(started).is_break() {
+            return;
         }
-        // Every choice but the last starts from a fork; the last takes the state itself.
-        let n = job.n.max(1);
-        let mut state = Some(state);
-        for index in 0..n {
-            let choice_state = if index + 1 == n {
-                state.take()
-            } else {
-                state.as_ref().map(|s| self.backend.fork(s)).transpose()?
-            };
-            let Some(choice_state) = choice_state else {
+        let result = self.next_choice(sequence, Some((fill.state, logits)));
+        if let Err(e) = result {
+            sequence.phase = Phase::Ended(Err(e));
+        }
+    }
+
+    /// Starts the choice after those in the outcome from `prompt` (its state and logits), and
+    /// runs on through every choice that ends without a decode step (a stop token first, a
+    /// budget of one token or none).
+    fn next_choice<K: Sink>(
+        &mut self,
+        sequence: &mut Sequence<'_, B::State, K>,
+        mut prompt: Option<(B::State, Vec<f32>)>,
+    ) -> Result<()> {
+        let n = sequence.job.n.max(1);
+        let room = self.max_seq - sequence.job.prompt.len();
+        loop {
+            let index = sequence.outcome.choices.len();
+            let Some((state, logits)) = prompt.take() else {
                 bail!("the prompt's state was used up before choice {index}");
             };
-            let choice =
-                self.run_choice(job, index, choice_state, &logits, &mut emit, &cancelled)?;
-            let stop = choice.finish == Finish::Cancelled;
-            outcome.choices.push(choice);
-            if stop {
-                break;
-            }
-        }
-        Ok(outcome)
-    }
-
-    /// Generates choice `index` from `state`, which holds the prompt, and `logits`, the prompt's
-    /// last row.
-    fn run_choice(
-        &mut self,
-        job: &GenerationJob,
-        index: usize,
-        mut state: B::State,
-        logits: &[f32],
-        emit: &mut impl FnMut(EngineEvent) -> ControlFlow<()>,
-        cancelled: &impl Fn() -> bool,
-    ) -> Result<ChoiceOutcome> {
-        let prompt = &job.prompt;
-        let mut choice = ChoiceOutcome {
-            finish: Finish::Cancelled,
-            tokens: Vec::new(),
-        };
-        let max_tokens = job.max_tokens.min(self.max_seq - prompt.len());
-        if max_tokens == 0 {
-            choice.finish = Finish::Length;
-            return Ok(choice);
-        }
-        let text_model = self.text.clone();
-        let tokenizer = &text_model.tokenizer;
-        let mut text = lily_chat::TextStream::new(tokenizer, &job.stop);
-        let sampling = SamplingParams {
-            seed: choice_seed(job.sampling.seed, index),
-            ..job.sampling.clone()
-        };
-        let sampler = Sampler::new(sampling)
-            .with_vocab_limit(tokenizer.decodable_len())
-            .with_penalties(job.penalties.clone(), prompt);
-        let mut stage = SamplingStage::new(sampler, job.logprobs);
-        if let Some(grammar) = &job.grammar {
-            stage = stage.with_constraint(grammar.start()?);
-        }
-        let mut pick = stage.pick(logits)?;
-        let mut pending = Vec::new();
-        let mut send = |text: String, pending: &mut Vec<TokenLogprobs>| {
-            if text.is_empty() && pending.is_empty() {
-                return ControlFlow::Continue(());
-            }
-            emit(EngineEvent::Text {
-                choice: index,
-                text,
-                logprobs: std::mem::take(pending),
-            })
-        };
-        let mut ended_turn = false;
-        choice.finish = loop {
-            if self.stop_ids.contains(&pick.token) {
-                ended_turn = true;
-                break Finish::Stop;
-            }
-            let next = pick.token;
-            choice.tokens.push(next);
-            pending.extend(pick.logprobs.take());
-            let step = text.push(next);
-            if !step.text.is_empty() && send(step.text, &mut pending).is_break() {
-                return Ok(choice);
-            }
-            if step.stopped {
-                break Finish::Stop;
-            }
-            if choice.tokens.len() >= max_tokens {
-                break Finish::Length;
-            }
-            if cancelled() {
-                return Ok(choice);
-            }
-            pick = stage.decode(&self.backend, &mut state, next)?;
-        };
-        let tail = if choice.finish == Finish::Length || ended_turn {
-            text.finish().text
-        } else {
-            String::new()
-        };
-        if send(tail, &mut pending).is_break() {
-            choice.finish = Finish::Cancelled;
-            return Ok(choice);
-        }
-        if ended_turn {
-            self.snapshot_end_of_turn(prompt, &choice.tokens, state)?;
-        }
-        Ok(choice)
-    }
-
-    /// Brings the prompt into a state, from the best snapshot; `None` if cancelled meanwhile.
-    fn prefill_prompt(
-        &mut self,
-        job: &GenerationJob,
-        outcome: &mut Outcome,
-        prompt_logprobs: &mut Vec<TokenLogprobs>,
-        cancelled: &impl Fn() -> bool,
-    ) -> Result<Option<(B::State, Vec<f32>)>> {
-        let prompt = &job.prompt;
-        if let Some(top) = job.prompt_logprobs {
-            return self.prefill_scored(prompt, top, prompt_logprobs, cancelled);
-        }
-        let (mut state, mut logits) = match self.snapshots.longest_prefix(prompt) {
-            Some(hit) => {
-                outcome.cached_tokens = hit.tokens.len();
-                let logits = if hit.tokens.len() == prompt.len() {
-                    hit.logits.clone()
-                } else {
-                    None
+            let (state, rest) = if index + 1 == n {
+                (state, None)
+            } else {
+                (self.backend.fork(&state)?, Some((state, logits.clone())))
+            };
+            let mut choice = ChoiceRun::new(&sequence.job, index, state, sequence.text, room)?;
+            let finish = if choice.is_empty_budget() {
+                Some(Finish::Length)
+            } else {
+                let pick = choice.stage.pick(&logits)?;
+                choice.accept(pick, &self.stop_ids, &mut sequence.sink)
+            };
+            let Some(finish) = finish else {
+                sequence.phase = Phase::Decode {
+                    choice: Box::new(choice),
+                    prompt: rest,
                 };
-                (self.backend.fork(&hit.state)?, logits)
+                return Ok(());
+            };
+            if !self.end_choice(sequence, choice, finish)? {
+                return Ok(());
             }
-            None => (self.backend.new_state(self.max_seq)?, None),
-        };
-        if let Some(logits) = logits.take() {
-            return Ok(Some((state, logits)));
+            prompt = rest;
         }
-        let mut done = outcome.cached_tokens;
-        if let Some(boundary) = job.turn_boundary
-            && boundary > done
-            && boundary < prompt.len()
-        {
-            if self
-                .prefill(&mut state, &prompt[done..boundary], cancelled)?
-                .is_none()
-            {
-                return Ok(None);
-            }
-            self.keep_snapshot(&prompt[..boundary], &state, None)?;
-            done = boundary;
-        }
-        let Some(logits) = self.prefill(&mut state, &prompt[done..], cancelled)? else {
-            return Ok(None);
-        };
-        self.keep_snapshot(prompt, &state, Some(&logits))?;
-        Ok(Some((state, logits)))
     }
 
-    /// Feeds the whole prompt from an empty state with every row's logits (a snapshot has none
-    /// to give), keeping the log-probability of each prompt token after the first.
-    fn prefill_scored(
+    /// Records a choice that has ended; whether another is to start.
+    fn end_choice<K: Sink>(
         &mut self,
-        prompt: &[u32],
-        top: usize,
-        logprobs: &mut Vec<TokenLogprobs>,
-        cancelled: &impl Fn() -> bool,
-    ) -> Result<Option<(B::State, Vec<f32>)>> {
-        let vocab = self.backend.config().vocab_size;
-        let choosable = self.text.tokenizer.decodable_len();
-        let chunk = self.backend.max_prefill_chunk().clamp(1, SCORED_CHUNK);
-        let top = top.min(MAX_TOP_LOGPROBS);
-        let mut state = self.backend.new_state(self.max_seq)?;
-        let mut last = Vec::new();
-        for (c, tokens) in prompt.chunks(chunk).enumerate() {
-            if cancelled() {
-                return Ok(None);
-            }
-            let rows = self.backend.prefill(&mut state, tokens, LogitRows::All)?;
-            for (r, row) in rows.chunks(vocab).enumerate() {
-                // Row r of chunk c predicts the token after position c·chunk + r.
-                if let Some(&next) = prompt.get(c * chunk + r + 1) {
-                    logprobs.push(token_logprobs(row, next, top, choosable));
-                }
-            }
-            last = rows[rows.len().saturating_sub(vocab)..].to_vec();
+        sequence: &mut Sequence<'_, B::State, K>,
+        choice: ChoiceRun<'_, B::State>,
+        finish: Finish,
+    ) -> Result<bool> {
+        if choice.ended_turn && finish == Finish::Stop {
+            self.snapshot_end_of_turn(&sequence.job.prompt, &choice.tokens, choice.state)?;
         }
-        self.keep_snapshot(prompt, &state, Some(&last))?;
-        Ok(Some((state, last)))
+        sequence.outcome.choices.push(ChoiceOutcome {
+            finish,
+            tokens: choice.tokens,
+        });
+        let more = finish != Finish::Cancelled && sequence.outcome.choices.len() < sequence.job.n;
+        if !more {
+            sequence.phase = Phase::Ended(Ok(()));
+        }
+        Ok(more)
     }
 
-    /// Feeds `tokens` in chunks, checking for cancellation between them; the last row's logits.
-    fn prefill(
-        &self,
-        state: &mut B::State,
-        tokens: &[u32],
-        cancelled: &impl Fn() -> bool,
-    ) -> Result<Option<Vec<f32>>> {
-        let mut logits = None;
-        for chunk in tokens.chunks(self.backend.max_prefill_chunk().max(1)) {
-            if cancelled() {
-                return Ok(None);
-            }
-            logits = Some(self.backend.prefill(state, chunk, LogitRows::Last)?);
+    /// One batched decode step for every sequence generating; each takes its pick.
+    fn decode_step<K: Sink>(&mut self, batch: &mut [Sequence<'_, B::State, K>]) {
+        let mut entries: Vec<BatchEntry<'_, B::State>> = batch
+            .iter_mut()
+            .filter_map(|s| match &mut s.phase {
+                Phase::Decode { choice, .. } => Some(BatchEntry {
+                    stage: &mut choice.stage,
+                    state: &mut choice.state,
+                    token: choice.next,
+                }),
+                _ => None,
+            })
+            .collect();
+        if entries.is_empty() {
+            return;
         }
-        Ok(logits)
+        let picks = decode_batch(&self.backend, &mut entries);
+        drop(entries);
+        let decoding = batch
+            .iter_mut()
+            .filter(|s| matches!(s.phase, Phase::Decode { .. }));
+        let picks = match picks {
+            Ok(picks) => picks,
+            Err(e) => {
+                // The batch failed as a whole: every sequence in it ends with the error.
+                let message = format!("{e:#}");
+                for sequence in decoding {
+                    sequence.phase = Phase::Ended(Err(anyhow!("{message}")));
+                }
+                return;
+            }
+        };
+        for (sequence, pick) in decoding.zip(picks) {
+            let Phase::Decode { choice, .. } = &mut sequence.phase else {
+                continue;
+            };
+            let Some(finish) = choice.accept(pick, &self.stop_ids, &mut sequence.sink) else {
+                continue;
+            };
+            let Phase::Decode { choice, prompt } =
+                std::mem::replace(&mut sequence.phase, Phase::Ended(Ok(())))
+            else {
+                continue;
+            };
+            let result = match self.end_choice(sequence, *choice, finish) {
+                Ok(true) => self.next_choice(sequence, prompt),
+                Ok(false) => Ok(()),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = result {
+                sequence.phase = Phase::Ended(Err(e));
+            }
+        }
     }
 
     /// After a reply that ended its turn, the state plus `<|im_end|>\n` is where the next turn
@@ -460,5 +535,7 @@ impl<B: Backend> Engine<B> {
     }
 }
 
+#[cfg(test)]
+mod batch_tests;
 #[cfg(test)]
 mod tests;

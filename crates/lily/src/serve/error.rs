@@ -71,6 +71,23 @@ impl ApiError {
         }
     }
 
+    /// `max_tokens` more than the context leaves after the prompt.
+    pub fn reply_too_long(prompt_tokens: usize, max_tokens: usize, context: usize) -> Self {
+        ApiError {
+            code: Some("context_length_exceeded"),
+            ..Self::param(
+                "max_tokens",
+                format!(
+                    "this server's context is {context} tokens, but {} were requested \
+                     ({prompt_tokens} in the prompt, {max_tokens} for the reply); ask for at \
+                     most {} tokens, or restart the server with a larger --max-seq",
+                    prompt_tokens + max_tokens,
+                    context - prompt_tokens
+                ),
+            )
+        }
+    }
+
     pub fn queue_full(capacity: usize) -> Self {
         ApiError {
             status: StatusCode::TOO_MANY_REQUESTS,

@@ -7,7 +7,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::Router;
+use axum::{Extension, Router};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
 use hyper_util::service::TowerToHyperService;
@@ -15,6 +15,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 
 use super::error::ApiError;
+use super::request_id::ClientAddr;
 
 pub struct Limits {
     /// How long a client may take to send a request's headers.
@@ -39,7 +40,7 @@ pub async fn serve(
     let (stop, stopped) = watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        let (stream, _) = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
                 Err(e) => {
@@ -56,7 +57,7 @@ pub async fn serve(
             continue;
         };
         let header_timeout = limits.header_timeout;
-        let service = TowerToHyperService::new(router.clone());
+        let service = TowerToHyperService::new(router.clone().layer(Extension(ClientAddr(peer))));
         let mut stopped = stopped.clone();
         tokio::spawn(async move {
             let mut builder = Builder::new(TokioExecutor::new());

@@ -244,6 +244,7 @@ pub(super) fn parse_messages_request(
         common: CommonRequest {
             model,
             max_tokens: Some(max_tokens),
+            max_tokens_asked: true,
             sampling,
             penalties: Penalties::default(),
             n: 1,

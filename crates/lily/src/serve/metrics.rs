@@ -9,13 +9,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::extract::{Request, State};
-use axum::http::{Method, header};
+use axum::http::{HeaderValue, Method, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use serde_json::json;
 
 use super::engine::Outcome;
+use super::request_id::{ClientAddr, new_request_id, scoped};
 
 /// Paths reported by name; anything else is "other", so that clients cannot grow the map.
 const PATHS: [&str; 10] = [
@@ -47,6 +48,8 @@ pub struct Metrics {
     generated_tokens: AtomicU64,
     /// Requests accepted but not yet taken by the engine.
     pub queued: AtomicUsize,
+    /// Generations in the engine's batch (at most `--max-batch`).
+    pub running: AtomicUsize,
     pub time_to_first_token: Histogram<12>,
     pub inter_token: Histogram<11>,
 }
@@ -127,6 +130,12 @@ impl Metrics {
             "# HELP lily_queue_depth Requests waiting for the engine.\n\
              # TYPE lily_queue_depth gauge\nlily_queue_depth {queued}"
         );
+        let running = self.running.load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "# HELP lily_running_generations Generations in the engine's batch.\n\
+             # TYPE lily_running_generations gauge\nlily_running_generations {running}"
+        );
         self.time_to_first_token.render(
             &mut out,
             "lily_time_to_first_token_seconds",
@@ -191,11 +200,17 @@ impl<const N: usize> Histogram<N> {
     }
 }
 
-/// The middleware that counts every answered request and logs one JSON line for it: method,
-/// path (as the metrics label it), status, and the time until the response's headers (a stream
-/// goes on after that). Never the prompt or any other part of the body.
+/// The middleware that counts every answered request and logs one JSON line for it: its id
+/// (also the response's `x-request-id`, and on the engine's lines about it), the client's
+/// address, method, path (as the metrics label it), status, and the time until the response's
+/// headers (a stream goes on after that). Never the prompt or any other part of the body.
 pub async fn track(State(metrics): State<Arc<Metrics>>, request: Request, next: Next) -> Response {
     let started = Instant::now();
+    let id = new_request_id();
+    let client = request
+        .extensions()
+        .get::<ClientAddr>()
+        .map(|c| c.0.to_string());
     let method = match *request.method() {
         Method::GET
         | Method::POST
@@ -207,12 +222,16 @@ pub async fn track(State(metrics): State<Arc<Metrics>>, request: Request, next: 
         _ => "other".into(),
     };
     let path = request.uri().path().to_string();
-    let response = next.run(request).await;
+    let mut response = scoped(id.clone(), next.run(request)).await;
     let status = response.status().as_u16();
     let label = metrics.count_request(&path, status);
-    let line = json!({"event": "request", "method": method, "path": label, "status": status,
+    let line = json!({"event": "request", "id": id, "client": client, "method": method,
+                      "path": label, "status": status,
                       "headers_ms": (started.elapsed().as_secs_f64() * 1e4).round() / 10.0});
     eprintln!("lily: {line}");
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert("x-request-id", value);
+    }
     response
 }
 

@@ -14,6 +14,7 @@ pub mod messages;
 pub mod metrics;
 pub mod prompt;
 pub mod request;
+pub mod request_id;
 pub mod responses;
 #[cfg(test)]
 mod robustness_tests;

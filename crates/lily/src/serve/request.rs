@@ -26,7 +26,11 @@ pub const MAX_CHOICES: usize = 16;
 #[derive(Clone, Debug)]
 pub struct CommonRequest {
     pub model: String,
+    /// The client's, or the endpoint's default (text completions: 16).
     pub max_tokens: Option<usize>,
+    /// The client set `max_tokens` itself: more than the context leaves is then a 400, where
+    /// a default is cut to fit.
+    pub max_tokens_asked: bool,
     pub sampling: SamplingParams,
     /// `logit_bias` ids are checked against the vocabulary when the job is made.
     pub penalties: Penalties,
@@ -353,11 +357,11 @@ fn parse_common(
             .unwrap_or(1.0),
         logit_bias: parse_logit_bias(fields.0.get("logit_bias"))?,
     };
-    let max_tokens = match fields.count("max_completion_tokens")? {
+    let asked = match fields.count("max_completion_tokens")? {
         Some(n) => Some(n),
         None => fields.count("max_tokens")?,
-    }
-    .or(default_max_tokens);
+    };
+    let max_tokens = asked.or(default_max_tokens);
     if max_tokens == Some(0) && !allow_zero_tokens {
         return Err(ApiError::param(
             "max_tokens",
@@ -419,6 +423,7 @@ fn parse_common(
     Ok(CommonRequest {
         model,
         max_tokens,
+        max_tokens_asked: asked.is_some(),
         sampling,
         penalties,
         n,

@@ -39,6 +39,9 @@ pub struct AppState {
     pub model_aliases: Vec<String>,
     pub created: u64,
     pub max_seq: usize,
+    /// `--max-tokens`: the reply length of a request that sets none (cut to what the context
+    /// has left); `None`: the rest of the context.
+    pub default_max_tokens: Option<usize>,
     pub vocab_size: usize,
     pub defaults: SamplingDefaults,
     pub default_thinking: bool,
@@ -62,8 +65,10 @@ impl AppState {
         Err(ApiError::model_not_found(requested, &self.model_name))
     }
 
-    /// The job for a tokenised prompt: a prompt that leaves no room in the context is a 400 that
-    /// says the numbers; `max_tokens` is cut to what the context has left.
+    /// The job for a tokenised prompt: a prompt that leaves no room in the context, or a
+    /// `max_tokens` beyond what it leaves, is a 400 that says the numbers (as OpenAI and vLLM
+    /// answer); a request without one gets the server's `--max-tokens` (else the endpoint's
+    /// default, else the rest of the context), cut to the room left.
     pub fn job(
         &self,
         prompt: Vec<u32>,
@@ -94,10 +99,21 @@ impl AppState {
             ));
         }
         let room = self.max_seq - prompt.len();
+        let max_tokens = match request.max_tokens {
+            Some(asked) if request.max_tokens_asked && asked > room => {
+                return Err(ApiError::reply_too_long(prompt.len(), asked, self.max_seq));
+            }
+            Some(asked) if request.max_tokens_asked => asked,
+            // The server's default first, then the endpoint's; either is cut to fit.
+            endpoint => self
+                .default_max_tokens
+                .or(endpoint)
+                .map_or(room, |n| n.min(room)),
+        };
         Ok(GenerationJob {
             prompt,
             turn_boundary,
-            max_tokens: request.max_tokens.map_or(room, |n| n.min(room)),
+            max_tokens,
             sampling: request.sampling.clone(),
             penalties: request.penalties.clone(),
             stop: request.stop.clone(),

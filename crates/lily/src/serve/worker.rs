@@ -1,7 +1,9 @@
-//! The engine's own thread: it owns the backend and takes jobs from a bounded FIFO queue, one
-//! generation at a time. Events go back on a channel per request; a request whose receiver is
-//! gone (the client disconnected) is cancelled at the next step, and so is every request once
-//! the server is shutting down.
+//! The engine's own thread: it owns the backend and takes jobs from a bounded FIFO queue into a
+//! batch of up to `max_batch` generations, which it advances together one engine step at a time
+//! (a prefill chunk of the oldest newcomer, then one token for each of the others). A finished or
+//! cancelled generation frees its place at once, and the next queued job takes it. Events go
+//! back on a channel per request; a request whose receiver is gone (the client disconnected) is
+//! cancelled at its next step, and so is every request once the server is shutting down.
 
 use std::ops::ControlFlow;
 use std::panic::AssertUnwindSafe;
@@ -12,9 +14,10 @@ use std::time::{Duration, Instant};
 use lily_core::backend::Backend;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 
-use super::engine::{Engine, EngineEvent, GenerationJob, Outcome};
+use super::engine::{Engine, EngineEvent, Finished, GenerationJob, Outcome, Sink};
 use super::error::ApiError;
 use super::metrics::Metrics;
+use super::request_id::current_request_id;
 
 #[derive(Debug)]
 pub enum WorkerEvent {
@@ -25,6 +28,8 @@ pub enum WorkerEvent {
 
 struct QueuedJob {
     job: GenerationJob,
+    /// The request's id, which every line logged about it carries.
+    request_id: String,
     events: UnboundedSender<WorkerEvent>,
     queued_at: Instant,
 }
@@ -39,10 +44,12 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
-    /// Starts the engine thread with room for `capacity` waiting requests.
+    /// Starts the engine thread with room for `capacity` waiting requests, running up to
+    /// `max_batch` at once.
     pub fn spawn<B: Backend + 'static>(
         engine: Engine<B>,
         capacity: usize,
+        max_batch: usize,
         metrics: Arc<Metrics>,
     ) -> std::io::Result<Self>
     where
@@ -55,7 +62,7 @@ impl EngineHandle {
         std::thread::Builder::new()
             .name("lily-engine".into())
             .spawn(move || {
-                serve_queue(engine, queue, &stop, &counts);
+                serve_queue(engine, queue, max_batch.max(1), &stop, &counts);
                 flag.store(false, Ordering::SeqCst);
             })?;
         Ok(EngineHandle {
@@ -75,6 +82,7 @@ impl EngineHandle {
         let (events, receiver) = unbounded_channel();
         let queued = QueuedJob {
             job,
+            request_id: current_request_id(),
             events,
             queued_at: Instant::now(),
         };
@@ -95,73 +103,132 @@ impl EngineHandle {
         self.alive.load(Ordering::SeqCst)
     }
 
-    /// Ends the running generation and every queued one at their next step, each with a
+    /// Ends the running generations and every queued one at their next step, each with a
     /// normal final event, and refuses new ones: what a shutdown needs to finish streams soon.
     pub fn stop_generating(&self) {
         self.stopping.store(true, Ordering::SeqCst);
     }
 }
 
-fn serve_queue<B: Backend>(
-    mut engine: Engine<B>,
-    queue: Receiver<QueuedJob>,
-    stop: &AtomicBool,
-    metrics: &Metrics,
-) {
-    while let Ok(QueuedJob {
-        job,
-        events,
-        queued_at,
-    }) = queue.recv()
-    {
-        metrics.queued.fetch_sub(1, Ordering::Relaxed);
-        if events.is_closed() {
-            continue;
+/// What a generation in the batch reports to: its request's channel and the metrics.
+struct WorkerSink {
+    request_id: String,
+    events: UnboundedSender<WorkerEvent>,
+    queued_at: Instant,
+    started: Instant,
+    last_text: Option<Instant>,
+    stop: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
+}
+
+impl Sink for WorkerSink {
+    fn emit(&mut self, event: EngineEvent) -> ControlFlow<()> {
+        if let EngineEvent::Text { .. } = &event {
+            let now = Instant::now();
+            match self.last_text {
+                None => self
+                    .metrics
+                    .time_to_first_token
+                    .observe(now - self.queued_at),
+                Some(previous) => self.metrics.inter_token.observe(now - previous),
+            }
+            self.last_text = Some(now);
         }
-        let mut last_text: Option<Instant> = None;
-        let emit = |event| {
-            if let EngineEvent::Text { .. } = &event {
-                let now = Instant::now();
-                match last_text {
-                    None => metrics.time_to_first_token.observe(now - queued_at),
-                    Some(previous) => metrics.inter_token.observe(now - previous),
-                }
-                last_text = Some(now);
-            }
-            match events.send(WorkerEvent::Engine(event)) {
-                Ok(()) => ControlFlow::Continue(()),
-                Err(_) => ControlFlow::Break(()),
-            }
-        };
-        let started = Instant::now();
-        // A bug in one generation must not take the server down with it.
-        let result = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            engine.run(&job, emit, || {
-                events.is_closed() || stop.load(Ordering::SeqCst)
-            })
-        }));
-        let last = match result {
-            Ok(Ok(outcome)) => WorkerEvent::Done(outcome),
-            Ok(Err(e)) => WorkerEvent::Failed(format!("{e:#}")),
-            Err(_) => WorkerEvent::Failed("the generation engine panicked".into()),
-        };
-        match &last {
-            WorkerEvent::Done(outcome) => {
-                metrics.count_outcome(outcome);
-                log_outcome(outcome, started.elapsed(), &engine);
-            }
-            WorkerEvent::Failed(message) => eprintln!("lily: generation failed: {message}"),
-            WorkerEvent::Engine(_) => {}
+        match self.events.send(WorkerEvent::Engine(event)) {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(_) => ControlFlow::Break(()),
         }
-        let _ = events.send(last);
+    }
+
+    fn cancelled(&self) -> bool {
+        self.events.is_closed() || self.stop.load(Ordering::SeqCst)
     }
 }
 
-fn log_outcome<B: Backend>(outcome: &Outcome, elapsed: Duration, engine: &Engine<B>) {
+fn serve_queue<B: Backend>(
+    mut engine: Engine<B>,
+    queue: Receiver<QueuedJob>,
+    max_batch: usize,
+    stop: &Arc<AtomicBool>,
+    metrics: &Arc<Metrics>,
+) {
+    let text = engine.text_model();
+    let mut batch = Vec::new();
+    loop {
+        // Newcomers join in FIFO order while there is room; the thread sleeps only when
+        // nothing runs.
+        while batch.len() < max_batch {
+            let queued = if batch.is_empty() {
+                match queue.recv() {
+                    Ok(queued) => queued,
+                    Err(_) => return,
+                }
+            } else {
+                match queue.try_recv() {
+                    Ok(queued) => queued,
+                    Err(_) => break,
+                }
+            };
+            metrics.queued.fetch_sub(1, Ordering::Relaxed);
+            if queued.events.is_closed() {
+                continue;
+            }
+            let sink = WorkerSink {
+                request_id: queued.request_id,
+                events: queued.events,
+                queued_at: queued.queued_at,
+                started: Instant::now(),
+                last_text: None,
+                stop: stop.clone(),
+                metrics: metrics.clone(),
+            };
+            match engine.admit(queued.job, sink, &text) {
+                Ok(sequence) => batch.push(sequence),
+                Err(finished) => report(finished, &engine),
+            }
+        }
+        metrics.running.store(batch.len(), Ordering::Relaxed);
+        // A bug in one step must not take the server down with it: the batch it ran fails.
+        let finished = match std::panic::catch_unwind(AssertUnwindSafe(|| engine.step(&mut batch)))
+        {
+            Ok(finished) => finished,
+            Err(_) => batch
+                .drain(..)
+                .map(|sequence| Finished {
+                    sink: sequence.into_sink(),
+                    result: Err(anyhow::anyhow!("the generation engine panicked")),
+                })
+                .collect(),
+        };
+        // Counted before the clients hear, so that /metrics after a reply never shows it.
+        metrics.running.store(batch.len(), Ordering::Relaxed);
+        finished.into_iter().for_each(|f| report(f, &engine));
+    }
+}
+
+/// Sends a finished generation's last event, counts and logs it.
+fn report<B: Backend>(finished: Finished<WorkerSink>, engine: &Engine<B>) {
+    let sink = finished.sink;
+    let last = match finished.result {
+        Ok(outcome) => {
+            sink.metrics.count_outcome(&outcome);
+            log_outcome(&sink.request_id, &outcome, sink.started.elapsed(), engine);
+            WorkerEvent::Done(outcome)
+        }
+        Err(e) => {
+            let message = format!("{e:#}");
+            eprintln!("lily: {}: generation failed: {message}", sink.request_id);
+            WorkerEvent::Failed(message)
+        }
+    };
+    let _ = sink.events.send(last);
+}
+
+fn log_outcome<B: Backend>(id: &str, outcome: &Outcome, elapsed: Duration, engine: &Engine<B>) {
     let (snapshots, bytes) = engine.snapshot_usage();
     let seconds = elapsed.as_secs_f64();
     eprintln!(
-        "lily: {} prompt tokens ({} cached), {} generated in {seconds:.2} s ({:.1} tok/s), {:?}; \
+        "lily: {id}: {} prompt tokens ({} cached), {} generated in {seconds:.2} s ({:.1} tok/s), {:?}; \
          {snapshots} snapshots ({:.1} MiB)",
         outcome.prompt_tokens,
         outcome.cached_tokens,

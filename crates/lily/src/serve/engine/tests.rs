@@ -20,12 +20,16 @@ fn text_model() -> Arc<TextModel> {
         .clone()
 }
 
-fn engine(snapshot_budget: usize) -> Engine<AnyBackend> {
+pub(super) fn engine(snapshot_budget: usize) -> Engine<AnyBackend> {
     let backend = load_with("synthetic:tiny", Device::Cpu, false).unwrap();
     Engine::new(backend, text_model(), 4096, snapshot_budget).unwrap()
 }
 
-fn job(messages: &[Value], max_tokens: usize, sampling: SamplingParams) -> GenerationJob {
+pub(super) fn job(
+    messages: &[Value],
+    max_tokens: usize,
+    sampling: SamplingParams,
+) -> GenerationJob {
     let mut kwargs = Map::new();
     kwargs.insert("enable_thinking".into(), false.into());
     let prompt = chat_prompt(&text_model(), messages, &[], &kwargs).unwrap();
@@ -53,7 +57,7 @@ fn run(engine: &mut Engine<AnyBackend>, job: &GenerationJob) -> (Outcome, String
     (outcome, text)
 }
 
-fn sampled(seed: u64) -> SamplingParams {
+pub(super) fn sampled(seed: u64) -> SamplingParams {
     SamplingParams {
         temperature: 1.0,
         top_k: 20,
