@@ -43,11 +43,11 @@ WEATHER_TOOL = {
 class Server:
     """A `lily serve` on a free loopback port; its log is collected for the checks."""
 
-    def __init__(self, binary, *flags, env=None, model=MODEL):
+    def __init__(self, binary, *flags, env=None, model=MODEL, max_seq=512):
         self.log = []
         self.lines = queue.Queue()
         self.process = subprocess.Popen(
-            [binary, "serve", "--model", model, "--port", "0", "--max-seq", "512", *flags],
+            [binary, "serve", "--model", model, "--port", "0", "--max-seq", str(max_seq), *flags],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

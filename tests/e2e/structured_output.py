@@ -153,7 +153,7 @@ def check_forced_tool_calls(server):
     rng = random.Random(6)
     calls = 0
     for i in range(12):
-        # One tool a request: two tools' schemas do not fit the test server's 512-token context.
+        # One tool a request: two tools' schemas and the reply would not fit the context.
         tools = [tool(rng, "get_time")]
         by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
         choice_field = "required" if i % 2 else {"type": "function", "function": {"name": "get_time"}}
@@ -219,7 +219,9 @@ def check_errors(server):
 
 
 def main():
-    server = Server(sys.argv[1])
+    # A forced call's prompt carries its tool's schema (~360 tokens) and the reply may take
+    # MAX_TOKENS: the server refuses a request the context cannot hold.
+    server = Server(sys.argv[1], max_seq=1024)
     checks = [
         ("json schemas", lambda: check_json_schemas(server)),
         ("json object and streaming", lambda: check_json_object_and_streaming(server)),
