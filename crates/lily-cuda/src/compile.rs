@@ -183,7 +183,7 @@ const GEMV_STAGED: &str = include_str!("kernels/gemv_staged.cuh");
 const GEMV_STREAM: &str = include_str!("kernels/gemv_stream.cuh");
 
 /// The persistent decode step. Compiled apart from [`KERNEL_FILES`], once the weights are laid out:
-/// their formats are constants of it too (`crate::decode::StepFormats`).
+/// their formats are constants of it too (`crate::step_constants`).
 pub const DECODE_FILE: KernelFile = KernelFile {
     name: "decode",
     headers: &[

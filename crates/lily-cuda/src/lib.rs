@@ -20,6 +20,7 @@ pub mod options;
 mod prefill;
 mod state;
 mod step;
+mod step_constants;
 pub mod synthetic;
 pub mod weights;
 
