@@ -10,7 +10,8 @@ import sys
 
 import anthropic
 
-from openai_client import HELLO, HELLO_PROMPT_TOKENS, MODEL, NO_THINKING, REQUEST_TIMEOUT_S, Server, post
+from openai_client import (HELLO, HELLO_PROMPT_TOKENS, MODEL, NO_THINKING, REQUEST_TIMEOUT_S, Server, post,
+                           run_checks)
 
 WEATHER_TOOL = {
     "name": "get_weather",
@@ -160,19 +161,7 @@ def main():
         ("constrained decoding", lambda: check_constrained(client)),
         ("errors", lambda: check_errors(client)),
     ]
-    passed = 0
-    try:
-        for name, check in checks:
-            print(f"check: {name}", flush=True)
-            check()
-            passed += 1
-    except BaseException:
-        print("--- server log ---\n" + "\n".join(server.log), file=sys.stderr)
-        print(f"{passed} passed, 1 failed", flush=True)
-        raise
-    finally:
-        server.stop()
-    print(f"{passed} passed, 0 failed")
+    run_checks(checks, {"server": server})
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ Usage: python3 tests/e2e/chat_terminal.py path/to/lily
 
 import json
 import os
-import re
 import sys
 import tempfile
 

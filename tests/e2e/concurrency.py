@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from openai_client import MODEL, NO_THINKING, REQUEST_TIMEOUT_S, Server
+from openai_client import MODEL, NO_THINKING, REQUEST_TIMEOUT_S, Server, run_checks
 
 BATCH = 4
 DEFAULT_MAX_TOKENS = 7
@@ -199,19 +199,7 @@ def main():
         ("the server's --max-tokens", check_default_max_tokens),
         ("inter-token gaps during a newcomer's prefill", measure_gaps_during_a_prefill),
     ]
-    passed = 0
-    try:
-        for name, check in checks:
-            print(f"check: {name}", flush=True)
-            check(server)
-            passed += 1
-    except BaseException:
-        print("--- server log ---\n" + "\n".join(server.log), file=sys.stderr)
-        print(f"{passed} passed, 1 failed", flush=True)
-        raise
-    finally:
-        server.stop()
-    print(f"{passed} passed, 0 failed")
+    run_checks([(name, lambda check=check: check(server)) for name, check in checks], {"server": server})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import json
 import sys
 import time
 
-from hardening import call, chat_body, open_stream, read_events
+from hardening import call, chat_body, open_stream
 from openai_client import REQUEST_TIMEOUT_S, Server
 
 CLIENTS = 64

@@ -536,6 +536,26 @@ def check_cli_matches_server(binary, server):
     assert re.search(r"\d+\.\d tok/s", chat.stderr), chat.stderr
 
 
+
+def run_checks(checks, servers):
+    """Runs the named checks in order, printing each; on a failure prints the servers' logs and
+    the count, and re-raises. The servers are stopped either way (every e2e script's runner)."""
+    passed = 0
+    try:
+        for name, check in checks:
+            print(f"check: {name}", flush=True)
+            check()
+            passed += 1
+    except BaseException:
+        for label, server in servers.items():
+            print(f"--- {label} log ---\n" + "\n".join(server.log), file=sys.stderr)
+        print(f"{passed} passed, 1 failed", flush=True)
+        raise
+    finally:
+        for server in servers.values():
+            server.stop()
+    print(f"{passed} passed, 0 failed")
+
 def main():
     binary = sys.argv[1]
     server = Server(binary)
@@ -558,21 +578,7 @@ def main():
         ("disconnect and queue", lambda: check_disconnect_and_queue(cold_server)),
         ("generate and chat commands", lambda: check_cli_matches_server(binary, server)),
     ]
-    passed = 0
-    try:
-        for name, check in checks:
-            print(f"check: {name}", flush=True)
-            check()
-            passed += 1
-    except BaseException:
-        for label, s in (("server", server), ("cold server", cold_server)):
-            print(f"--- {label} log ---\n" + "\n".join(s.log), file=sys.stderr)
-        print(f"{passed} passed, 1 failed", flush=True)
-        raise
-    finally:
-        server.stop()
-        cold_server.stop()
-    print(f"{passed} passed, 0 failed")
+    run_checks(checks, {"server": server, "cold server": cold_server})
 
 
 if __name__ == "__main__":

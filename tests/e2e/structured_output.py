@@ -18,7 +18,7 @@ import sys
 import jsonschema
 import openai
 
-from openai_client import HELLO, MODEL, NO_THINKING, Server
+from openai_client import HELLO, MODEL, NO_THINKING, Server, run_checks
 
 SCHEMAS = 24
 MAX_TOKENS = 200
@@ -230,19 +230,7 @@ def main():
         ("completions and responses", lambda: check_other_endpoints(server)),
         ("errors", lambda: check_errors(server)),
     ]
-    passed = 0
-    try:
-        for name, check in checks:
-            print(f"check: {name}", flush=True)
-            check()
-            passed += 1
-    except BaseException:
-        print("--- server log ---\n" + "\n".join(server.log), file=sys.stderr)
-        print(f"{passed} passed, 1 failed", flush=True)
-        raise
-    finally:
-        server.stop()
-    print(f"{passed} passed, 0 failed")
+    run_checks(checks, {"server": server})
 
 
 if __name__ == "__main__":
