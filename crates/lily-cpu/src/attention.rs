@@ -7,6 +7,8 @@ use rayon::prelude::*;
 
 use crate::numerics::{FA_KEYS, Numerics, bf16};
 use crate::ops::{dot, rms_norm_rows, sigmoid};
+use crate::products::Product;
+use crate::profile::{Stage, stage};
 use crate::state::KvCache;
 
 /// Runs `rows` tokens starting at absolute position `start`; appends them to `cache`.
@@ -19,9 +21,9 @@ pub fn attention(
     cache: &mut KvCache,
     nx: Numerics,
 ) -> Vec<f32> {
-    let p = Projections::of(w, x, rows, nx);
-    let out = attend(c, w, p, start, cache, nx);
-    nx.matmul(&out, rows, &w.o_proj)
+    let p = stage(Stage::MixerInput, || Projections::of(w, x, rows, nx));
+    let out = stage(Stage::Attention, || attend(c, w, p, start, cache, nx));
+    stage(Stage::MixerOutput, || nx.matmul(&out, rows, &w.o_proj))
 }
 
 /// One decode step of several sequences, row `i` of `x` at position `starts[i]` of
@@ -35,14 +37,16 @@ pub fn attention_batch(
     caches: &mut [&mut KvCache],
 ) -> Vec<f32> {
     let (rows, nx) = (caches.len(), Numerics::F32);
-    let p = Projections::of(w, x, rows, nx);
-    let out: Vec<f32> = caches
-        .par_iter_mut()
-        .zip(starts)
-        .enumerate()
-        .flat_map_iter(|(i, (cache, &start))| attend(c, w, p.row(i, rows), start, cache, nx))
-        .collect();
-    nx.matmul(&out, rows, &w.o_proj)
+    let p = stage(Stage::MixerInput, || Projections::of(w, x, rows, nx));
+    let out: Vec<f32> = stage(Stage::Attention, || {
+        caches
+            .par_iter_mut()
+            .zip(starts)
+            .enumerate()
+            .flat_map_iter(|(i, (cache, &start))| attend(c, w, p.row(i, rows), start, cache, nx))
+            .collect()
+    });
+    stage(Stage::MixerOutput, || nx.matmul(&out, rows, &w.o_proj))
 }
 
 /// The query (with its gate), key and value rows of a chunk.
@@ -54,11 +58,12 @@ struct Projections {
 
 impl Projections {
     fn of(w: &AttentionWeights, x: &[f32], rows: usize, nx: Numerics) -> Self {
-        Projections {
-            qg: nx.matmul(x, rows, &w.q_proj),
-            k: nx.matmul(x, rows, &w.k_proj),
-            v: nx.matmul(x, rows, &w.v_proj),
-        }
+        let [qg, k, v] = nx.products([
+            Product::new(&w.q_proj, x, rows),
+            Product::new(&w.k_proj, x, rows),
+            Product::new(&w.v_proj, x, rows),
+        ]);
+        Projections { qg, k, v }
     }
 
     /// Row `i` of `rows`, on its own.

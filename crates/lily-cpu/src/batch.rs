@@ -14,6 +14,7 @@ use anyhow::{Result, bail, ensure};
 use lily_core::weights::Mixer;
 
 use crate::ops::{add_in_place, rms_norm};
+use crate::profile::{Stage, stage};
 use crate::state::{CpuState, LayerState};
 use crate::{CpuBackend, Numerics, attention, gdn, moe};
 
@@ -43,14 +44,12 @@ impl CpuBackend {
                 );
             }
         }
-        let h = c.hidden_size;
-        let mut hidden = vec![0f32; tokens.len() * h];
-        for (row, &t) in hidden.chunks_mut(h).zip(tokens) {
-            self.weights().embed_tokens.row_into(t as usize, row);
-        }
+        let mut hidden = stage(Stage::Norms, || self.embed(tokens));
         let starts: Vec<usize> = states.iter().map(|s| s.len).collect();
         for (l, layer) in self.weights().layers.iter().enumerate() {
-            let x = rms_norm(&hidden, &layer.input_norm, c.rms_norm_eps);
+            let x = stage(Stage::Norms, || {
+                rms_norm(&hidden, &layer.input_norm, c.rms_norm_eps)
+            });
             let mut layer_states: Vec<&mut LayerState> =
                 states.iter_mut().map(|s| &mut s.layers[l]).collect();
             let mixed = match &layer.mixer {
@@ -75,15 +74,18 @@ impl CpuBackend {
                     gdn::gated_delta_net_batch(c, w, &x, &mut gdn_states)
                 }
             };
-            add_in_place(&mut hidden, &mixed);
-            let x = rms_norm(&hidden, &layer.post_attention_norm, c.rms_norm_eps);
+            let x = stage(Stage::Norms, || {
+                add_in_place(&mut hidden, &mixed);
+                rms_norm(&hidden, &layer.post_attention_norm, c.rms_norm_eps)
+            });
             let experts = moe::moe(c, &layer.moe, &x, tokens.len(), Numerics::F32);
-            add_in_place(&mut hidden, &experts);
+            stage(Stage::Norms, || add_in_place(&mut hidden, &experts));
         }
         for state in states.iter_mut() {
             state.len += 1;
         }
-        let normed = rms_norm(&hidden, &self.weights().final_norm, c.rms_norm_eps);
-        Ok(Numerics::F32.matmul(&normed, tokens.len(), &self.weights().lm_head))
+        Ok(stage(Stage::LmHead, || {
+            self.lm_head(&hidden, tokens.len(), Numerics::F32)
+        }))
     }
 }

@@ -8,6 +8,8 @@ use rayon::prelude::*;
 use crate::delta_rule::{self, HeadInputs};
 use crate::numerics::Numerics;
 use crate::ops::{inv_rms, l2_normalize, sigmoid, silu, softplus};
+use crate::products::Product;
+use crate::profile::{Stage, stage};
 use crate::state::GdnState;
 
 /// Which form of the delta rule a prefill uses.
@@ -34,9 +36,9 @@ pub fn gated_delta_net(
     form: GdnForm,
     nx: Numerics,
 ) -> Vec<f32> {
-    let p = Projections::of(w, x, rows, nx);
-    let out = mix(c, w, &p, rows, state, form);
-    nx.matmul(&out, rows, &w.out_proj)
+    let p = stage(Stage::MixerInput, || Projections::of(w, x, rows, nx));
+    let out = stage(Stage::DeltaNet, || mix(c, w, &p, rows, state, form));
+    stage(Stage::MixerOutput, || nx.matmul(&out, rows, &w.out_proj))
 }
 
 /// One decode step of several sequences, row `i` of `x` into `states[i]`: the projections take
@@ -49,13 +51,15 @@ pub fn gated_delta_net_batch(
     states: &mut [&mut GdnState],
 ) -> Vec<f32> {
     let (rows, nx) = (states.len(), Numerics::F32);
-    let p = Projections::of(w, x, rows, nx);
-    let out: Vec<f32> = states
-        .par_iter_mut()
-        .enumerate()
-        .flat_map_iter(|(i, state)| mix(c, w, &p.row(i, rows), 1, state, GdnForm::Recurrent))
-        .collect();
-    nx.matmul(&out, rows, &w.out_proj)
+    let p = stage(Stage::MixerInput, || Projections::of(w, x, rows, nx));
+    let out: Vec<f32> = stage(Stage::DeltaNet, || {
+        states
+            .par_iter_mut()
+            .enumerate()
+            .flat_map_iter(|(i, state)| mix(c, w, &p.row(i, rows), 1, state, GdnForm::Recurrent))
+            .collect()
+    });
+    stage(Stage::MixerOutput, || nx.matmul(&out, rows, &w.out_proj))
 }
 
 /// The input projections of a chunk: q|k|v before the conv, the output gate z, and the rows
@@ -69,12 +73,13 @@ struct Projections {
 
 impl Projections {
     fn of(w: &GdnWeights, x: &[f32], rows: usize, nx: Numerics) -> Self {
-        Projections {
-            mixed: nx.matmul(x, rows, &w.in_proj_qkv),
-            z: nx.matmul(x, rows, &w.in_proj_z),
-            b: nx.matmul(x, rows, &w.in_proj_b),
-            a: nx.matmul(x, rows, &w.in_proj_a),
-        }
+        let [mixed, z, b, a] = nx.products([
+            Product::new(&w.in_proj_qkv, x, rows),
+            Product::new(&w.in_proj_z, x, rows),
+            Product::new(&w.in_proj_b, x, rows),
+            Product::new(&w.in_proj_a, x, rows),
+        ]);
+        Projections { mixed, z, b, a }
     }
 
     /// Row `i` of `rows`, on its own.

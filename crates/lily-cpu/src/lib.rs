@@ -10,6 +10,8 @@ mod gdn;
 mod moe;
 mod numerics;
 pub mod ops;
+pub mod products;
+pub mod profile;
 pub mod quant;
 mod state;
 
@@ -26,6 +28,7 @@ pub use numerics::{FA_KEYS, KvPrecision, Numerics, bf16};
 pub use state::CpuState;
 
 use crate::ops::{add_in_place, rms_norm};
+use crate::profile::{Stage, stage};
 use crate::state::LayerState;
 
 pub struct CpuBackend {
@@ -116,10 +119,7 @@ impl CpuBackend {
             );
         }
         let (h, n) = (c.hidden_size, tokens.len());
-        let mut hidden = vec![0f32; n * h];
-        for (row, &t) in hidden.chunks_mut(h).zip(tokens) {
-            self.weights.embed_tokens.row_into(t as usize, row);
-        }
+        let mut hidden = stage(Stage::Norms, || self.embed(tokens));
         if let Some(tr) = trace.as_deref_mut() {
             tr.push(hidden.clone());
         }
@@ -129,7 +129,9 @@ impl CpuBackend {
             self.gdn_prefill
         };
         for (layer, layer_state) in self.weights.layers.iter().zip(state.layers.iter_mut()) {
-            let x = rms_norm(&hidden, &layer.input_norm, c.rms_norm_eps);
+            let x = stage(Stage::Norms, || {
+                rms_norm(&hidden, &layer.input_norm, c.rms_norm_eps)
+            });
             let mixed = match (&layer.mixer, layer_state) {
                 (Mixer::Attention(w), LayerState::Attention(kv)) => {
                     attention::attention(c, w, &x, n, state.len, kv, nx)
@@ -139,9 +141,12 @@ impl CpuBackend {
                 }
                 _ => unreachable!("states are built from the same config as the weights"),
             };
-            add_in_place(&mut hidden, &mixed);
-            let x = rms_norm(&hidden, &layer.post_attention_norm, c.rms_norm_eps);
-            add_in_place(&mut hidden, &moe::moe(c, &layer.moe, &x, n, nx));
+            let x = stage(Stage::Norms, || {
+                add_in_place(&mut hidden, &mixed);
+                rms_norm(&hidden, &layer.post_attention_norm, c.rms_norm_eps)
+            });
+            let experts = moe::moe(c, &layer.moe, &x, n, nx);
+            stage(Stage::Norms, || add_in_place(&mut hidden, &experts));
             if let Some(tr) = trace.as_deref_mut() {
                 tr.push(hidden.clone());
             }
@@ -151,12 +156,24 @@ impl CpuBackend {
             LogitRows::All => (0, n),
             LogitRows::Last => (n - 1, 1),
         };
-        let normed = rms_norm(
-            &hidden[first * h..(first + count) * h],
-            &self.weights.final_norm,
-            c.rms_norm_eps,
-        );
-        Ok(nx.matmul(&normed, count, &self.weights.lm_head))
+        let last = &hidden[first * h..(first + count) * h];
+        Ok(stage(Stage::LmHead, || self.lm_head(last, count, nx)))
+    }
+
+    /// The embedding rows of `tokens`.
+    fn embed(&self, tokens: &[u32]) -> Vec<f32> {
+        let h = self.config.hidden_size;
+        let mut hidden = vec![0f32; tokens.len() * h];
+        for (row, &t) in hidden.chunks_mut(h).zip(tokens) {
+            self.weights.embed_tokens.row_into(t as usize, row);
+        }
+        hidden
+    }
+
+    /// The logits of `rows` final hidden rows.
+    fn lm_head(&self, hidden: &[f32], rows: usize, nx: Numerics) -> Vec<f32> {
+        let normed = rms_norm(hidden, &self.weights.final_norm, self.config.rms_norm_eps);
+        nx.matmul(&normed, rows, &self.weights.lm_head)
     }
 }
 

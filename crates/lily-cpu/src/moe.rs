@@ -3,10 +3,11 @@
 
 use lily_core::config::ModelConfig;
 use lily_core::weights::{Expert, MoeWeights};
-use rayon::prelude::*;
 
 use crate::numerics::Numerics;
-use crate::ops::{add_in_place, sigmoid, silu, softmax};
+use crate::ops::{sigmoid, silu, softmax};
+use crate::products::Product;
+use crate::profile::{Stage, stage};
 
 /// The experts chosen for one token and their combine weights.
 #[derive(Clone, Debug, PartialEq)]
@@ -34,33 +35,86 @@ pub fn route(c: &ModelConfig, router_logits: &[f32]) -> Route {
 }
 
 pub fn moe(c: &ModelConfig, w: &MoeWeights, x: &[f32], rows: usize, nx: Numerics) -> Vec<f32> {
-    let h = c.hidden_size;
-    let logits = nx.matmul(x, rows, &w.router);
-    let routes: Vec<Route> = logits.chunks(c.num_experts).map(|l| route(c, l)).collect();
+    let (routes, gates) = stage(Stage::Router, || {
+        let [logits, gates] = nx.products([
+            Product::new(&w.router, x, rows),
+            Product::new(&w.shared_expert_gate, x, rows),
+        ]);
+        let routes: Vec<Route> = logits.chunks(c.num_experts).map(|l| route(c, l)).collect();
+        (routes, gates)
+    });
+    stage(Stage::Experts, || {
+        experts(c, w, x, rows, &routes, &gates, nx)
+    })
+}
 
-    // Group rows by expert so each expert's weights are read once per chunk, and only the
-    // selected experts are computed. The experts run in parallel (each product splits its rows
-    // over cores too), so a decode step is two waves of work per layer, not one per expert.
+/// The routed experts of every row and the shared expert, combined: each row's experts in
+/// expert order, weighted by its route, then the shared expert scaled by its sigmoid gate.
+///
+/// Rows are grouped by expert so each chosen expert's weights are read once per call and only
+/// chosen experts are computed. Every expert's gate and up products, the shared expert's
+/// included, run in one parallel region, and every down product in a second (products.rs):
+/// a decode step's nine experts are two forks and joins, not twenty-seven.
+fn experts(
+    c: &ModelConfig,
+    w: &MoeWeights,
+    x: &[f32],
+    rows: usize,
+    routes: &[Route],
+    gates: &[f32],
+    nx: Numerics,
+) -> Vec<f32> {
+    let h = c.hidden_size;
     let mut picked: Vec<Vec<(usize, f32)>> = vec![Vec::new(); w.experts.len()];
     for (t, r) in routes.iter().enumerate() {
         for (&e, &weight) in r.experts.iter().zip(&r.weights) {
             picked[e].push((t, weight));
         }
     }
-    let outputs: Vec<(usize, Vec<f32>)> = picked
-        .par_iter()
-        .enumerate()
-        .filter(|(_, p)| !p.is_empty())
-        .map(|(e, p)| {
-            let gathered: Vec<f32> = p
+    let chosen: Vec<usize> = (0..w.experts.len())
+        .filter(|&e| !picked[e].is_empty())
+        .collect();
+    let inputs: Vec<Vec<f32>> = chosen
+        .iter()
+        .map(|&e| {
+            picked[e]
                 .iter()
                 .flat_map(|&(t, _)| x[t * h..(t + 1) * h].iter().copied())
-                .collect();
-            (e, swiglu(&w.experts[e], &gathered, p.len(), nx))
+                .collect()
         })
         .collect();
+    // Routed experts first, in expert order, then the shared one on every row.
+    let mut runs: Vec<(&Expert, &[f32], usize)> = chosen
+        .iter()
+        .zip(&inputs)
+        .map(|(&e, input)| (&w.experts[e], input.as_slice(), picked[e].len()))
+        .collect();
+    runs.push((&w.shared_expert, x, rows));
+
+    let gate_up = nx.products_of(runs.iter().flat_map(|&(e, x, n)| {
+        [
+            Product::new(&e.gate_proj, x, n),
+            Product::new(&e.up_proj, x, n),
+        ]
+    }));
+    let acts: Vec<Vec<f32>> = gate_up
+        .chunks(2)
+        .map(|gu| {
+            gu[0]
+                .iter()
+                .zip(&gu[1])
+                .map(|(g, u)| silu(*g) * u)
+                .collect()
+        })
+        .collect();
+    let downs = nx.products_of(
+        runs.iter()
+            .zip(&acts)
+            .map(|(&(e, _, n), act)| Product::new(&e.down_proj, act, n)),
+    );
+
     let mut out = vec![0f32; rows * h];
-    for (e, y) in outputs {
+    for (&e, y) in chosen.iter().zip(&downs) {
         for (i, &(t, weight)) in picked[e].iter().enumerate() {
             let dst = &mut out[t * h..(t + 1) * h];
             dst.iter_mut()
@@ -68,24 +122,13 @@ pub fn moe(c: &ModelConfig, w: &MoeWeights, x: &[f32], rows: usize, nx: Numerics
                 .for_each(|(d, v)| *d += weight * v);
         }
     }
-
-    let shared = swiglu(&w.shared_expert, x, rows, nx);
-    let gates = nx.matmul(x, rows, &w.shared_expert_gate);
+    let shared = &downs[chosen.len()];
     for t in 0..rows {
         let gate = sigmoid(gates[t]);
-        let scaled: Vec<f32> = shared[t * h..(t + 1) * h]
-            .iter()
-            .map(|v| gate * v)
-            .collect();
-        add_in_place(&mut out[t * h..(t + 1) * h], &scaled);
+        let dst = &mut out[t * h..(t + 1) * h];
+        dst.iter_mut()
+            .zip(&shared[t * h..(t + 1) * h])
+            .for_each(|(d, v)| *d += gate * v);
     }
     out
-}
-
-/// `down(silu(gate·x) ⊙ up·x)` for `rows` rows.
-pub fn swiglu(e: &Expert, x: &[f32], rows: usize, nx: Numerics) -> Vec<f32> {
-    let gate = nx.matmul(x, rows, &e.gate_proj);
-    let up = nx.matmul(x, rows, &e.up_proj);
-    let act: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| silu(*g) * u).collect();
-    nx.matmul(&act, rows, &e.down_proj)
 }

@@ -10,7 +10,8 @@ use std::borrow::Cow;
 
 use lily_core::weights::Linear;
 
-use crate::ops::{by_weight_rows, dot, matmul};
+use crate::ops::{by_weight_rows, dot};
+use crate::products::{Product, Weight, products};
 
 /// The arithmetic of a prefill.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -54,9 +55,27 @@ impl Numerics {
 
     /// `x · Wᵀ` for `x` of `rows` rows, as a projection computes it in this mode.
     pub fn matmul(self, x: &[f32], rows: usize, w: &Linear) -> Vec<f32> {
+        let [out] = self.products([Product::new(w, x, rows)]);
+        out
+    }
+
+    /// A fixed number of products, as [`Numerics::products_of`] computes them.
+    pub fn products<const N: usize>(self, list: [Product<'_>; N]) -> [Vec<f32>; N] {
+        let out = self.products_of(list);
+        out.try_into()
+            .unwrap_or_else(|_| unreachable!("one result per product"))
+    }
+
+    /// Several products in this mode: in f32 in one parallel region (products.rs); in bf16 one
+    /// after another (a reference, not a fast path).
+    pub fn products_of<'a>(self, list: impl IntoIterator<Item = Product<'a>>) -> Vec<Vec<f32>> {
+        let list: Vec<Product<'a>> = list.into_iter().collect();
         match self {
-            Numerics::F32 => matmul(x, rows, w),
-            Numerics::TensorCoreBf16 => bf16_matmul(&self.operand(x), rows, w),
+            Numerics::F32 => products(&list),
+            Numerics::TensorCoreBf16 => list
+                .iter()
+                .map(|p| bf16_matmul(&self.operand(p.x), p.rows, p.w))
+                .collect(),
         }
     }
 }
@@ -76,7 +95,7 @@ pub fn bf16(x: f32) -> f32 {
 
 /// `x · Wᵀ` for `x` already in bf16, with `W` rounded to bf16 as gemm.cu's tiles hold it and the
 /// products summed in f32. Each weight row is rounded once, for every row of `x`.
-fn bf16_matmul(x: &[f32], rows: usize, w: &Linear) -> Vec<f32> {
+fn bf16_matmul(x: &[f32], rows: usize, w: Weight<'_>) -> Vec<f32> {
     let k = w.cols();
     assert_eq!(x.len(), rows * k, "input shape");
     by_weight_rows(w.rows(), rows, 16, |j, out| {
@@ -98,13 +117,13 @@ fn bf16_matmul(x: &[f32], rows: usize, w: &Linear) -> Vec<f32> {
 /// sum once, straight to bf16 (`fma.rn.bf16x2`): the same value whenever the f32 sum is exact,
 /// as it is for MLX's groups (gemm.cu's header says why) and the synthetic ones (a bias of
 /// −7.5·scale rounded to bf16 is a multiple of 8 ulps of the scale, so the sum spans 12 bits).
-fn bf16_weight_row(w: &Linear, r: usize, out: &mut [f32]) {
+fn bf16_weight_row(w: Weight<'_>, r: usize, out: &mut [f32]) {
     match w {
-        Linear::Dense(m) => out
+        Weight::Dense(m) => out
             .iter_mut()
             .zip(m.row(r))
             .for_each(|(o, &v)| *o = bf16(v)),
-        Linear::Affine(q) => {
+        Weight::Affine(q) => {
             let (bits, group) = (q.bits(), q.group_size());
             let per_word = 32 / bits as usize;
             let mask = (1u32 << bits) - 1;

@@ -3,26 +3,20 @@
 use lily_core::weights::{Linear, Matrix};
 use rayon::prelude::*;
 
-use crate::quant::quant_matmul;
+use crate::products::{Product, Weight, products, transpose};
 
 /// `x · Wᵀ` for `x` of `rows` rows: returns `[rows, w.rows()]`, dense or quantised.
 pub fn matmul(x: &[f32], rows: usize, w: &Linear) -> Vec<f32> {
-    match w {
-        Linear::Dense(m) => dense_matmul(x, rows, m),
-        Linear::Affine(q) => quant_matmul(x, rows, q),
-    }
+    products(&[Product::new(w, x, rows)])
+        .pop()
+        .unwrap_or_default()
 }
 
 /// `x · Wᵀ` for a dense f32 `W`.
 pub fn dense_matmul(x: &[f32], rows: usize, w: &Matrix) -> Vec<f32> {
-    debug_assert_eq!(x.len(), rows * w.cols);
-    let k = w.cols;
-    by_weight_rows(w.rows, rows, 16, |j, out| {
-        let wr = &w.data[j * k..(j + 1) * k];
-        for (o, xr) in out.iter_mut().zip(x.chunks_exact(k)) {
-            *o = dot(xr, wr);
-        }
-    })
+    products(&[Product::new(Weight::Dense(w), x, rows)])
+        .pop()
+        .unwrap_or_default()
 }
 
 /// `[rows, n]` products made a weight row at a time: `row(j, out)` writes weight row j's
@@ -44,16 +38,7 @@ pub(crate) fn by_weight_rows(
                 row(task * per_task + j, out);
             }
         });
-    if rows == 1 {
-        return out_t;
-    }
-    let mut out = vec![0f32; rows * n];
-    for j in 0..n {
-        for r in 0..rows {
-            out[r * n + j] = out_t[j * rows + r];
-        }
-    }
-    out
+    transpose(out_t, n, rows)
 }
 
 /// A dot product with eight independent partial sums, which the compiler vectorises.

@@ -8,7 +8,7 @@ use lily_core::rng::uniform_at;
 use lily_core::weights::{Linear, Matrix};
 
 use super::*;
-use crate::ops::dense_matmul;
+use crate::ops::{dense_matmul, matmul};
 
 fn half_round(x: f32) -> f32 {
     Bf16::from_f32(x).to_f32()

@@ -11,13 +11,14 @@
 
 mod avx2;
 mod avx512;
+mod avx512_tiles;
 mod portable;
 
 use std::sync::OnceLock;
 
 use lily_core::quant::QuantMatrix;
 
-use crate::ops::by_weight_rows;
+use crate::products::{Product, Weight, products_with};
 
 /// The instruction sets a kernel can use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,18 +73,44 @@ pub fn quant_matmul(x: &[f32], rows: usize, w: &QuantMatrix) -> Vec<f32> {
 
 /// `x · Wᵀ` with a chosen kernel; panics if this CPU cannot run it.
 pub fn quant_matmul_with(isa: Isa, x: &[f32], rows: usize, w: &QuantMatrix) -> Vec<f32> {
-    assert!(Isa::available().contains(&isa), "{isa:?} is not available");
-    assert_eq!(x.len(), rows * w.cols(), "input shape");
-    let xs = if isa.nibble_order(w.bits()) {
-        x.chunks(32).flat_map(nibble_order).collect()
-    } else {
-        x.to_vec()
-    };
-    let n = w.rows();
-    // Tasks of at least 32 weight rows (tens of KB) keep rayon's overhead small next to the
-    // memory traffic, yet split a 512-row expert matrix over many cores.
-    let per_task = n.div_ceil(rayon::current_num_threads() * 4).max(32);
-    by_weight_rows(n, rows, per_task, |j, out| dot_rows(isa, w, j, &xs, out))
+    let mut out = products_with(isa, &[Product::new(Weight::Affine(w), x, rows)]);
+    out.pop().unwrap_or_default()
+}
+
+/// Whether `isa`'s kernel for `w` reads its input in nibble order.
+pub(crate) fn nibble_order(isa: Isa, w: Weight<'_>) -> bool {
+    matches!(w, Weight::Affine(q) if isa.nibble_order(q.bits()))
+}
+
+/// Input rows (of a multiple of 32 columns) in nibble order.
+pub(crate) fn to_nibble_order(x: &[f32]) -> Vec<f32> {
+    x.chunks(32).flat_map(nibble_block).collect()
+}
+
+/// Input rows from which the AVX-512 kernel dequantises weight panels once for all of them
+/// rather than once per four (the results are the same to the bit either way).
+const TILED_FROM_ROWS: usize = 8;
+
+/// `out_t[(j - first) · rows + i] = W[j] · x_i` for the weight rows `first..first + count`
+/// and every input row of `xs` (in the kernel's order).
+pub(crate) fn product_rows(
+    isa: Isa,
+    w: &QuantMatrix,
+    first: usize,
+    xs: &[f32],
+    rows: usize,
+    out_t: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && rows >= TILED_FROM_ROWS {
+        let count = out_t.len() / rows;
+        // SAFETY: the caller's `isa` is one this CPU runs (`products_with` checks it).
+        unsafe { avx512_tiles::product_rows(w, first, count, xs, rows, out_t) };
+        return;
+    }
+    for (j, out) in out_t.chunks_mut(rows).enumerate() {
+        dot_rows(isa, w, first + j, xs, out);
+    }
 }
 
 /// `out[i] = W[row] · x_i` for every input row of `xs` (in the kernel's order).
@@ -129,7 +156,7 @@ fn self_check(isa: Isa) -> Result<(), String> {
 }
 
 /// One 32-column block in nibble order: even columns, then odd ones.
-fn nibble_order(block: &[f32]) -> [f32; 32] {
+fn nibble_block(block: &[f32]) -> [f32; 32] {
     let mut out = [0f32; 32];
     for i in 0..16 {
         out[i] = block[2 * i];

@@ -82,9 +82,47 @@ fn the_start_up_check_passes_for_every_kernel_here() {
 #[test]
 fn nibble_order_puts_even_columns_first() {
     let block: Vec<f32> = (0..32).map(|i| i as f32).collect();
-    let o = nibble_order(&block);
+    let o = nibble_block(&block);
     assert_eq!(o[..3], [0.0, 2.0, 4.0]);
     assert_eq!(o[15], 30.0);
     assert_eq!(o[16..18], [1.0, 3.0]);
     assert_eq!(o[31], 31.0);
+}
+
+/// The tiled AVX-512 product (from `TILED_FROM_ROWS` input rows) against the row kernel fed one
+/// input row at a time, to the bit: at ragged row counts (partial register tiles, several input
+/// blocks at 4,096 columns), partial panels, both bit widths and every group size.
+#[test]
+fn the_tiled_product_equals_the_row_kernel_to_the_bit() {
+    if !Isa::available().contains(&Isa::Avx512) {
+        eprintln!("NOT RUN: this CPU has no AVX-512, so the tiled product cannot run here");
+        return;
+    }
+    let shapes = [
+        // (weight rows, cols, bits, group, input rows)
+        (1, 64, 4, 64, 8),
+        (5, 128, 4, 64, 9),
+        (33, 256, 8, 64, 10),
+        (70, 192, 4, 32, 11),
+        (9, 512, 8, 128, 37),
+        (7, 4096, 4, 64, 41),
+        (300, 2048, 4, 64, 64),
+    ];
+    for (i, &(n, k, bits, group, rows)) in shapes.iter().enumerate() {
+        let w = random_matrix(n, k, bits, group, 100 + i as u64);
+        let x: Vec<f32> = (0..rows * k)
+            .map(|j| uniform_at(200 + i as u64, j as u64))
+            .collect();
+        let tiled = quant_matmul_with(Isa::Avx512, &x, rows, &w);
+        for (r, x_r) in x.chunks(k).enumerate() {
+            let alone = quant_matmul_with(Isa::Avx512, x_r, 1, &w);
+            let got = &tiled[r * n..(r + 1) * n];
+            assert!(
+                got.iter()
+                    .zip(&alone)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{n}x{k} {bits}-bit g{group}, {rows} rows: row {r} differs"
+            );
+        }
+    }
 }

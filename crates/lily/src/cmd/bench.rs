@@ -219,6 +219,42 @@ pub fn run(args: Args) -> Result<()> {
             print_families(&families, total, "ms", 1.0);
         }
     }
+    if let AnyBackend::Cpu(cpu) = &backend {
+        // The same split on the CPU, from a clock around each stage of the forward pass.
+        if let Some(&ctx) = args.contexts.first() {
+            let steps = args.decode_steps.min(8);
+            let mut state = cpu.new_state(ctx + steps + 1)?;
+            prefill(&**cpu, &mut state, &tokens[..ctx], LogitRows::Last)?;
+            let (done, stages) = lily_cpu::profile::profiled(|| -> Result<()> {
+                for &t in &tokens[..steps] {
+                    cpu.decode(&mut state, t)?;
+                }
+                Ok(())
+            });
+            done?;
+            let per_step: Vec<_> = stages
+                .iter()
+                .map(|&(s, ms)| (s, ms / steps as f64))
+                .collect();
+            let total: f64 = per_step.iter().map(|(_, ms)| ms).sum();
+            println!("\nper decode step at context {ctx}, stage by stage: {total:.2} ms");
+            print_families(&per_step, total, "ms per step", 1.0);
+        }
+        if let Some(&len) = args.prompt_lens.iter().max() {
+            let len = len.min(backend.max_prefill_chunk());
+            let mut state = cpu.new_state(len)?;
+            let (done, stages) = lily_cpu::profile::profiled(|| {
+                cpu.prefill(&mut state, &tokens[..len], LogitRows::Last)
+            });
+            done?;
+            let total: f64 = stages.iter().map(|(_, ms)| ms).sum();
+            println!(
+                "\none prefill chunk of {len} tokens: {total:.1} ms ({:.1} tok/s)",
+                len as f64 / total * 1e3
+            );
+            print_families(&stages, total, "ms", 1.0);
+        }
+    }
     if let Some(path) = &args.json {
         let record = serde_json::json!({
             "commit": commit,

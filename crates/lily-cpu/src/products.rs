@@ -1,0 +1,151 @@
+//! Several matrix products in one parallel region: the CPU's grouped GEMM.
+//!
+//! A decode step's work is dozens of small products per layer (four mixer projections, the
+//! router, nine experts' gate, up and down), each only tens of microseconds of memory traffic
+//! on many cores. Run one at a time, every product pays a fork and a join of all threads, and the
+//! threads wait at each join for the slowest of them; together those waits cost as much as the
+//! traffic. Here every product of a stage is cut into tasks of weight rows and the tasks of all
+//! of them go to the threads at once, so a stage forks and joins once.
+//!
+//! Each weight row's dot products with an input row are computed by the same kernel in the same
+//! order whatever else the region holds, so grouping never changes a result.
+
+use std::borrow::Cow;
+
+use lily_core::quant::QuantMatrix;
+use lily_core::weights::{Linear, Matrix};
+use rayon::prelude::*;
+
+use crate::ops::dot;
+use crate::quant::{Isa, nibble_order, product_rows, to_nibble_order};
+
+/// A weight matrix as the kernels read it.
+#[derive(Clone, Copy)]
+pub enum Weight<'a> {
+    Dense(&'a Matrix),
+    Affine(&'a QuantMatrix),
+}
+
+impl Weight<'_> {
+    pub fn rows(self) -> usize {
+        match self {
+            Weight::Dense(m) => m.rows,
+            Weight::Affine(q) => q.rows(),
+        }
+    }
+
+    pub fn cols(self) -> usize {
+        match self {
+            Weight::Dense(m) => m.cols,
+            Weight::Affine(q) => q.cols(),
+        }
+    }
+}
+
+impl<'a> From<&'a Linear> for Weight<'a> {
+    fn from(w: &'a Linear) -> Self {
+        match w {
+            Linear::Dense(m) => Weight::Dense(m),
+            Linear::Affine(q) => Weight::Affine(q),
+        }
+    }
+}
+
+/// `x · Wᵀ` for `x` of `rows` rows (`rows · w.cols()` values, natural column order).
+#[derive(Clone, Copy)]
+pub struct Product<'a> {
+    pub w: Weight<'a>,
+    pub x: &'a [f32],
+    pub rows: usize,
+}
+
+impl<'a> Product<'a> {
+    pub fn new(w: impl Into<Weight<'a>>, x: &'a [f32], rows: usize) -> Self {
+        Product {
+            w: w.into(),
+            x,
+            rows,
+        }
+    }
+}
+
+/// Every product's `[rows, w.rows()]` result, with the best kernel.
+pub fn products(list: &[Product<'_>]) -> Vec<Vec<f32>> {
+    products_with(Isa::detect(), list)
+}
+
+/// Every product's result with a chosen kernel; panics if this CPU cannot run it.
+pub fn products_with(isa: Isa, list: &[Product<'_>]) -> Vec<Vec<f32>> {
+    assert!(Isa::available().contains(&isa), "{isa:?} is not available");
+    for p in list {
+        assert_eq!(p.x.len(), p.rows * p.w.cols(), "input shape");
+    }
+    // A product's input in the order its kernel reads; products that share an input (the mixer
+    // projections, gate and up) share its copy.
+    let mut inputs: Vec<Cow<'_, [f32]>> = Vec::new();
+    let mut input_of = Vec::with_capacity(list.len());
+    for (i, p) in list.iter().enumerate() {
+        let order = nibble_order(isa, p.w);
+        let same =
+            (0..i).find(|&j| std::ptr::eq(list[j].x, p.x) && nibble_order(isa, list[j].w) == order);
+        input_of.push(match same {
+            Some(j) => input_of[j],
+            None => {
+                inputs.push(match order {
+                    true => Cow::Owned(to_nibble_order(p.x)),
+                    false => Cow::Borrowed(p.x),
+                });
+                inputs.len() - 1
+            }
+        });
+    }
+
+    // Tasks of at least 32 weight rows (tens of KB) keep rayon's overhead small next to the
+    // memory traffic, yet leave every thread several tasks to balance the region.
+    let total: usize = list.iter().map(|p| p.w.rows()).sum();
+    let per_task = total.div_ceil(rayon::current_num_threads() * 4).max(32);
+    let mut outs_t: Vec<Vec<f32>> = list
+        .iter()
+        .map(|p| vec![0f32; p.w.rows() * p.rows])
+        .collect();
+    let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    for (i, (out, p)) in outs_t.iter_mut().zip(list).enumerate() {
+        for (t, chunk) in out.chunks_mut(per_task * p.rows).enumerate() {
+            tasks.push((i, t * per_task, chunk));
+        }
+    }
+    tasks.into_par_iter().for_each(|(i, first, chunk)| {
+        let (p, xs) = (&list[i], &inputs[input_of[i]]);
+        match p.w {
+            Weight::Dense(m) => {
+                for (j, out) in chunk.chunks_mut(p.rows).enumerate() {
+                    let wr = m.row(first + j);
+                    for (o, xr) in out.iter_mut().zip(xs.chunks_exact(m.cols)) {
+                        *o = dot(xr, wr);
+                    }
+                }
+            }
+            Weight::Affine(q) => product_rows(isa, q, first, xs, p.rows, chunk),
+        }
+    });
+    // The tasks wrote weight-row-major `[n, rows]`; callers want `[rows, n]`.
+    outs_t
+        .into_iter()
+        .zip(list)
+        .map(|(out_t, p)| transpose(out_t, p.w.rows(), p.rows))
+        .collect()
+}
+
+/// `[n, rows]` to `[rows, n]`.
+pub(crate) fn transpose(m: Vec<f32>, n: usize, rows: usize) -> Vec<f32> {
+    if rows == 1 {
+        return m;
+    }
+    let mut out = vec![0f32; rows * n];
+    for j in 0..n {
+        for r in 0..rows {
+            out[r * n + j] = m[j * rows + r];
+        }
+    }
+    out
+}
