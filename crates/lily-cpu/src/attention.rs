@@ -28,15 +28,16 @@ pub fn attention(
 
 /// One decode step of several sequences, row `i` of `x` at position `starts[i]` of
 /// `caches[i]`: the projections take every row at once (each weight read once), the attention
-/// itself runs per sequence over its own cache. In f32, as every decode step computes.
+/// itself runs per sequence over its own cache.
 pub fn attention_batch(
     c: &ModelConfig,
     w: &AttentionWeights,
     x: &[f32],
     starts: &[usize],
     caches: &mut [&mut KvCache],
+    nx: Numerics,
 ) -> Vec<f32> {
-    let (rows, nx) = (caches.len(), Numerics::F32);
+    let rows = caches.len();
     let p = stage(Stage::MixerInput, || Projections::of(w, x, rows, nx));
     let out: Vec<f32> = stage(Stage::Attention, || {
         caches
@@ -133,7 +134,7 @@ fn attend(
         };
         let visible = start + t + 1;
         match nx {
-            Numerics::F32 => head.softmax(visible, o),
+            Numerics::F32 | Numerics::Int8Inputs => head.softmax(visible, o),
             Numerics::TensorCoreBf16 => head.tiled_bf16(visible, o),
         }
         let g = &gate[i * hd..(i + 1) * hd];

@@ -16,7 +16,7 @@ use lily_core::weights::Mixer;
 use crate::ops::{add_in_place, rms_norm};
 use crate::profile::{Stage, stage};
 use crate::state::{CpuState, LayerState};
-use crate::{CpuBackend, Numerics, attention, gdn, moe};
+use crate::{CpuBackend, attention, gdn, moe};
 
 impl CpuBackend {
     /// Feeds `tokens[i]` to `states[i]` for every i and returns the logits, `[B, vocab]`.
@@ -46,6 +46,7 @@ impl CpuBackend {
         }
         let mut hidden = stage(Stage::Norms, || self.embed(tokens));
         let starts: Vec<usize> = states.iter().map(|s| s.len).collect();
+        let nx = self.decode_numerics();
         for (l, layer) in self.weights().layers.iter().enumerate() {
             let x = stage(Stage::Norms, || {
                 rms_norm(&hidden, &layer.input_norm, c.rms_norm_eps)
@@ -61,7 +62,7 @@ impl CpuBackend {
                             _ => unreachable!("states are built from the same config"),
                         })
                         .collect();
-                    attention::attention_batch(c, w, &x, &starts, &mut caches)
+                    attention::attention_batch(c, w, &x, &starts, &mut caches, nx)
                 }
                 Mixer::GatedDeltaNet(w) => {
                     let mut gdn_states: Vec<_> = layer_states
@@ -71,21 +72,21 @@ impl CpuBackend {
                             _ => unreachable!("states are built from the same config"),
                         })
                         .collect();
-                    gdn::gated_delta_net_batch(c, w, &x, &mut gdn_states)
+                    gdn::gated_delta_net_batch(c, w, &x, &mut gdn_states, nx)
                 }
             };
             let x = stage(Stage::Norms, || {
                 add_in_place(&mut hidden, &mixed);
                 rms_norm(&hidden, &layer.post_attention_norm, c.rms_norm_eps)
             });
-            let experts = moe::moe(c, &layer.moe, &x, tokens.len(), Numerics::F32);
+            let experts = moe::moe(c, &layer.moe, &x, tokens.len(), nx);
             stage(Stage::Norms, || add_in_place(&mut hidden, &experts));
         }
         for state in states.iter_mut() {
             state.len += 1;
         }
         Ok(stage(Stage::LmHead, || {
-            self.lm_head(&hidden, tokens.len(), Numerics::F32)
+            self.lm_head(&hidden, tokens.len(), nx)
         }))
     }
 }

@@ -43,14 +43,15 @@ pub fn gated_delta_net(
 
 /// One decode step of several sequences, row `i` of `x` into `states[i]`: the projections take
 /// every row at once (each weight read once), the conv and the delta rule run per sequence on
-/// its own state. In f32, as every decode step computes.
+/// its own state.
 pub fn gated_delta_net_batch(
     c: &ModelConfig,
     w: &GdnWeights,
     x: &[f32],
     states: &mut [&mut GdnState],
+    nx: Numerics,
 ) -> Vec<f32> {
-    let (rows, nx) = (states.len(), Numerics::F32);
+    let rows = states.len();
     let p = stage(Stage::MixerInput, || Projections::of(w, x, rows, nx));
     let out: Vec<f32> = stage(Stage::DeltaNet, || {
         states

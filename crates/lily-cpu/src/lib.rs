@@ -10,6 +10,7 @@ mod gdn;
 mod moe;
 mod numerics;
 pub mod ops;
+mod options;
 pub mod products;
 pub mod profile;
 pub mod quant;
@@ -25,6 +26,7 @@ use lily_core::weights::{Mixer, ModelWeights};
 pub use gdn::{GDN_CHUNK, GdnForm};
 pub use moe::{Route, route};
 pub use numerics::{FA_KEYS, KvPrecision, Numerics, bf16};
+pub use options::CpuOptions;
 pub use state::CpuState;
 
 use crate::ops::{add_in_place, rms_norm};
@@ -59,10 +61,16 @@ impl CpuBackend {
         self
     }
 
-    /// Chooses where prefill rounds (decode steps always compute in f32).
+    /// Chooses where the forward pass rounds (decode steps compute in f32 unless the inputs
+    /// are rounded to int8 everywhere).
     pub fn with_numerics(mut self, numerics: Numerics) -> Self {
         self.numerics = numerics;
         self
+    }
+
+    /// Applies the environment's settings ([`CpuOptions`]).
+    pub fn with_options(self, options: &CpuOptions) -> Self {
+        self.with_numerics(options.numerics)
     }
 
     /// Chooses how the states this backend makes store keys and values.
@@ -75,6 +83,15 @@ impl CpuBackend {
     pub fn with_max_prefill_chunk(mut self, tokens: usize) -> Self {
         self.max_prefill_chunk = tokens.max(1);
         self
+    }
+
+    /// A decode step's numerics: f32 as the CUDA decode step computes, whatever a prefill's
+    /// rounding, unless the inputs are rounded to int8 everywhere.
+    fn decode_numerics(&self) -> Numerics {
+        match self.numerics {
+            Numerics::Int8Inputs => Numerics::Int8Inputs,
+            Numerics::F32 | Numerics::TensorCoreBf16 => Numerics::F32,
+        }
     }
 
     pub fn weights(&self) -> &ModelWeights {
@@ -209,9 +226,15 @@ impl Backend for CpuBackend {
         self.forward(state, tokens, rows, None)
     }
 
-    /// A prefill of one token in f32 whatever the numerics: the CUDA decode step computes in f32.
+    /// A prefill of one token in the decode numerics.
     fn decode(&self, state: &mut CpuState, token: u32) -> Result<Vec<f32>> {
-        self.run(state, &[token], LogitRows::Last, None, Numerics::F32)
+        self.run(
+            state,
+            &[token],
+            LogitRows::Last,
+            None,
+            self.decode_numerics(),
+        )
     }
 
     /// One step for every row, each weight read once for all of them (batch.rs).

@@ -11,7 +11,7 @@ use std::borrow::Cow;
 use lily_core::weights::Linear;
 
 use crate::ops::{by_weight_rows, dot};
-use crate::products::{Product, Weight, products};
+use crate::products::{Kernel, Product, Weight, products, products_with};
 
 /// The arithmetic of a prefill.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -27,6 +27,11 @@ pub enum Numerics {
     /// f32 there and here. A decode step stays f32, as the CUDA decode does (f32 activations,
     /// f32 dequantisation); only a bf16 KV cache ([`KvPrecision`]) rounds what it reads.
     TensorCoreBf16,
+    /// As llama.cpp's CPU path computes: every quantised product takes its input rows rounded
+    /// to int8 per weight group and sums integer products (quant/int8.rs), in prefill and decode
+    /// alike; everything else in f32. Faster where the f32 kernels are compute-bound, and
+    /// further from the reference (docs/BENCHMARKS.md has the agreement). Needs AVX-512 VNNI.
+    Int8Inputs,
 }
 
 /// Keys per tile of the CUDA prefill attention (attention_prefill.cu, FA_KEYS). The running
@@ -48,7 +53,7 @@ impl Numerics {
     /// `x` as the tensor cores take it in this mode: rounded to bf16 (a copy), or as it is.
     pub fn operand(self, x: &[f32]) -> Cow<'_, [f32]> {
         match self {
-            Numerics::F32 => Cow::Borrowed(x),
+            Numerics::F32 | Numerics::Int8Inputs => Cow::Borrowed(x),
             Numerics::TensorCoreBf16 => Cow::Owned(x.iter().map(|&v| bf16(v)).collect()),
         }
     }
@@ -66,12 +71,13 @@ impl Numerics {
             .unwrap_or_else(|_| unreachable!("one result per product"))
     }
 
-    /// Several products in this mode: in f32 in one parallel region (products.rs); in bf16 one
-    /// after another (a reference, not a fast path).
+    /// Several products in this mode: in f32 or int8 in one parallel region (products.rs); in
+    /// bf16 one after another (a reference, not a fast path).
     pub fn products_of<'a>(self, list: impl IntoIterator<Item = Product<'a>>) -> Vec<Vec<f32>> {
         let list: Vec<Product<'a>> = list.into_iter().collect();
         match self {
             Numerics::F32 => products(&list),
+            Numerics::Int8Inputs => products_with(Kernel::Int8, &list),
             Numerics::TensorCoreBf16 => list
                 .iter()
                 .map(|p| bf16_matmul(&self.operand(p.x), p.rows, p.w))

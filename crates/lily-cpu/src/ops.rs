@@ -42,6 +42,7 @@ pub(crate) fn by_weight_rows(
 }
 
 /// A dot product with eight independent partial sums, which the compiler vectorises.
+#[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));

@@ -17,7 +17,9 @@ use lily_core::weights::{Linear, Matrix};
 use rayon::prelude::*;
 
 use crate::ops::dot;
-use crate::quant::{Isa, nibble_order, product_rows, to_nibble_order};
+#[cfg(target_arch = "x86_64")]
+use crate::quant::int8::{self, RoundedRows};
+use crate::quant::{Isa, int8_available, nibble_order, product_rows, to_nibble_order};
 
 /// A weight matrix as the kernels read it.
 #[derive(Clone, Copy)]
@@ -69,31 +71,75 @@ impl<'a> Product<'a> {
     }
 }
 
-/// Every product's `[rows, w.rows()]` result, with the best kernel.
+/// How a region computes its quantised products (dense ones always take f32 dot products).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// Dequantised to f32, with this instruction set's kernel.
+    F32(Isa),
+    /// The inputs rounded to int8 per group, integer dot products (quant/int8.rs).
+    Int8,
+}
+
+/// How a kernel reads a product's input: products of the same input and layout share one copy.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    Natural,
+    Nibbles,
+    Rounded { bits: u32, group: usize },
+}
+
+fn layout(kernel: Kernel, w: Weight<'_>) -> Layout {
+    match (kernel, w) {
+        (_, Weight::Dense(_)) => Layout::Natural,
+        #[cfg(target_arch = "x86_64")]
+        (Kernel::Int8, Weight::Affine(q)) if int8::fits(q) => Layout::Rounded {
+            bits: q.bits(),
+            group: q.group_size(),
+        },
+        (Kernel::Int8, w) => layout(Kernel::F32(Isa::detect()), w),
+        (Kernel::F32(isa), w) if nibble_order(isa, w) => Layout::Nibbles,
+        (Kernel::F32(_), _) => Layout::Natural,
+    }
+}
+
+enum Input<'a> {
+    F32(Cow<'a, [f32]>),
+    #[cfg(target_arch = "x86_64")]
+    Rounded(RoundedRows),
+}
+
+/// Every product's `[rows, w.rows()]` result, with the best f32 kernel.
 pub fn products(list: &[Product<'_>]) -> Vec<Vec<f32>> {
-    products_with(Isa::detect(), list)
+    products_with(Kernel::F32(Isa::detect()), list)
 }
 
 /// Every product's result with a chosen kernel; panics if this CPU cannot run it.
-pub fn products_with(isa: Isa, list: &[Product<'_>]) -> Vec<Vec<f32>> {
-    assert!(Isa::available().contains(&isa), "{isa:?} is not available");
+pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
+    match kernel {
+        Kernel::F32(isa) => assert!(Isa::available().contains(&isa), "{isa:?} is not available"),
+        Kernel::Int8 => assert!(int8_available(), "the int8 kernel is not available"),
+    }
     for p in list {
         assert_eq!(p.x.len(), p.rows * p.w.cols(), "input shape");
     }
-    // A product's input in the order its kernel reads; products that share an input (the mixer
-    // projections, gate and up) share its copy.
-    let mut inputs: Vec<Cow<'_, [f32]>> = Vec::new();
+    let mut inputs: Vec<Input<'_>> = Vec::new();
     let mut input_of = Vec::with_capacity(list.len());
     for (i, p) in list.iter().enumerate() {
-        let order = nibble_order(isa, p.w);
+        let order = layout(kernel, p.w);
         let same =
-            (0..i).find(|&j| std::ptr::eq(list[j].x, p.x) && nibble_order(isa, list[j].w) == order);
+            (0..i).find(|&j| std::ptr::eq(list[j].x, p.x) && layout(kernel, list[j].w) == order);
         input_of.push(match same {
             Some(j) => input_of[j],
             None => {
                 inputs.push(match order {
-                    true => Cow::Owned(to_nibble_order(p.x)),
-                    false => Cow::Borrowed(p.x),
+                    Layout::Natural => Input::F32(Cow::Borrowed(p.x)),
+                    Layout::Nibbles => Input::F32(Cow::Owned(to_nibble_order(p.x))),
+                    #[cfg(target_arch = "x86_64")]
+                    Layout::Rounded { bits, group } => {
+                        Input::Rounded(RoundedRows::new(p.x, p.rows, bits, group))
+                    }
+                    #[cfg(not(target_arch = "x86_64"))]
+                    Layout::Rounded { .. } => unreachable!("no int8 kernel off x86_64"),
                 });
                 inputs.len() - 1
             }
@@ -115,9 +161,12 @@ pub fn products_with(isa: Isa, list: &[Product<'_>]) -> Vec<Vec<f32>> {
         }
     }
     tasks.into_par_iter().for_each(|(i, first, chunk)| {
-        let (p, xs) = (&list[i], &inputs[input_of[i]]);
+        let p = &list[i];
         match p.w {
             Weight::Dense(m) => {
+                let Input::F32(xs) = &inputs[input_of[i]] else {
+                    unreachable!("dense products read f32 inputs")
+                };
                 for (j, out) in chunk.chunks_mut(p.rows).enumerate() {
                     let wr = m.row(first + j);
                     for (o, xr) in out.iter_mut().zip(xs.chunks_exact(m.cols)) {
@@ -125,7 +174,17 @@ pub fn products_with(isa: Isa, list: &[Product<'_>]) -> Vec<Vec<f32>> {
                     }
                 }
             }
-            Weight::Affine(q) => product_rows(isa, q, first, xs, p.rows, chunk),
+            Weight::Affine(q) => match (&inputs[input_of[i]], kernel) {
+                (Input::F32(xs), Kernel::F32(isa)) => {
+                    product_rows(isa, q, first, xs, p.rows, chunk)
+                }
+                (Input::F32(xs), Kernel::Int8) => {
+                    product_rows(Isa::detect(), q, first, xs, p.rows, chunk)
+                }
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `int8_available` was checked above.
+                (Input::Rounded(x), _) => unsafe { int8::product_rows(q, first, x, chunk) },
+            },
         }
     });
     // The tasks wrote weight-row-major `[n, rows]`; callers want `[rows, n]`.

@@ -4,7 +4,7 @@ use anyhow::Result;
 use clap::ValueEnum;
 use lily_core::load::load_weights;
 use lily_core::model_ref::{ModelRef, SYNTHETIC_SEED};
-use lily_cpu::CpuBackend;
+use lily_cpu::{CpuBackend, CpuOptions};
 use lily_cuda::synthetic::SyntheticWeights;
 use lily_cuda::{CudaBackend, CudaOptions};
 
@@ -45,8 +45,11 @@ pub fn load_with(model: &str, device: Device, quantize: bool) -> Result<AnyBacke
         };
         return Ok(AnyBackend::Cuda(Box::new(backend)));
     }
+    // Read before the weights load: a bad setting fails at once, not after a minute.
+    let options = CpuOptions::from_env()?;
     let (config, weights) = load_weights(&model, quantize, LoadBar::wrap)?;
-    Ok(AnyBackend::Cpu(Box::new(CpuBackend::new(config, weights))))
+    let backend = CpuBackend::new(config, weights).with_options(&options);
+    Ok(AnyBackend::Cpu(Box::new(backend)))
 }
 
 /// `MemAvailable` from /proc/meminfo, where there is one.

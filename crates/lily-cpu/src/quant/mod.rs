@@ -12,13 +12,14 @@
 mod avx2;
 mod avx512;
 mod avx512_tiles;
+pub(crate) mod int8;
 mod portable;
 
 use std::sync::OnceLock;
 
 use lily_core::quant::QuantMatrix;
 
-use crate::products::{Product, Weight, products_with};
+use crate::products::{Kernel, Product, Weight, products_with};
 
 /// The instruction sets a kernel can use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,8 +74,19 @@ pub fn quant_matmul(x: &[f32], rows: usize, w: &QuantMatrix) -> Vec<f32> {
 
 /// `x · Wᵀ` with a chosen kernel; panics if this CPU cannot run it.
 pub fn quant_matmul_with(isa: Isa, x: &[f32], rows: usize, w: &QuantMatrix) -> Vec<f32> {
-    let mut out = products_with(isa, &[Product::new(Weight::Affine(w), x, rows)]);
+    let mut out = products_with(
+        Kernel::F32(isa),
+        &[Product::new(Weight::Affine(w), x, rows)],
+    );
     out.pop().unwrap_or_default()
+}
+
+/// Whether this CPU runs the int8 kernel (AVX-512 VNNI).
+pub fn int8_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return int8::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Whether `isa`'s kernel for `w` reads its input in nibble order.

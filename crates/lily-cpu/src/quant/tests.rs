@@ -7,6 +7,7 @@ use lily_core::weights::Matrix;
 
 use super::*;
 use crate::ops::dense_matmul;
+use crate::products::{Kernel, Product, Weight, products_with};
 
 fn random_matrix(rows: usize, cols: usize, bits: u32, group: usize, seed: u64) -> QuantMatrix {
     // Per-row magnitudes differ so the scales and biases differ between groups and rows.
@@ -124,5 +125,76 @@ fn the_tiled_product_equals_the_row_kernel_to_the_bit() {
                 "{n}x{k} {bits}-bit g{group}, {rows} rows: row {r} differs"
             );
         }
+    }
+}
+
+/// The int8 kernel against its definition (module docs of int8.rs) evaluated in f64 from the
+/// same rounded inputs, and against the f32 kernel within what the rounding costs.
+#[test]
+fn the_int8_kernel_computes_its_definition() {
+    if !int8_available() {
+        eprintln!("NOT RUN: this CPU has no AVX-512 VNNI, so the int8 kernel cannot run here");
+        return;
+    }
+    let shapes = [
+        // (weight rows, cols, bits, group, input rows)
+        (1, 128, 4, 64, 1),
+        (37, 256, 4, 32, 3),
+        (33, 384, 4, 128, 5),
+        (40, 128, 8, 64, 1),
+        (29, 192, 8, 32, 6),
+        (17, 256, 8, 128, 4),
+        (300, 2048, 4, 64, 9),
+    ];
+    for (i, &(n, k, bits, group, rows)) in shapes.iter().enumerate() {
+        let w = random_matrix(n, k, bits, group, 300 + i as u64);
+        // Rows of different magnitudes, one all zero (a group with no step).
+        let x: Vec<f32> = (0..rows * k)
+            .map(|j| {
+                let r = j / k;
+                if r == 2 {
+                    0.0
+                } else {
+                    uniform_at(400 + i as u64, j as u64) * (1 + r) as f32
+                }
+            })
+            .collect();
+        let got =
+            products_with(Kernel::Int8, &[Product::new(Weight::Affine(&w), &x, rows)]).remove(0);
+        let f32_result = quant_matmul_with(Isa::detect(), &x, rows, &w);
+        let mut want = vec![0f32; rows * n];
+        for (r, xr) in x.chunks(k).enumerate() {
+            for j in 0..n {
+                let mut sum = 0f64;
+                for (g, xg) in xr.chunks(group).enumerate() {
+                    let step = xg.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                    let (s, b) = (
+                        w.row_scales(j)[g].to_f32() as f64,
+                        w.row_biases(j)[g].to_f32() as f64,
+                    );
+                    for (c, &v) in xg.iter().enumerate() {
+                        let q = w.code(j, g * group + c) as f64;
+                        let rounded = if step > 0.0 {
+                            (v / step).round().clamp(-127.0, 127.0)
+                        } else {
+                            0.0
+                        };
+                        sum += s * step as f64 * q * rounded as f64 + b * v as f64;
+                    }
+                }
+                want[r * n + j] = sum as f32;
+            }
+        }
+        let d = max_rel(&got, &want);
+        assert!(
+            d < 2e-6,
+            "{n}x{k} {bits}-bit g{group} rows {rows}: {d:e} from the definition"
+        );
+        let d = max_rel(&got, &f32_result);
+        eprintln!("int8 {n}x{k} {bits}-bit g{group} rows {rows}: {d:e} from the f32 kernel");
+        assert!(
+            d < 2e-2 && d > 1e-7,
+            "{n}x{k} {bits}-bit g{group}: {d:e} from the f32 kernel"
+        );
     }
 }

@@ -1,0 +1,55 @@
+//! The CPU backend's settings from the environment, read in one place.
+
+use anyhow::{Result, bail};
+
+use crate::Numerics;
+use crate::quant::int8_available;
+
+/// What `LILY_CPU_NUMERICS` chooses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuOptions {
+    pub numerics: Numerics,
+}
+
+impl CpuOptions {
+    pub fn from_env() -> Result<Self> {
+        Self::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// The defaults with the overrides `var` gives (a variable's value by name).
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let mut o = CpuOptions::default();
+        if let Some(v) = var("LILY_CPU_NUMERICS") {
+            o.numerics = match v.as_str() {
+                "f32" => Numerics::F32,
+                "int8" if int8_available() => Numerics::Int8Inputs,
+                "int8" => bail!(
+                    "LILY_CPU_NUMERICS=int8 needs AVX-512 VNNI, which this CPU does not report"
+                ),
+                _ => bail!("LILY_CPU_NUMERICS={v:?}: expected f32 or int8"),
+            };
+        }
+        Ok(o)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_variable_chooses_the_numerics_and_bad_values_are_refused() {
+        let of = |v: &str| CpuOptions::from_vars(|_| Some(v.to_string()));
+        assert_eq!(
+            CpuOptions::from_vars(|_| None).unwrap().numerics,
+            Numerics::F32
+        );
+        assert_eq!(of("f32").unwrap().numerics, Numerics::F32);
+        match of("int8") {
+            Ok(o) => assert_eq!(o.numerics, Numerics::Int8Inputs),
+            Err(e) => assert!(!int8_available() && e.to_string().contains("VNNI"), "{e}"),
+        }
+        let err = of("fast").unwrap_err().to_string();
+        assert!(err.contains("expected f32 or int8"), "{err}");
+    }
+}

@@ -1,0 +1,218 @@
+//! Products with the input rounded to int8 per weight group, as llama.cpp's CPU path computes:
+//! integer dot products of codes and rounded inputs (AVX-512 VNNI `vpdpbusd`, 64 byte products
+//! per instruction), scaled per group afterwards. Opt-in ([`crate::Numerics::Int8Inputs`]): the
+//! rounding moves results by about 1e-3 of their scale, which the f32 reference does not.
+//!
+//! For an input row `x` and a weight row of groups `g` (`w = s_g·q + b_g`):
+//! `W·x = Σ_g s_g·d_g·Σ_{c∈g} q_c·r_c + Σ_g b_g·Σ_{c∈g} x_c`, where `r_c = round(x_c / d_g)` with
+//! `d_g = max|x_c| / 127` over the group. The bias term takes the exact sum of `x` (one f32 sum
+//! per group and row, made once per product), so only the scale term sees the rounding.
+//!
+//! A block is 64 code bytes: 128 columns of 4 bits or 64 of 8. Each int32 lane of a product sums
+//! four bytes, so lane `l` covers columns `8l..8l+8` (4 bits: the low nibbles are the even
+//! columns, the high nibbles the odd ones, and the input's block is laid out evens then odds) or
+//! `4l..4l+4` (8 bits). A lane never straddles a group (groups are 32 columns or more), so one
+//! scale per lane applies.
+#![cfg(target_arch = "x86_64")]
+
+use std::arch::x86_64::*;
+
+use lily_core::quant::QuantMatrix;
+
+/// Code bytes per block (one zmm).
+const BLOCK_BYTES: usize = 64;
+/// Input rows per pass over a weight row.
+const ROWS_PER_PASS: usize = 4;
+
+/// Whether this CPU runs the kernel.
+pub fn available() -> bool {
+    is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vnni")
+}
+
+/// Whether the kernel takes `w`: rows of whole blocks (a narrower product, such as a tiny
+/// model's 64-column down projection, keeps the f32 kernel).
+pub fn fits(w: &QuantMatrix) -> bool {
+    w.cols().is_multiple_of(block_cols(w.bits())) && w.group_size() >= 32
+}
+
+/// Input rows rounded for weights of `bits` and `group`, in the kernel's layout.
+pub struct RoundedRows {
+    bits: u32,
+    group: usize,
+    cols: usize,
+    /// `[rows, cols]` int8, each block in the kernel's column order.
+    r: Vec<i8>,
+    /// `[rows, cols / cols_per_lane]`: the step `d_g` of each lane's group.
+    steps: Vec<f32>,
+    /// `[rows, cols / group]`: the exact sum of each group.
+    sums: Vec<f32>,
+}
+
+impl RoundedRows {
+    pub fn new(x: &[f32], rows: usize, bits: u32, group: usize) -> Self {
+        let cols = x.len() / rows;
+        let block_cols = block_cols(bits);
+        assert!(cols.is_multiple_of(block_cols) && cols.is_multiple_of(group) && group >= 32);
+        let lane_cols = block_cols / 16;
+        let mut r = vec![0i8; rows * cols];
+        let mut steps = vec![0f32; rows * cols / lane_cols];
+        let mut sums = vec![0f32; rows * cols / group];
+        for (row, x) in x.chunks_exact(cols).enumerate() {
+            let mut rounded = vec![0i8; cols];
+            for (g, xg) in x.chunks_exact(group).enumerate() {
+                let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let step = amax / 127.0;
+                let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
+                for (o, v) in rounded[g * group..].iter_mut().zip(xg) {
+                    *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
+                }
+                sums[row * cols / group + g] = xg.iter().sum();
+                let lanes = &mut steps[row * cols / lane_cols..][g * group / lane_cols..];
+                lanes[..group / lane_cols].fill(step);
+            }
+            let out = &mut r[row * cols..(row + 1) * cols];
+            for (o, b) in out
+                .chunks_exact_mut(block_cols)
+                .zip(rounded.chunks_exact(block_cols))
+            {
+                if bits == 4 {
+                    // Evens then odds, as the low and high nibbles of the codes' bytes.
+                    for i in 0..block_cols / 2 {
+                        o[i] = b[2 * i];
+                        o[block_cols / 2 + i] = b[2 * i + 1];
+                    }
+                } else {
+                    o.copy_from_slice(b);
+                }
+            }
+        }
+        RoundedRows {
+            bits,
+            group,
+            cols,
+            r,
+            steps,
+            sums,
+        }
+    }
+
+    /// Whether these rows are laid out for `w`.
+    pub fn fit(&self, w: &QuantMatrix) -> bool {
+        (self.bits, self.group, self.cols) == (w.bits(), w.group_size(), w.cols())
+    }
+
+    pub fn rows(&self) -> usize {
+        self.r.len() / self.cols
+    }
+}
+
+fn block_cols(bits: u32) -> usize {
+    BLOCK_BYTES * 8 / bits as usize
+}
+
+/// `out_t[(j - first) · rows + i] = W[j] · x_i` for the weight rows `first..first + count`.
+///
+/// # Safety
+/// The CPU must support AVX-512F and AVX-512 VNNI ([`available`]).
+#[target_feature(enable = "avx512f,avx512vnni")]
+pub unsafe fn product_rows(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t: &mut [f32]) {
+    assert!(x.fit(w));
+    let rows = x.rows();
+    for (j, out) in out_t.chunks_mut(rows).enumerate() {
+        for (pass, out) in out.chunks_mut(ROWS_PER_PASS).enumerate() {
+            let at = pass * ROWS_PER_PASS;
+            match out.len() {
+                1 => pass_rows::<1>(w, first + j, x, at, out),
+                2 => pass_rows::<2>(w, first + j, x, at, out),
+                3 => pass_rows::<3>(w, first + j, x, at, out),
+                _ => pass_rows::<4>(w, first + j, x, at, out),
+            }
+        }
+    }
+}
+
+/// Weight row `row` against the input rows `at..at + R`.
+#[target_feature(enable = "avx512f,avx512vnni")]
+fn pass_rows<const R: usize>(
+    w: &QuantMatrix,
+    row: usize,
+    x: &RoundedRows,
+    at: usize,
+    out: &mut [f32],
+) {
+    let (cols, group) = (w.cols(), w.group_size());
+    let block_cols = block_cols(w.bits());
+    let lane_cols = block_cols / 16;
+    let groups = cols / group;
+    let codes = w.row_codes(row).as_ptr() as *const u8;
+    let (scales, biases) = (w.row_scales(row), w.row_biases(row));
+    assert!(out.len() == R && at + R <= x.rows() && scales.len() == groups);
+    let r: [*const i8; R] = std::array::from_fn(|i| x.r[(at + i) * cols..].as_ptr());
+    let steps: [&[f32]; R] = std::array::from_fn(|i| &x.steps[(at + i) * cols / lane_cols..]);
+    let sums: [&[f32]; R] = std::array::from_fn(|i| &x.sums[(at + i) * groups..]);
+    // The group of each lane within a window of 16 groups, before the block's offset.
+    let lane_group: [i32; 16] = std::array::from_fn(|l| (l * lane_cols / group) as i32);
+    // SAFETY: 16 i32 values.
+    let lane_group = unsafe { _mm512_loadu_si512(lane_group.as_ptr() as *const _) };
+    let nibbles = _mm512_set1_epi8(0x0f);
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut bias = [0f32; R];
+    let mut window = _mm512_setzero_ps();
+    for (b, block) in (0..cols).step_by(block_cols).enumerate() {
+        let first_group = block / group;
+        if first_group.is_multiple_of(16) {
+            window = widen_bf16(&scales[first_group..]);
+        }
+        let s = _mm512_permutexvar_ps(
+            _mm512_add_epi32(lane_group, _mm512_set1_epi32((first_group % 16) as i32)),
+            window,
+        );
+        // SAFETY: a block is 64 code bytes inside the row and `block_cols` inputs inside each
+        // input row; `steps` holds 16 lanes per block.
+        unsafe {
+            let v = _mm512_loadu_si512(codes.add(block * w.bits() as usize / 8) as *const _);
+            for i in 0..R {
+                let rb = r[i].add(block);
+                let dot = if w.bits() == 4 {
+                    let lo = _mm512_and_si512(v, nibbles);
+                    let hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibbles);
+                    let d = _mm512_dpbusd_epi32(
+                        _mm512_setzero_si512(),
+                        lo,
+                        _mm512_loadu_si512(rb as *const _),
+                    );
+                    _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(rb.add(64) as *const _))
+                } else {
+                    _mm512_dpbusd_epi32(
+                        _mm512_setzero_si512(),
+                        v,
+                        _mm512_loadu_si512(rb as *const _),
+                    )
+                };
+                let step = _mm512_loadu_ps(steps[i][b * 16..].as_ptr());
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, step), acc[i]);
+            }
+        }
+    }
+    for (g, b) in biases.iter().enumerate() {
+        let b = b.to_f32();
+        for i in 0..R {
+            bias[i] += b * sums[i][g];
+        }
+    }
+    for i in 0..R {
+        out[i] = _mm512_reduce_add_ps(acc[i]) + bias[i];
+    }
+}
+
+/// Up to 16 bf16 values as f32 lanes (missing ones zero).
+#[target_feature(enable = "avx512f")]
+fn widen_bf16(v: &[half::bf16]) -> __m512 {
+    let mut bits = [0u16; 16];
+    for (b, v) in bits.iter_mut().zip(v) {
+        *b = v.to_bits();
+    }
+    // SAFETY: `bits` holds 16 u16 values (32 bytes).
+    let h = unsafe { _mm256_loadu_si256(bits.as_ptr() as *const _) };
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+}
