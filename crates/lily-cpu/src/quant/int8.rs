@@ -26,7 +26,10 @@ const ROWS_PER_PASS: usize = 4;
 
 /// Whether this CPU runs the kernel.
 pub fn available() -> bool {
-    is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vnni")
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
 }
 
 /// Whether the kernel takes `w`: rows of whole blocks (a narrower product, such as a tiny
@@ -113,8 +116,8 @@ fn block_cols(bits: u32) -> usize {
 /// `out_t[(j - first) · rows + i] = W[j] · x_i` for the weight rows `first..first + count`.
 ///
 /// # Safety
-/// The CPU must support AVX-512F and AVX-512 VNNI ([`available`]).
-#[target_feature(enable = "avx512f,avx512vnni")]
+/// The CPU must support AVX-512 F, BW, VL and VNNI ([`available`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 pub unsafe fn product_rows(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t: &mut [f32]) {
     assert!(x.fit(w));
     let rows = x.rows();
@@ -132,7 +135,7 @@ pub unsafe fn product_rows(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t
 }
 
 /// Weight row `row` against the input rows `at..at + R`.
-#[target_feature(enable = "avx512f,avx512vnni")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 fn pass_rows<const R: usize>(
     w: &QuantMatrix,
     row: usize,
@@ -156,7 +159,6 @@ fn pass_rows<const R: usize>(
     let lane_group = unsafe { _mm512_loadu_si512(lane_group.as_ptr() as *const _) };
     let nibbles = _mm512_set1_epi8(0x0f);
     let mut acc = [_mm512_setzero_ps(); R];
-    let mut bias = [0f32; R];
     let mut window = _mm512_setzero_ps();
     for (b, block) in (0..cols).step_by(block_cols).enumerate() {
         let first_group = block / group;
@@ -194,25 +196,35 @@ fn pass_rows<const R: usize>(
             }
         }
     }
-    for (g, b) in biases.iter().enumerate() {
-        let b = b.to_f32();
+    // The bias term, 16 groups at a time: Σ_g b_g·(sum of the input's group g).
+    let mut bias = [_mm512_setzero_ps(); R];
+    for g in (0..groups).step_by(16) {
+        let b = widen_bf16(&biases[g..]);
         for i in 0..R {
-            bias[i] += b * sums[i][g];
+            bias[i] = _mm512_fmadd_ps(b, widen_f32(&sums[i][g..groups]), bias[i]);
         }
     }
     for i in 0..R {
-        out[i] = _mm512_reduce_add_ps(acc[i]) + bias[i];
+        out[i] = _mm512_reduce_add_ps(acc[i]) + _mm512_reduce_add_ps(bias[i]);
     }
 }
 
 /// Up to 16 bf16 values as f32 lanes (missing ones zero).
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 fn widen_bf16(v: &[half::bf16]) -> __m512 {
-    let mut bits = [0u16; 16];
-    for (b, v) in bits.iter_mut().zip(v) {
-        *b = v.to_bits();
-    }
-    // SAFETY: `bits` holds 16 u16 values (32 bytes).
-    let h = unsafe { _mm256_loadu_si256(bits.as_ptr() as *const _) };
+    let n = v.len().min(16);
+    // SAFETY: the mask loads only the first `n` u16 values, all inside `v`.
+    let h = unsafe { _mm256_maskz_loadu_epi16(mask(n) as __mmask16, v.as_ptr() as *const _) };
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+}
+
+/// Up to 16 f32 values (missing ones zero).
+#[target_feature(enable = "avx512f")]
+fn widen_f32(v: &[f32]) -> __m512 {
+    // SAFETY: the mask loads only the first `min(16, len)` values, all inside `v`.
+    unsafe { _mm512_maskz_loadu_ps(mask(v.len().min(16)), v.as_ptr()) }
+}
+
+fn mask(n: usize) -> u16 {
+    if n >= 16 { u16::MAX } else { (1u16 << n) - 1 }
 }
