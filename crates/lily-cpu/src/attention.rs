@@ -6,7 +6,7 @@ use lily_core::weights::AttentionWeights;
 use rayon::prelude::*;
 
 use crate::numerics::{FA_KEYS, Numerics, bf16};
-use crate::ops::{dot, rms_norm_rows, sigmoid};
+use crate::ops::{dot, rms_norm_rows, row_of, sigmoid};
 use crate::products::Product;
 use crate::profile::{Stage, stage};
 use crate::state::KvCache;
@@ -69,10 +69,7 @@ impl Projections {
 
     /// Row `i` of `rows`, on its own.
     fn row(&self, i: usize, rows: usize) -> Projections {
-        let at = |m: &[f32]| {
-            let width = m.len() / rows;
-            m[i * width..(i + 1) * width].to_vec()
-        };
+        let at = |m: &[f32]| row_of(m, i, rows);
         Projections {
             qg: at(&self.qg),
             k: at(&self.k),

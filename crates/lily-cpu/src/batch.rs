@@ -55,24 +55,12 @@ impl CpuBackend {
                 states.iter_mut().map(|s| &mut s.layers[l]).collect();
             let mixed = match &layer.mixer {
                 Mixer::Attention(w) => {
-                    let mut caches: Vec<_> = layer_states
-                        .iter_mut()
-                        .map(|s| match &mut **s {
-                            LayerState::Attention(kv) => kv,
-                            _ => unreachable!("states are built from the same config"),
-                        })
-                        .collect();
+                    let mut caches: Vec<_> = layer_states.iter_mut().map(|s| s.kv()).collect();
                     attention::attention_batch(c, w, &x, &starts, &mut caches, nx)
                 }
                 Mixer::GatedDeltaNet(w) => {
-                    let mut gdn_states: Vec<_> = layer_states
-                        .iter_mut()
-                        .map(|s| match &mut **s {
-                            LayerState::GatedDeltaNet(g) => g,
-                            _ => unreachable!("states are built from the same config"),
-                        })
-                        .collect();
-                    gdn::gated_delta_net_batch(c, w, &x, &mut gdn_states, nx)
+                    let mut gdn: Vec<_> = layer_states.iter_mut().map(|s| s.gdn()).collect();
+                    gdn::gated_delta_net_batch(c, w, &x, &mut gdn, nx)
                 }
             };
             let x = stage(Stage::Norms, || {

@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use crate::delta_rule::{self, HeadInputs};
 use crate::numerics::Numerics;
-use crate::ops::{inv_rms, l2_normalize, sigmoid, silu, softplus};
+use crate::ops::{inv_rms, l2_normalize, row_of, sigmoid, silu, softplus};
 use crate::products::Product;
 use crate::profile::{Stage, stage};
 use crate::state::GdnState;
@@ -85,10 +85,7 @@ impl Projections {
 
     /// Row `i` of `rows`, on its own.
     fn row(&self, i: usize, rows: usize) -> Projections {
-        let at = |m: &[f32]| {
-            let width = m.len() / rows;
-            m[i * width..(i + 1) * width].to_vec()
-        };
+        let at = |m: &[f32]| row_of(m, i, rows);
         Projections {
             mixed: at(&self.mixed),
             z: at(&self.z),

@@ -10,8 +10,10 @@ use std::borrow::Cow;
 
 use lily_core::weights::Linear;
 
-use crate::ops::{by_weight_rows, dot};
-use crate::products::{Kernel, Product, Weight, products, products_with};
+use rayon::prelude::*;
+
+use crate::ops::dot;
+use crate::products::{Kernel, Product, Weight, products, products_with, transpose};
 
 /// The arithmetic of a prefill.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -111,6 +113,28 @@ fn bf16_matmul(x: &[f32], rows: usize, w: Weight<'_>) -> Vec<f32> {
             *o = dot(xr, &weights);
         }
     })
+}
+
+/// `[rows, n]` products made a weight row at a time: `row(j, out)` writes weight row j's
+/// products with every input row into `out` (`rows` values). Each task owns `per_task` weight
+/// rows and reads (or dequantises) each once for every input row, so a weight row is pulled from
+/// memory once per call rather than once per token.
+fn by_weight_rows(
+    n: usize,
+    rows: usize,
+    per_task: usize,
+    row: impl Fn(usize, &mut [f32]) + Sync,
+) -> Vec<f32> {
+    let mut out_t = vec![0f32; n * rows];
+    out_t
+        .par_chunks_mut(per_task * rows)
+        .enumerate()
+        .for_each(|(task, chunk)| {
+            for (j, out) in chunk.chunks_mut(rows).enumerate() {
+                row(task * per_task + j, out);
+            }
+        });
+    transpose(out_t, n, rows)
 }
 
 /// Row `r` of `w` in bf16, as gemm.cu dequantises it into shared memory: a dense value rounded,

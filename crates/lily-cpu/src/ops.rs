@@ -1,9 +1,8 @@
-//! Dense f32 building blocks. Written for clarity; rayon spreads the matrix products over cores.
+//! Dense f32 building blocks. Written for clarity; the matrix products go to products.rs.
 
 use lily_core::weights::{Linear, Matrix};
-use rayon::prelude::*;
 
-use crate::products::{Product, Weight, products, transpose};
+use crate::products::{Product, Weight, products};
 
 /// `x · Wᵀ` for `x` of `rows` rows: returns `[rows, w.rows()]`, dense or quantised.
 pub fn matmul(x: &[f32], rows: usize, w: &Linear) -> Vec<f32> {
@@ -19,26 +18,10 @@ pub fn dense_matmul(x: &[f32], rows: usize, w: &Matrix) -> Vec<f32> {
         .unwrap_or_default()
 }
 
-/// `[rows, n]` products made a weight row at a time: `row(j, out)` writes weight row j's
-/// products with every input row into `out` (`rows` values). Each task owns `per_task` weight
-/// rows and reads (or dequantises) each once for every input row, so a weight row is pulled from
-/// memory once per call rather than once per token.
-pub(crate) fn by_weight_rows(
-    n: usize,
-    rows: usize,
-    per_task: usize,
-    row: impl Fn(usize, &mut [f32]) + Sync,
-) -> Vec<f32> {
-    let mut out_t = vec![0f32; n * rows];
-    out_t
-        .par_chunks_mut(per_task * rows)
-        .enumerate()
-        .for_each(|(task, chunk)| {
-            for (j, out) in chunk.chunks_mut(rows).enumerate() {
-                row(task * per_task + j, out);
-            }
-        });
-    transpose(out_t, n, rows)
+/// Row `i` of a `[rows, width]` matrix, copied.
+pub fn row_of(m: &[f32], i: usize, rows: usize) -> Vec<f32> {
+    let width = m.len() / rows;
+    m[i * width..(i + 1) * width].to_vec()
 }
 
 /// A dot product with eight independent partial sums, which the compiler vectorises.

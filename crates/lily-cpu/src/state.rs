@@ -18,6 +18,25 @@ pub(crate) enum LayerState {
     GatedDeltaNet(GdnState),
 }
 
+impl LayerState {
+    /// The attention layer's cache (states are built from the same config as the weights, so
+    /// the layer kinds always match).
+    pub fn kv(&mut self) -> &mut KvCache {
+        match self {
+            LayerState::Attention(kv) => kv,
+            LayerState::GatedDeltaNet(_) => unreachable!("an attention layer's state"),
+        }
+    }
+
+    /// The Gated DeltaNet layer's state.
+    pub fn gdn(&mut self) -> &mut GdnState {
+        match self {
+            LayerState::GatedDeltaNet(g) => g,
+            LayerState::Attention(_) => unreachable!("a Gated DeltaNet layer's state"),
+        }
+    }
+}
+
 /// Keys (after q/k norm and RoPE) and values, `[position, kv_head, head_dim]`, as stored in
 /// the cache's precision.
 #[derive(Clone, Debug)]
