@@ -151,7 +151,9 @@ impl QuantMatrix {
     }
 
     pub fn groups_per_row(&self) -> usize {
-        self.cols / self.group_size
+        // Group sizes are powers of two (check_format): a shift, where kernels ask once per row
+        // and a division would cost as much as a short row's arithmetic.
+        self.cols >> self.group_size.trailing_zeros()
     }
 
     /// All code words, row-major `[rows, words_per_row]`.

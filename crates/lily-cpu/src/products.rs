@@ -108,6 +108,21 @@ enum Input<'a> {
     Rounded(RoundedRows),
 }
 
+impl<'a> Input<'a> {
+    fn of(p: &Product<'a>, order: Layout) -> Self {
+        match order {
+            Layout::Natural => Input::F32(Cow::Borrowed(p.x)),
+            Layout::Nibbles => Input::F32(Cow::Owned(to_nibble_order(p.x))),
+            #[cfg(target_arch = "x86_64")]
+            Layout::Rounded { bits, group } => {
+                Input::Rounded(RoundedRows::new(p.x, p.rows, bits, group))
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Layout::Rounded { .. } => unreachable!("no int8 kernel off x86_64"),
+        }
+    }
+}
+
 /// Every product's `[rows, w.rows()]` result, with the best f32 kernel.
 pub fn products(list: &[Product<'_>]) -> Vec<Vec<f32>> {
     products_with(Kernel::F32(Isa::detect()), list)
@@ -122,29 +137,22 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
     for p in list {
         assert_eq!(p.x.len(), p.rows * p.w.cols(), "input shape");
     }
-    let mut inputs: Vec<Input<'_>> = Vec::new();
+    // Products of the same input and layout share one prepared copy; the copies are made in
+    // parallel (a prefill's experts have hundreds of distinct inputs).
+    let mut firsts: Vec<(usize, Layout)> = Vec::new();
     let mut input_of = Vec::with_capacity(list.len());
     for (i, p) in list.iter().enumerate() {
         let order = layout(kernel, p.w);
-        let same =
-            (0..i).find(|&j| std::ptr::eq(list[j].x, p.x) && layout(kernel, list[j].w) == order);
-        input_of.push(match same {
-            Some(j) => input_of[j],
-            None => {
-                inputs.push(match order {
-                    Layout::Natural => Input::F32(Cow::Borrowed(p.x)),
-                    Layout::Nibbles => Input::F32(Cow::Owned(to_nibble_order(p.x))),
-                    #[cfg(target_arch = "x86_64")]
-                    Layout::Rounded { bits, group } => {
-                        Input::Rounded(RoundedRows::new(p.x, p.rows, bits, group))
-                    }
-                    #[cfg(not(target_arch = "x86_64"))]
-                    Layout::Rounded { .. } => unreachable!("no int8 kernel off x86_64"),
-                });
-                inputs.len() - 1
-            }
-        });
+        let same = |&(j, l): &(usize, Layout)| std::ptr::eq(list[j].x, p.x) && l == order;
+        input_of.push(firsts.iter().position(same).unwrap_or_else(|| {
+            firsts.push((i, order));
+            firsts.len() - 1
+        }));
     }
+    let inputs: Vec<Input<'_>> = firsts
+        .par_iter()
+        .map(|&(j, order)| Input::of(&list[j], order))
+        .collect();
 
     // Tasks of at least 32 weight rows (tens of KB) keep rayon's overhead small next to the
     // memory traffic, yet leave every thread several tasks to balance the region.
@@ -189,7 +197,7 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
     });
     // The tasks wrote weight-row-major `[n, rows]`; callers want `[rows, n]`.
     outs_t
-        .into_iter()
+        .into_par_iter()
         .zip(list)
         .map(|(out_t, p)| transpose(out_t, p.w.rows(), p.rows))
         .collect()

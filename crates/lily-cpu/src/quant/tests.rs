@@ -175,7 +175,7 @@ fn the_int8_kernel_computes_its_definition() {
                     for (c, &v) in xg.iter().enumerate() {
                         let q = w.code(j, g * group + c) as f64;
                         let rounded = if step > 0.0 {
-                            (v / step).round().clamp(-127.0, 127.0)
+                            (v * (1.0 / step)).round_ties_even().clamp(-127.0, 127.0)
                         } else {
                             0.0
                         };
