@@ -63,6 +63,16 @@ if [ "$step" = all ] || [ "$step" = profile ]; then
   python3 tools/ncu_summary.py "$out/ncu.csv" | tee "$out/ncu-summary.md"
 fi
 if [ "$step" = all ] || [ "$step" = cpu ]; then
-  .gpu/lily bench --model synthetic:qwen3.6-35b-a3b --device cpu --prompt-lens 256 --contexts 256,1024 \
-    --json "$out/bench-cpu.json" 2>&1 | tee "$out/bench-cpu.md"
+  # llama.cpp on the CPU first, in the same run, when its build and GGUF are there (peer.sh build,
+  # peer.sh gguf); then both CPU numerics beside it.
+  peer=()
+  if [ -x /tmp/peer/lcpp/build/bin/llama-bench ] && [ -f /tmp/peer/model.gguf ]; then
+    OUT=$out bash .gpu/peer/peer.sh cpu "$(nproc)" 2>&1 | tee "$out/peer-cpu.txt"
+    peer=(--peer "$out/llama-cpu.json")
+  fi
+  for nx in f32 int8; do
+    LILY_CPU_NUMERICS=$nx .gpu/lily bench --model synthetic:qwen3.6-35b-a3b --device cpu \
+      --prompt-lens 256 --contexts 256,1024 "${peer[@]}" --json "$out/bench-cpu-$nx.json" 2>&1 \
+      | tee "$out/bench-cpu-$nx.md"
+  done
 fi
