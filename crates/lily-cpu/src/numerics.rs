@@ -14,6 +14,7 @@ use rayon::prelude::*;
 
 use crate::ops::dot;
 use crate::products::{Kernel, Product, Weight, products, products_with, transpose};
+use crate::quant::Int8Isa;
 
 /// The arithmetic of a prefill.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -32,7 +33,8 @@ pub enum Numerics {
     /// As llama.cpp's CPU path computes: every quantised product takes its input rows rounded
     /// to int8 per weight group and sums integer products (quant/int8.rs), in prefill and decode
     /// alike; everything else in f32. Faster where the f32 kernels are compute-bound, and
-    /// further from the reference (docs/BENCHMARKS.md has the agreement). Needs AVX-512 VNNI.
+    /// further from the reference (docs/BENCHMARKS.md has the agreement). Needs AVX2 (4-bit
+    /// products only) or AVX-512 VNNI.
     Int8Inputs,
 }
 
@@ -79,7 +81,10 @@ impl Numerics {
         let list: Vec<Product<'a>> = list.into_iter().collect();
         match self {
             Numerics::F32 => products(&list),
-            Numerics::Int8Inputs => products_with(Kernel::Int8, &list),
+            Numerics::Int8Inputs => {
+                let isa = Int8Isa::detect().expect("int8 inputs on a CPU without an int8 kernel");
+                products_with(Kernel::Int8(isa), &list)
+            }
             Numerics::TensorCoreBf16 => list
                 .iter()
                 .map(|p| bf16_matmul(&self.operand(p.x), p.rows, p.w))

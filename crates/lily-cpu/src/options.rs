@@ -24,7 +24,7 @@ impl CpuOptions {
                 "f32" => Numerics::F32,
                 "int8" if int8_available() => Numerics::Int8Inputs,
                 "int8" => bail!(
-                    "LILY_CPU_NUMERICS=int8 needs AVX-512 VNNI, which this CPU does not report"
+                    "LILY_CPU_NUMERICS=int8 needs AVX2 or AVX-512 VNNI, which this CPU does not report"
                 ),
                 _ => bail!("LILY_CPU_NUMERICS={v:?}: expected f32 or int8"),
             };
@@ -47,7 +47,7 @@ mod tests {
         assert_eq!(of("f32").unwrap().numerics, Numerics::F32);
         match of("int8") {
             Ok(o) => assert_eq!(o.numerics, Numerics::Int8Inputs),
-            Err(e) => assert!(!int8_available() && e.to_string().contains("VNNI"), "{e}"),
+            Err(e) => assert!(!int8_available() && e.to_string().contains("AVX2"), "{e}"),
         }
         let err = of("fast").unwrap_err().to_string();
         assert!(err.contains("expected f32 or int8"), "{err}");

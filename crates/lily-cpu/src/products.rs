@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use crate::ops::dot;
 #[cfg(target_arch = "x86_64")]
 use crate::quant::int8::{self, RoundedRows};
-use crate::quant::{Isa, int8_available, nibble_order, product_rows, to_nibble_order};
+use crate::quant::{Int8Isa, Isa, nibble_order, product_rows, to_nibble_order};
 
 /// A weight matrix as the kernels read it.
 #[derive(Clone, Copy)]
@@ -77,7 +77,7 @@ pub enum Kernel {
     /// Dequantised to f32, with this instruction set's kernel.
     F32(Isa),
     /// The inputs rounded to int8 per group, integer dot products (quant/int8.rs).
-    Int8,
+    Int8(Int8Isa),
 }
 
 /// How a kernel reads a product's input: products of the same input and layout share one copy.
@@ -92,11 +92,11 @@ fn layout(kernel: Kernel, w: Weight<'_>) -> Layout {
     match (kernel, w) {
         (_, Weight::Dense(_)) => Layout::Natural,
         #[cfg(target_arch = "x86_64")]
-        (Kernel::Int8, Weight::Affine(q)) if int8::fits(q) => Layout::Rounded {
+        (Kernel::Int8(isa), Weight::Affine(q)) if isa.fits(q) => Layout::Rounded {
             bits: q.bits(),
             group: q.group_size(),
         },
-        (Kernel::Int8, w) => layout(Kernel::F32(Isa::detect()), w),
+        (Kernel::Int8(_), w) => layout(Kernel::F32(Isa::detect()), w),
         (Kernel::F32(isa), w) if nibble_order(isa, w) => Layout::Nibbles,
         (Kernel::F32(_), _) => Layout::Natural,
     }
@@ -109,13 +109,16 @@ enum Input<'a> {
 }
 
 impl<'a> Input<'a> {
-    fn of(p: &Product<'a>, order: Layout) -> Self {
+    fn of(p: &Product<'a>, order: Layout, kernel: Kernel) -> Self {
         match order {
             Layout::Natural => Input::F32(Cow::Borrowed(p.x)),
             Layout::Nibbles => Input::F32(Cow::Owned(to_nibble_order(p.x))),
             #[cfg(target_arch = "x86_64")]
             Layout::Rounded { bits, group } => {
-                Input::Rounded(RoundedRows::new(p.x, p.rows, bits, group))
+                let Kernel::Int8(isa) = kernel else {
+                    unreachable!("only the int8 kernel rounds")
+                };
+                Input::Rounded(RoundedRows::new(isa, p.x, p.rows, bits, group))
             }
             #[cfg(not(target_arch = "x86_64"))]
             Layout::Rounded { .. } => unreachable!("no int8 kernel off x86_64"),
@@ -132,7 +135,12 @@ pub fn products(list: &[Product<'_>]) -> Vec<Vec<f32>> {
 pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
     match kernel {
         Kernel::F32(isa) => assert!(Isa::available().contains(&isa), "{isa:?} is not available"),
-        Kernel::Int8 => assert!(int8_available(), "the int8 kernel is not available"),
+        Kernel::Int8(isa) => {
+            assert!(
+                Int8Isa::available().contains(&isa),
+                "{isa:?} is not available"
+            )
+        }
     }
     for p in list {
         assert_eq!(p.x.len(), p.rows * p.w.cols(), "input shape");
@@ -151,7 +159,7 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
     }
     let inputs: Vec<Input<'_>> = firsts
         .par_iter()
-        .map(|&(j, order)| Input::of(&list[j], order))
+        .map(|&(j, order)| Input::of(&list[j], order, kernel))
         .collect();
 
     // Tasks of at least 32 weight rows (tens of KB) keep rayon's overhead small next to the
@@ -186,11 +194,11 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
                 (Input::F32(xs), Kernel::F32(isa)) => {
                     product_rows(isa, q, first, xs, p.rows, chunk)
                 }
-                (Input::F32(xs), Kernel::Int8) => {
+                (Input::F32(xs), Kernel::Int8(_)) => {
                     product_rows(Isa::detect(), q, first, xs, p.rows, chunk)
                 }
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: `int8_available` was checked above.
+                // SAFETY: the kernel's availability was checked above.
                 (Input::Rounded(x), _) => unsafe { int8::product_rows(q, first, x, chunk) },
             },
         }

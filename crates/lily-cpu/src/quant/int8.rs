@@ -10,8 +10,9 @@
 //! (one f32 sum per group and row, made once per product), so only the scale term sees the
 //! rounding.
 //!
-//! A block is 64 code bytes: 128 columns of 4 bits or 64 of 8. Each int32 lane of a product sums
-//! four bytes, so lane `l` covers columns `8l..8l+8` (4 bits: the low nibbles are the even
+//! A block is one vector of code bytes: with AVX-512, 64 bytes, 128 columns of 4 bits or 64 of
+//! 8; with AVX2, 32 bytes, 64 columns of 4 bits (int8_avx2.rs). Each int32 lane of a product
+//! sums four bytes, so lane `l` covers columns `8l..8l+8` (4 bits: the low nibbles are the even
 //! columns, the high nibbles the odd ones, and the input's block is laid out evens then odds) or
 //! `4l..4l+4` (8 bits). A lane never straddles a group (groups are 32 columns or more), so one
 //! scale per lane applies.
@@ -21,44 +22,31 @@ use std::arch::x86_64::*;
 
 use lily_core::quant::QuantMatrix;
 
-/// Code bytes per block (one zmm).
-const BLOCK_BYTES: usize = 64;
+use super::Int8Isa;
+
 /// Input rows per pass over a weight row.
-const ROWS_PER_PASS: usize = 4;
-
-/// Whether this CPU runs the kernel.
-pub fn available() -> bool {
-    is_x86_feature_detected!("avx512f")
-        && is_x86_feature_detected!("avx512bw")
-        && is_x86_feature_detected!("avx512vl")
-        && is_x86_feature_detected!("avx512vnni")
-}
-
-/// Whether the kernel takes `w`: rows of whole blocks (a narrower product, such as a tiny
-/// model's 64-column down projection, keeps the f32 kernel).
-pub fn fits(w: &QuantMatrix) -> bool {
-    w.cols().is_multiple_of(block_cols(w.bits())) && w.group_size() >= 32
-}
+pub(super) const ROWS_PER_PASS: usize = 4;
 
 /// Input rows rounded for weights of `bits` and `group`, in the kernel's layout.
 pub struct RoundedRows {
+    isa: Int8Isa,
     bits: u32,
     group: usize,
     cols: usize,
     /// `[rows, cols]` int8, each block in the kernel's column order.
-    r: Vec<i8>,
+    pub(super) r: Vec<i8>,
     /// `[rows, cols / cols_per_lane]`: the step `d_g` of each lane's group.
-    steps: Vec<f32>,
+    pub(super) steps: Vec<f32>,
     /// `[rows, cols / group]`: the exact sum of each group.
-    sums: Vec<f32>,
+    pub(super) sums: Vec<f32>,
 }
 
 impl RoundedRows {
-    pub fn new(x: &[f32], rows: usize, bits: u32, group: usize) -> Self {
+    pub fn new(isa: Int8Isa, x: &[f32], rows: usize, bits: u32, group: usize) -> Self {
         let cols = x.len() / rows;
-        let block_cols = block_cols(bits);
+        let block_cols = isa.block_cols(bits);
         assert!(cols.is_multiple_of(block_cols) && cols.is_multiple_of(group) && group >= 32);
-        let lane_cols = block_cols / 16;
+        let lane_cols = block_cols / isa.lanes();
         let mut r = vec![0i8; rows * cols];
         let mut steps = vec![0f32; rows * cols / lane_cols];
         let mut sums = vec![0f32; rows * cols / group];
@@ -92,6 +80,7 @@ impl RoundedRows {
             }
         }
         RoundedRows {
+            isa,
             bits,
             group,
             cols,
@@ -103,7 +92,8 @@ impl RoundedRows {
 
     /// Whether these rows are laid out for `w`.
     pub fn fit(&self, w: &QuantMatrix) -> bool {
-        (self.bits, self.group, self.cols) == (w.bits(), w.group_size(), w.cols())
+        self.isa.fits(w)
+            && (self.bits, self.group, self.cols) == (w.bits(), w.group_size(), w.cols())
     }
 
     pub fn rows(&self) -> usize {
@@ -120,17 +110,24 @@ fn round_to_i8(y: f32) -> i8 {
     ((y + SHIFT) - SHIFT).clamp(-127.0, 127.0) as i8
 }
 
-fn block_cols(bits: u32) -> usize {
-    BLOCK_BYTES * 8 / bits as usize
-}
-
-/// `out_t[(j - first) · rows + i] = W[j] · x_i` for the weight rows `first..first + count`.
+/// `out_t[(j - first) · rows + i] = W[j] · x_i` for the weight rows `first..first + count`,
+/// with the kernel `x` was laid out for.
 ///
 /// # Safety
-/// The CPU must support AVX-512 F, BW, VL and VNNI ([`available`]).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+/// The CPU must support that kernel (`Int8Isa::available`).
 pub unsafe fn product_rows(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t: &mut [f32]) {
     assert!(x.fit(w));
+    // SAFETY: the caller's promise.
+    unsafe {
+        match x.isa {
+            Int8Isa::Avx2 => super::int8_avx2::product_rows(w, first, x, out_t),
+            Int8Isa::Avx512Vnni => product_rows_avx512(w, first, x, out_t),
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn product_rows_avx512(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t: &mut [f32]) {
     let (rows, shape) = (x.rows(), Geometry::of(w));
     for (j, out) in out_t.chunks_mut(rows).enumerate() {
         for (pass, out) in out.chunks_mut(ROWS_PER_PASS).enumerate() {
@@ -163,7 +160,7 @@ impl Geometry {
     #[target_feature(enable = "avx512f")]
     fn of(w: &QuantMatrix) -> Self {
         let (cols, group) = (w.cols(), w.group_size());
-        let block_cols = block_cols(w.bits());
+        let block_cols = Int8Isa::Avx512Vnni.block_cols(w.bits());
         let lane_cols = block_cols / 16;
         let lane_group: [i32; 16] = std::array::from_fn(|l| (l * lane_cols / group) as i32);
         Geometry {

@@ -13,6 +13,7 @@ mod avx2;
 mod avx512;
 mod avx512_tiles;
 pub(crate) mod int8;
+mod int8_avx2;
 mod portable;
 
 use std::sync::OnceLock;
@@ -81,12 +82,64 @@ pub fn quant_matmul_with(isa: Isa, x: &[f32], rows: usize, w: &QuantMatrix) -> V
     out.pop().unwrap_or_default()
 }
 
-/// Whether this CPU runs the int8 kernel (AVX-512 VNNI).
+/// Whether this CPU runs an int8 kernel (AVX2, or AVX-512 VNNI).
 pub fn int8_available() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return int8::available();
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    Int8Isa::detect().is_some()
+}
+
+/// The int8 kernels: AVX-512 VNNI (`vpdpbusd`, 4 and 8 bits), or AVX2 (`vpmaddubsw` then
+/// `vpmaddwd`, 4 bits only: a pair of 8-bit codes times inputs can overflow its i16 sums).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Int8Isa {
+    Avx2,
+    Avx512Vnni,
+}
+
+impl Int8Isa {
+    /// Every int8 kernel this CPU runs, narrowest first.
+    pub fn available() -> Vec<Int8Isa> {
+        #[allow(unused_mut)]
+        let mut isas = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                isas.push(Int8Isa::Avx2);
+            }
+            if is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+            {
+                isas.push(Int8Isa::Avx512Vnni);
+            }
+        }
+        isas
+    }
+
+    /// The widest int8 kernel this CPU runs.
+    pub fn detect() -> Option<Int8Isa> {
+        Int8Isa::available().pop()
+    }
+
+    /// i32 lanes per block (one vector).
+    pub(crate) fn lanes(self) -> usize {
+        match self {
+            Int8Isa::Avx2 => 8,
+            Int8Isa::Avx512Vnni => 16,
+        }
+    }
+
+    /// Columns per block: a vector of code bytes.
+    pub(crate) fn block_cols(self, bits: u32) -> usize {
+        self.lanes() * 4 * 8 / bits as usize
+    }
+
+    /// Whether the kernel takes `w`: rows of whole blocks (a narrower product, such as a tiny
+    /// model's 64-column down projection, keeps the f32 kernel) in a width it implements.
+    pub fn fits(self, w: &QuantMatrix) -> bool {
+        let bits_ok = w.bits() == 4 || self == Int8Isa::Avx512Vnni;
+        bits_ok && w.cols().is_multiple_of(self.block_cols(w.bits())) && w.group_size() >= 32
+    }
 }
 
 /// Whether `isa`'s kernel for `w` reads its input in nibble order.
