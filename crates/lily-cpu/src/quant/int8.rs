@@ -126,20 +126,51 @@ pub unsafe fn product_rows(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t
     }
 }
 
+/// Input rows from which weight rows go four at a time, so each input block loaded feeds four
+/// of them (the inputs of a long prefill chunk stream from L2 once per four weight rows rather
+/// than once per row). Results are the same to the bit either way.
+const TILED_FROM_ROWS: usize = 8;
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn product_rows_avx512(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t: &mut [f32]) {
     let (rows, shape) = (x.rows(), Geometry::of(w));
-    for (j, out) in out_t.chunks_mut(rows).enumerate() {
-        for (pass, out) in out.chunks_mut(ROWS_PER_PASS).enumerate() {
-            let at = pass * ROWS_PER_PASS;
-            match out.len() {
-                1 => pass_rows::<1>(w, &shape, first + j, x, at, out),
-                2 => pass_rows::<2>(w, &shape, first + j, x, at, out),
-                3 => pass_rows::<3>(w, &shape, first + j, x, at, out),
-                _ => pass_rows::<4>(w, &shape, first + j, x, at, out),
+    let count = out_t.len() / rows;
+    let quads = if rows >= TILED_FROM_ROWS {
+        count / 4
+    } else {
+        0
+    };
+    let mut at = Tile { first, j: 0, at: 0 };
+    for j in (0..4 * quads).step_by(4) {
+        for i in (0..rows).step_by(3) {
+            (at.j, at.at) = (j, i);
+            match rows - i {
+                1 => tile::<4, 1>(w, &shape, x, at, out_t),
+                2 => tile::<4, 2>(w, &shape, x, at, out_t),
+                _ => tile::<4, 3>(w, &shape, x, at, out_t),
             }
         }
     }
+    for j in 4 * quads..count {
+        for i in (0..rows).step_by(ROWS_PER_PASS) {
+            (at.j, at.at) = (j, i);
+            match rows - i {
+                1 => tile::<1, 1>(w, &shape, x, at, out_t),
+                2 => tile::<1, 2>(w, &shape, x, at, out_t),
+                3 => tile::<1, 3>(w, &shape, x, at, out_t),
+                _ => tile::<1, 4>(w, &shape, x, at, out_t),
+            }
+        }
+    }
+}
+
+/// Where a tile lies: weight rows `first + j..` (its results at `out_t[j·rows..]`), input rows
+/// `at..`.
+#[derive(Clone, Copy)]
+struct Tile {
+    first: usize,
+    j: usize,
+    at: usize,
 }
 
 /// What a matrix's shape fixes for all its rows, worked out once per call: a division by a
@@ -175,15 +206,16 @@ impl Geometry {
     }
 }
 
-/// Weight row `row` against the input rows `at..at + R`.
+/// Weight rows `first + j..first + j + J` against the input rows `at..at + R`, into `out_t`
+/// (`[weight row][input row]`). Each pair's sums run in the same order whatever the tile's
+/// shape, so a tile of four weight rows gives what four tiles of one give.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-fn pass_rows<const R: usize>(
+fn tile<const J: usize, const R: usize>(
     w: &QuantMatrix,
     shape: &Geometry,
-    row: usize,
     x: &RoundedRows,
-    at: usize,
-    out: &mut [f32],
+    Tile { first, j, at }: Tile,
+    out_t: &mut [f32],
 ) {
     let Geometry {
         block_cols,
@@ -193,64 +225,78 @@ fn pass_rows<const R: usize>(
         group_shift,
         lane_group,
     } = *shape;
-    let cols = w.cols();
-    let codes = w.row_codes(row).as_ptr() as *const u8;
-    let (scales, biases) = (w.row_scales(row), w.row_biases(row));
-    assert!(out.len() == R && at + R <= x.rows() && scales.len() == groups);
+    let (cols, rows) = (w.cols(), x.rows());
+    assert!(at + R <= rows && out_t.len() >= (j + J) * rows);
+    let codes: [*const u8; J] =
+        std::array::from_fn(|p| w.row_codes(first + j + p).as_ptr() as *const u8);
+    let scales: [&[half::bf16]; J] = std::array::from_fn(|p| w.row_scales(first + j + p));
     let r: [*const i8; R] = std::array::from_fn(|i| x.r[(at + i) * cols..].as_ptr());
     let steps: [&[f32]; R] = std::array::from_fn(|i| &x.steps[(at + i) * lanes..]);
-    let sums: [&[f32]; R] = std::array::from_fn(|i| &x.sums[(at + i) * groups..]);
     let nibbles = _mm512_set1_epi8(0x0f);
-    let mut acc = [_mm512_setzero_ps(); R];
-    let mut window = _mm512_setzero_ps();
+    let mut acc = [[_mm512_setzero_ps(); R]; J];
+    let mut window = [_mm512_setzero_ps(); J];
     // `blocks` is precomputed: `step_by` with a run-time step divides to count its steps.
     for b in 0..blocks {
         let block = b * block_cols;
         let first_group = block >> group_shift;
-        if first_group.is_multiple_of(16) {
-            window = widen_bf16(&scales[first_group..]);
+        let lanes_at = _mm512_add_epi32(lane_group, _mm512_set1_epi32((first_group % 16) as i32));
+        let mut s = [_mm512_setzero_ps(); J];
+        let mut lo = [_mm512_setzero_si512(); J];
+        let mut hi = [_mm512_setzero_si512(); J];
+        for p in 0..J {
+            if first_group.is_multiple_of(16) {
+                window[p] = widen_bf16(&scales[p][first_group..]);
+            }
+            s[p] = _mm512_permutexvar_ps(lanes_at, window[p]);
+            // SAFETY: a block is 64 code bytes inside the row.
+            let v = unsafe {
+                _mm512_loadu_si512(codes[p].add(block * w.bits() as usize / 8) as *const _)
+            };
+            (lo[p], hi[p]) = match w.bits() {
+                4 => (
+                    _mm512_and_si512(v, nibbles),
+                    _mm512_and_si512(_mm512_srli_epi32(v, 4), nibbles),
+                ),
+                _ => (v, v),
+            };
         }
-        let s = _mm512_permutexvar_ps(
-            _mm512_add_epi32(lane_group, _mm512_set1_epi32((first_group % 16) as i32)),
-            window,
-        );
-        // SAFETY: a block is 64 code bytes inside the row and `block_cols` inputs inside each
-        // input row; `steps` holds 16 lanes per block.
-        unsafe {
-            let v = _mm512_loadu_si512(codes.add(block * w.bits() as usize / 8) as *const _);
-            for i in 0..R {
+        for i in 0..R {
+            // SAFETY: `block_cols` inputs lie inside each input row; `steps` holds 16 lanes
+            // per block.
+            let (first_half, second_half, step) = unsafe {
                 let rb = r[i].add(block);
-                let dot = if w.bits() == 4 {
-                    let lo = _mm512_and_si512(v, nibbles);
-                    let hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), nibbles);
-                    let d = _mm512_dpbusd_epi32(
-                        _mm512_setzero_si512(),
-                        lo,
-                        _mm512_loadu_si512(rb as *const _),
-                    );
-                    _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(rb.add(64) as *const _))
-                } else {
-                    _mm512_dpbusd_epi32(
-                        _mm512_setzero_si512(),
-                        v,
-                        _mm512_loadu_si512(rb as *const _),
-                    )
+                (
+                    _mm512_loadu_si512(rb as *const _),
+                    match w.bits() {
+                        4 => _mm512_loadu_si512(rb.add(64) as *const _),
+                        _ => _mm512_setzero_si512(),
+                    },
+                    _mm512_loadu_ps(steps[i][b * 16..].as_ptr()),
+                )
+            };
+            for p in 0..J {
+                let d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[p], first_half);
+                let dot = match w.bits() {
+                    4 => _mm512_dpbusd_epi32(d, hi[p], second_half),
+                    _ => d,
                 };
-                let step = _mm512_loadu_ps(steps[i][b * 16..].as_ptr());
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, step), acc[i]);
+                let scale = _mm512_mul_ps(s[p], step);
+                acc[p][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[p][i]);
             }
         }
     }
-    // The bias term, 16 groups at a time: Σ_g b_g·(sum of the input's group g).
-    let mut bias = [_mm512_setzero_ps(); R];
-    for g in (0..groups).step_by(16) {
-        let b = widen_bf16(&biases[g..]);
+    for p in 0..J {
+        let biases = w.row_biases(first + j + p);
         for i in 0..R {
-            bias[i] = _mm512_fmadd_ps(b, widen_f32(&sums[i][g..groups]), bias[i]);
+            let sums = &x.sums[(at + i) * groups..(at + i + 1) * groups];
+            // The bias term, 16 groups at a time: Σ_g b_g·(sum of the input's group g).
+            let mut bias = _mm512_setzero_ps();
+            for g in (0..groups).step_by(16) {
+                bias = _mm512_fmadd_ps(widen_bf16(&biases[g..]), widen_f32(&sums[g..]), bias);
+            }
+            out_t[(j + p) * rows + at + i] =
+                _mm512_reduce_add_ps(acc[p][i]) + _mm512_reduce_add_ps(bias);
         }
-    }
-    for i in 0..R {
-        out[i] = _mm512_reduce_add_ps(acc[i]) + _mm512_reduce_add_ps(bias[i]);
     }
 }
 

@@ -201,3 +201,44 @@ fn the_int8_kernel_computes_its_definition() {
         }
     }
 }
+
+/// The AVX-512 int8 kernel's tiles of four weight rows (from `TILED_FROM_ROWS` input rows)
+/// against the same kernel fed one input row at a time, to the bit: partial tiles of input rows,
+/// weight rows left over after the last four, both bit widths.
+#[test]
+fn the_int8_tiles_equal_the_int8_rows_to_the_bit() {
+    if !Int8Isa::available().contains(&Int8Isa::Avx512Vnni) {
+        eprintln!(
+            "NOT RUN: this CPU has no AVX-512 VNNI, so the tiled int8 kernel cannot run here"
+        );
+        return;
+    }
+    let kernel = Kernel::Int8(Int8Isa::Avx512Vnni);
+    for (i, &(n, k, bits, group, rows)) in [
+        (1, 128, 4, 64, 8),
+        (7, 256, 4, 32, 10),
+        (33, 2048, 4, 64, 11),
+        (6, 192, 8, 64, 9),
+        (70, 512, 4, 128, 16),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let w = random_matrix(n, k, bits, group, 500 + i as u64);
+        let x: Vec<f32> = (0..rows * k)
+            .map(|j| uniform_at(600 + i as u64, j as u64))
+            .collect();
+        let tiled = products_with(kernel, &[Product::new(Weight::Affine(&w), &x, rows)]).remove(0);
+        for (r, x_r) in x.chunks(k).enumerate() {
+            let alone =
+                products_with(kernel, &[Product::new(Weight::Affine(&w), x_r, 1)]).remove(0);
+            let got = &tiled[r * n..(r + 1) * n];
+            assert!(
+                got.iter()
+                    .zip(&alone)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{n}x{k} {bits}-bit g{group}, {rows} rows: row {r} differs"
+            );
+        }
+    }
+}
