@@ -140,25 +140,25 @@ unsafe fn product_rows_avx512(w: &QuantMatrix, first: usize, x: &RoundedRows, ou
     } else {
         0
     };
-    let mut at = Tile { first, j: 0, at: 0 };
+    let mut place = Tile { first, j: 0, at: 0 };
     for j in (0..4 * quads).step_by(4) {
         for i in (0..rows).step_by(3) {
-            (at.j, at.at) = (j, i);
+            (place.j, place.at) = (j, i);
             match rows - i {
-                1 => tile::<4, 1>(w, &shape, x, at, out_t),
-                2 => tile::<4, 2>(w, &shape, x, at, out_t),
-                _ => tile::<4, 3>(w, &shape, x, at, out_t),
+                1 => tile::<4, 1>(w, &shape, x, place, out_t),
+                2 => tile::<4, 2>(w, &shape, x, place, out_t),
+                _ => tile::<4, 3>(w, &shape, x, place, out_t),
             }
         }
     }
     for j in 4 * quads..count {
         for i in (0..rows).step_by(ROWS_PER_PASS) {
-            (at.j, at.at) = (j, i);
+            (place.j, place.at) = (j, i);
             match rows - i {
-                1 => tile::<1, 1>(w, &shape, x, at, out_t),
-                2 => tile::<1, 2>(w, &shape, x, at, out_t),
-                3 => tile::<1, 3>(w, &shape, x, at, out_t),
-                _ => tile::<1, 4>(w, &shape, x, at, out_t),
+                1 => tile::<1, 1>(w, &shape, x, place, out_t),
+                2 => tile::<1, 2>(w, &shape, x, place, out_t),
+                3 => tile::<1, 3>(w, &shape, x, place, out_t),
+                _ => tile::<1, 4>(w, &shape, x, place, out_t),
             }
         }
     }
