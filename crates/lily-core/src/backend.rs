@@ -6,8 +6,8 @@
 
 use anyhow::Result;
 
+use crate::choice::{Choice, Pick};
 use crate::config::ModelConfig;
-use crate::sampling::Sampler;
 
 /// Which rows of logits a prefill returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,16 +23,7 @@ pub enum LogitRows {
 pub struct DecodeRow<'a, S> {
     pub state: &'a mut S,
     pub token: u32,
-    /// `Some`: the backend picks the next token with this sampler, on its device where it can
-    /// ([`Backend::decode_sample`]); `None`: the logits come back ([`Backend::decode`]).
-    pub sampler: Option<&'a mut Sampler>,
-}
-
-/// What a batched decode step gives one sequence, as its [`DecodeRow`] asked.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Decoded {
-    Token(u32),
-    Logits(Vec<f32>),
+    pub choice: Choice<'a>,
 }
 
 pub trait Backend: Send + Sync {
@@ -70,16 +61,16 @@ pub trait Backend: Send + Sync {
     fn prefill(&self, state: &mut Self::State, tokens: &[u32], rows: LogitRows)
     -> Result<Vec<f32>>;
 
-    /// Appends `tokens` as [`Backend::prefill`] does and picks the token that follows them.
-    /// Device backends override this to choose on the device without returning the logits.
-    fn prefill_sample(
+    /// Appends `tokens` as [`Backend::prefill`] does and makes the choice that follows them.
+    /// Device backends override this to choose on the device, sending back only the pick.
+    fn prefill_choose(
         &self,
         state: &mut Self::State,
         tokens: &[u32],
-        sampler: &mut Sampler,
-    ) -> Result<u32> {
+        choice: &mut Choice<'_>,
+    ) -> Result<Pick> {
         let logits = self.prefill(state, tokens, LogitRows::Last)?;
-        Ok(sampler.sample(&logits))
+        Ok(choice.pick(&logits))
     }
 
     /// Appends one token and returns the logits that follow it.
@@ -87,30 +78,26 @@ pub trait Backend: Send + Sync {
         self.prefill(state, &[token], LogitRows::Last)
     }
 
-    /// Appends one token and picks the next. Device backends override this to sample without
-    /// returning logits to the host.
-    fn decode_sample(
+    /// Appends one token and makes the choice of the next. Device backends override this to
+    /// choose without returning the logits to the host.
+    fn decode_choose(
         &self,
         state: &mut Self::State,
         token: u32,
-        sampler: &mut Sampler,
-    ) -> Result<u32> {
+        choice: &mut Choice<'_>,
+    ) -> Result<Pick> {
         let logits = self.decode(state, token)?;
-        Ok(sampler.sample(&logits))
+        Ok(choice.pick(&logits))
     }
 
     /// Advances every row's state by its token, in one step where the backend can (each weight
-    /// read once for all rows); returns one [`Decoded`] per row, in order. Every row must give
-    /// what the same row decoded alone gives. This default runs the rows one at a time; if it
-    /// fails, rows before the failing one have advanced, so a caller ends the whole batch.
-    fn decode_batch(&self, rows: &mut [DecodeRow<'_, Self::State>]) -> Result<Vec<Decoded>> {
+    /// read once for all rows), and makes each row's choice; one [`Pick`] per row, in order.
+    /// Every row must give what the same row decoded alone gives. This default runs the rows one
+    /// at a time; if it fails, rows before the failing one have advanced, so a caller ends the
+    /// whole batch.
+    fn decode_batch(&self, rows: &mut [DecodeRow<'_, Self::State>]) -> Result<Vec<Pick>> {
         rows.iter_mut()
-            .map(|row| match row.sampler.as_deref_mut() {
-                Some(sampler) => self
-                    .decode_sample(row.state, row.token, sampler)
-                    .map(Decoded::Token),
-                None => self.decode(row.state, row.token).map(Decoded::Logits),
-            })
+            .map(|row| self.decode_choose(row.state, row.token, &mut row.choice))
             .collect()
     }
 }

@@ -8,6 +8,7 @@ use std::ops::ControlFlow;
 use anyhow::{Result, ensure};
 
 use crate::backend::{Backend, LogitRows};
+use crate::choice::{Choice, Pick};
 use crate::sampling::Sampler;
 
 /// How a generation ended.
@@ -51,21 +52,21 @@ pub fn prefill<B: Backend>(
     Ok(out)
 }
 
-/// Feeds `tokens` in chunks the backend accepts and picks the token that follows them, on the
+/// Feeds `tokens` in chunks the backend accepts and makes the choice that follows them, on the
 /// device where the backend can.
-pub fn prefill_sample<B: Backend>(
+pub fn prefill_choose<B: Backend>(
     backend: &B,
     state: &mut B::State,
     tokens: &[u32],
-    sampler: &mut Sampler,
-) -> Result<u32> {
+    choice: &mut Choice<'_>,
+) -> Result<Pick> {
     ensure!(!tokens.is_empty(), "prefill needs at least one token");
     let chunk = backend.max_prefill_chunk().max(1);
     let split = (tokens.len() - 1) / chunk * chunk;
     if split > 0 {
         prefill(backend, state, &tokens[..split], LogitRows::Last)?;
     }
-    backend.prefill_sample(state, &tokens[split..], sampler)
+    backend.prefill_choose(state, &tokens[split..], choice)
 }
 
 /// Prefills `prompt`, then samples up to `max_tokens` tokens. `on_token` sees each token as it is
@@ -86,7 +87,8 @@ pub fn generate<B: Backend>(
             finish: Finish::Length,
         });
     }
-    let mut next = prefill_sample(backend, state, prompt, sampler)?;
+    let mut choice = Choice::of(sampler);
+    let mut next = prefill_choose(backend, state, prompt, &mut choice)?.token;
     loop {
         if stop_ids.contains(&next) {
             return Ok(Generation {
@@ -107,7 +109,7 @@ pub fn generate<B: Backend>(
                 finish: Finish::Length,
             });
         }
-        next = backend.decode_sample(state, next, sampler)?;
+        next = backend.decode_choose(state, next, &mut choice)?.token;
     }
 }
 
@@ -150,13 +152,13 @@ mod tests {
         fn prefill(&self, state: &mut Vec<u32>, tokens: &[u32], _: LogitRows) -> Result<Vec<f32>> {
             Ok(self.feed("prefill", state, tokens))
         }
-        fn prefill_sample(
+        fn prefill_choose(
             &self,
             state: &mut Vec<u32>,
             tokens: &[u32],
-            s: &mut Sampler,
-        ) -> Result<u32> {
-            Ok(s.sample(&self.feed("prefill_sample", state, tokens)))
+            choice: &mut Choice<'_>,
+        ) -> Result<Pick> {
+            Ok(choice.pick(&self.feed("prefill_choose", state, tokens)))
         }
     }
 
@@ -171,16 +173,16 @@ mod tests {
     }
 
     #[test]
-    fn prefill_sample_feeds_whole_chunks_then_samples_the_last() {
+    fn prefill_choose_feeds_whole_chunks_then_samples_the_last() {
         for (len, chunk, calls) in [
             (
                 10,
                 4,
-                vec![("prefill", 4), ("prefill", 4), ("prefill_sample", 2)],
+                vec![("prefill", 4), ("prefill", 4), ("prefill_choose", 2)],
             ),
-            (8, 4, vec![("prefill", 4), ("prefill_sample", 4)]),
-            (3, 4, vec![("prefill_sample", 3)]),
-            (1, 1, vec![("prefill_sample", 1)]),
+            (8, 4, vec![("prefill", 4), ("prefill_choose", 4)]),
+            (3, 4, vec![("prefill_choose", 3)]),
+            (1, 1, vec![("prefill_choose", 1)]),
         ] {
             let backend = Recorder {
                 config: ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap(),
@@ -190,7 +192,9 @@ mod tests {
             let tokens: Vec<u32> = (0..len as u32).collect();
             let mut state = Vec::new();
             let mut sampler = Sampler::new(SamplingParams::greedy());
-            let next = prefill_sample(&backend, &mut state, &tokens, &mut sampler).unwrap();
+            let next = prefill_choose(&backend, &mut state, &tokens, &mut Choice::of(&mut sampler))
+                .unwrap()
+                .token;
             assert_eq!(next, len as u32 % 16, "{len} in chunks of {chunk}");
             assert_eq!(state, tokens);
             assert_eq!(
@@ -205,6 +209,7 @@ mod tests {
             calls: Mutex::new(Vec::new()),
         };
         let mut sampler = Sampler::new(SamplingParams::greedy());
-        assert!(prefill_sample(&backend, &mut Vec::new(), &[], &mut sampler).is_err());
+        let mut choice = Choice::of(&mut sampler);
+        assert!(prefill_choose(&backend, &mut Vec::new(), &[], &mut choice).is_err());
     }
 }

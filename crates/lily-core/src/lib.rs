@@ -3,6 +3,7 @@
 
 pub mod backend;
 pub mod checkpoint;
+pub mod choice;
 pub mod config;
 pub mod generate;
 pub mod load;

@@ -2,7 +2,7 @@
 //! OpenAI's for the first three): `logit_bias`, then presence and frequency penalties over the
 //! tokens generated so far, then the repetition penalty over the prompt and the generated tokens.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Penalties {
@@ -35,61 +35,113 @@ impl Penalties {
     }
 }
 
-/// The penalties over one sequence: what the prompt holds and how often each token has been
-/// generated.
+/// What the penalties do to one id's logit: `(logit + bias) - penalty`, then the repetition
+/// factor unless it is 1. Every adjusted id has one, so a device applies them with one thread an
+/// id (the CUDA pick kernels read this layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Adjustment {
+    pub id: u32,
+    pub bias: f32,
+    pub penalty: f32,
+    pub repetition: f32,
+}
+
+impl Adjustment {
+    fn none(id: u32) -> Self {
+        Adjustment {
+            id,
+            bias: 0.0,
+            penalty: 0.0,
+            repetition: 1.0,
+        }
+    }
+
+    pub fn apply(&self, logit: f32) -> f32 {
+        let v = (logit + self.bias) - self.penalty;
+        if self.repetition == 1.0 {
+            v
+        } else if v > 0.0 {
+            v / self.repetition
+        } else {
+            v * self.repetition
+        }
+    }
+}
+
+/// The penalties over one sequence, kept as one [`Adjustment`] per id they touch: the bias ids,
+/// the prompt's ids when the repetition penalty looks at them, and every id generated so far.
+/// Recording a token updates its one entry, so a step costs nothing per id already seen.
 #[derive(Clone, Debug)]
 pub struct LogitAdjuster {
     penalties: Penalties,
-    prompt: HashSet<u32>,
-    generated: HashMap<u32, u32>,
+    adjustments: Vec<Adjustment>,
+    /// How often each adjustment's id has been generated.
+    generated: Vec<u32>,
+    /// Where each id's adjustment is.
+    index: HashMap<u32, usize>,
 }
 
 impl LogitAdjuster {
     pub fn new(penalties: Penalties, prompt: &[u32]) -> Self {
-        // Only the repetition penalty looks at the prompt.
-        let prompt = if penalties.repetition != 1.0 {
-            prompt.iter().copied().collect()
-        } else {
-            HashSet::new()
-        };
-        LogitAdjuster {
+        let mut adjuster = LogitAdjuster {
             penalties,
-            prompt,
-            generated: HashMap::new(),
+            adjustments: Vec::new(),
+            generated: Vec::new(),
+            index: HashMap::new(),
+        };
+        // An id named twice has its biases summed.
+        for i in 0..adjuster.penalties.logit_bias.len() {
+            let (id, bias) = adjuster.penalties.logit_bias[i];
+            let at = adjuster.slot(id);
+            adjuster.adjustments[at].bias += bias;
         }
+        // Only the repetition penalty looks at the prompt, each id once however often it occurs.
+        let repetition = adjuster.penalties.repetition;
+        if repetition != 1.0 {
+            for id in prompt.iter().copied().collect::<BTreeSet<u32>>() {
+                let at = adjuster.slot(id);
+                adjuster.adjustments[at].repetition = repetition;
+            }
+        }
+        adjuster
+    }
+
+    fn slot(&mut self, id: u32) -> usize {
+        *self.index.entry(id).or_insert_with(|| {
+            self.adjustments.push(Adjustment::none(id));
+            self.generated.push(0);
+            self.adjustments.len() - 1
+        })
     }
 
     /// `token` was generated.
     pub fn record(&mut self, token: u32) {
-        *self.generated.entry(token).or_default() += 1;
+        let (presence, frequency, repetition) = (
+            self.penalties.presence,
+            self.penalties.frequency,
+            self.penalties.repetition,
+        );
+        if presence == 0.0 && frequency == 0.0 && repetition == 1.0 {
+            return;
+        }
+        let at = self.slot(token);
+        self.generated[at] += 1;
+        let a = &mut self.adjustments[at];
+        a.penalty = presence + frequency * self.generated[at] as f32;
+        a.repetition = repetition;
+    }
+
+    /// One entry per adjusted id, no id twice.
+    pub fn adjustments(&self) -> &[Adjustment] {
+        &self.adjustments
     }
 
     /// Applies every penalty to `logits` (ids past its end are ignored).
     pub fn apply(&self, logits: &mut [f32]) {
-        let p = &self.penalties;
-        for &(id, bias) in &p.logit_bias {
-            if let Some(logit) = logits.get_mut(id as usize) {
-                *logit += bias;
-            }
-        }
-        for (&id, &count) in &self.generated {
-            if let Some(logit) = logits.get_mut(id as usize) {
-                *logit -= p.presence + p.frequency * count as f32;
-            }
-        }
-        if p.repetition != 1.0 {
-            let seen = self
-                .prompt
-                .iter()
-                .chain(self.generated.keys().filter(|id| !self.prompt.contains(id)));
-            for &id in seen {
-                if let Some(logit) = logits.get_mut(id as usize) {
-                    *logit = if *logit > 0.0 {
-                        *logit / p.repetition
-                    } else {
-                        *logit * p.repetition
-                    };
-                }
+        for a in &self.adjustments {
+            if let Some(logit) = logits.get_mut(a.id as usize) {
+                *logit = a.apply(*logit);
             }
         }
     }

@@ -1,7 +1,7 @@
 //! Turning logits into a token: greedy, or temperature / top-k / top-p / min-p with a seeded
 //! stream so that the same seed gives the same text; penalties (`penalties`) first if any.
 
-use crate::penalties::{LogitAdjuster, Penalties};
+use crate::penalties::{Adjustment, LogitAdjuster, Penalties};
 use crate::rng::Rng;
 
 #[derive(Clone, Debug, PartialEq)]
@@ -84,19 +84,51 @@ impl Sampler {
 
     /// Chooses the next token, and counts it for the penalties.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let draw = self.draw();
+        self.sample_drawn(logits, draw)
+    }
+
+    /// The uniform number in [0, 1) the next choice walks its distribution with; greedy
+    /// choices take none (0), so a seed's stream is the same whoever draws it.
+    pub fn draw(&mut self) -> f32 {
+        if self.params.is_greedy() {
+            0.0
+        } else {
+            self.rng.next_f32()
+        }
+    }
+
+    /// [`Sampler::sample`] with the draw already made ([`Sampler::draw`]): a device's choice
+    /// that the host must finish takes the draw the device was given.
+    pub fn sample_drawn(&mut self, logits: &[f32], draw: f32) -> u32 {
         let adjusted = self.adjuster.as_ref().map(|adjuster| {
             let mut adjusted = logits.to_vec();
             adjuster.apply(&mut adjusted);
             adjusted
         });
-        let token = self.choose(adjusted.as_deref().unwrap_or(logits));
-        if let Some(adjuster) = &mut self.adjuster {
-            adjuster.record(token);
-        }
+        let token = self.choose(adjusted.as_deref().unwrap_or(logits), draw);
+        self.record(token);
         token
     }
 
-    fn choose(&mut self, logits: &[f32]) -> u32 {
+    /// `token` was chosen elsewhere (on a device): counts it for the penalties.
+    pub fn record(&mut self, token: u32) {
+        if let Some(adjuster) = &mut self.adjuster {
+            adjuster.record(token);
+        }
+    }
+
+    /// What the penalties do to the logits now, an entry per id they touch.
+    pub fn adjustments(&self) -> &[Adjustment] {
+        self.adjuster
+            .as_ref()
+            .map_or(&[], |adjuster| adjuster.adjustments())
+    }
+
+    /// The rule a device's choice must follow (kernels/pick.cu in lily-cuda walks the same
+    /// candidates with the same f32 arithmetic): the best `top_k` by logit (ties by id), their
+    /// softmax at the temperature, min-p, then top-p, each in that order, then the draw.
+    fn choose(&self, logits: &[f32], draw: f32) -> u32 {
         let n = self
             .vocab_limit
             .map_or(logits.len(), |l| l.min(logits.len()));
@@ -133,7 +165,9 @@ impl Sampler {
             .iter()
             .map(|&i| ((logits[i as usize] - top) * inv_t).exp())
             .collect();
-        let total: f32 = probs.iter().sum();
+        // Sums in f64: 248K terms in f32 would lose the small ones, and a device sums them in
+        // another order.
+        let total = probs.iter().map(|&p| p as f64).sum::<f64>() as f32;
         probs.iter_mut().for_each(|p| *p /= total);
 
         let mut keep = probs.len();
@@ -153,15 +187,18 @@ impl Sampler {
             }
             keep = n.max(1);
         }
-        let mass: f32 = probs[..keep].iter().sum();
-        let mut r = self.rng.next_f32() * mass;
+        let mass = probs[..keep].iter().map(|&p| p as f64).sum::<f64>() as f32;
+        let mut r = draw * mass;
         for (j, &p) in probs[..keep].iter().enumerate() {
             r -= p;
             if r < 0.0 {
                 return ids[j];
             }
         }
-        ids[keep - 1]
+        // Rounding left a little of the draw: the last kept token that can be chosen at all (a
+        // masked one has probability 0).
+        let last = probs[..keep].iter().rposition(|&p| p > 0.0).unwrap_or(0);
+        ids[last]
     }
 }
 

@@ -1,32 +1,22 @@
-//! The sampling stage: the one place a generation asks for its next token. It decides where the
-//! choice is made: a backend may choose on its device without sending the logits to the host
-//! (`decode_sample`), unless the request needs the logits themselves (log-probabilities), in
-//! which case they come back (`decode`) and both the choice and the log-probabilities are made
-//! from them, exactly. Penalties need the logits too; the backend sees that through
-//! `Sampler::is_raw_greedy`. A device-side sampler (mask, penalties, top log-probabilities on
-//! the device) replaces the body of this module, not its callers. A batched step
-//! ([`decode_batch`]) asks each sequence's own stage the same question.
-//!
-//! A constraint (constrained decoding: a grammar the output must follow) also takes the logits
-//! path: the tokens it forbids get a logit of -inf before the choice, and it is told the token
-//! chosen. On CUDA its mask is still applied on the host, after the logits came back.
+//! The sampling stage: one generation's walk from token to token. It holds the sampler, the
+//! log-probabilities asked for and the constraint (a grammar the output must follow), and at
+//! every step hands the backend the whole [`Choice`]: a device backend makes it where the logits
+//! are (the mask, the penalties and the top log-probabilities included), the CPU with
+//! [`Choice::pick`]. A batched step ([`decode_batch`]) asks each sequence's own stage.
 
 use std::fmt::Debug;
 
 use anyhow::{Result, ensure};
 
-use crate::backend::{Backend, DecodeRow, Decoded};
-use crate::logprobs::{TokenLogprobs, token_logprobs};
+use crate::backend::{Backend, DecodeRow};
+pub use crate::choice::{Allowed, Choice, MAX_TOP_LOGPROBS, Pick};
 use crate::sampling::Sampler;
-
-/// The most alternatives a request may ask for (OpenAI's limit).
-pub const MAX_TOP_LOGPROBS: usize = 20;
 
 /// One generation's walk through a grammar.
 pub trait Constraint: Send {
-    /// Sets the logit of every token not allowed next to -inf. At least one token stays allowed:
-    /// once the grammar is complete, only the end-of-turn token is, so the generation stops.
-    fn mask(&mut self, logits: &mut [f32]) -> Result<()>;
+    /// The tokens allowed next. At least one is: once the grammar is complete, only the
+    /// end-of-turn token is, so the generation stops.
+    fn allowed(&mut self) -> Result<Allowed<'_>>;
     /// `token` was chosen (one the last mask allowed).
     fn advance(&mut self, token: u32) -> Result<()>;
 }
@@ -41,12 +31,6 @@ pub struct SamplingStage {
     /// `Some(k)`: report the chosen token's log-probability and the `k` most likely.
     logprobs: Option<usize>,
     constraint: Option<Box<dyn Constraint>>,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct Pick {
-    pub token: u32,
-    pub logprobs: Option<TokenLogprobs>,
 }
 
 impl SamplingStage {
@@ -64,26 +48,36 @@ impl SamplingStage {
         self
     }
 
-    /// The next token from logits already on the host (those of a prefill). Log-probabilities
-    /// are the model's own, before any constraint's mask.
-    pub fn pick(&mut self, logits: &[f32]) -> Result<Pick> {
-        let token = match &mut self.constraint {
-            None => self.sampler.sample(logits),
-            Some(constraint) => {
-                let mut masked = logits.to_vec();
-                constraint.mask(&mut masked)?;
-                let token = self.sampler.sample(&masked);
-                constraint.advance(token)?;
-                token
-            }
+    /// This step's choice (the constraint's mask computed now, before the logits exist).
+    fn choice(&mut self) -> Result<Choice<'_>> {
+        let SamplingStage {
+            sampler,
+            logprobs,
+            constraint,
+        } = self;
+        let allowed = match constraint {
+            Some(c) => Some(c.allowed()?),
+            None => None,
         };
-        let choosable = self.sampler.vocab_limit().unwrap_or(logits.len());
-        Ok(Pick {
-            token,
-            logprobs: self
-                .logprobs
-                .map(|k| token_logprobs(logits, token, k, choosable)),
+        Ok(Choice {
+            sampler,
+            allowed,
+            logprobs: *logprobs,
         })
+    }
+
+    fn advance(&mut self, pick: &Pick) -> Result<()> {
+        match &mut self.constraint {
+            Some(c) => c.advance(pick.token),
+            None => Ok(()),
+        }
+    }
+
+    /// The next token from logits already on the host (those of a prefill).
+    pub fn pick(&mut self, logits: &[f32]) -> Result<Pick> {
+        let pick = self.choice()?.pick(logits);
+        self.advance(&pick)?;
+        Ok(pick)
     }
 
     /// Feeds `token` to `state` and picks the one that follows.
@@ -93,21 +87,9 @@ impl SamplingStage {
         state: &mut B::State,
         token: u32,
     ) -> Result<Pick> {
-        if let Some(sampler) = self.device_sampler() {
-            let token = backend.decode_sample(state, token, sampler)?;
-            return Ok(Pick {
-                token,
-                logprobs: None,
-            });
-        }
-        let logits = backend.decode(state, token)?;
-        self.pick(&logits)
-    }
-
-    /// The sampler, when the backend may choose with it on its device; `None` when the logits
-    /// must come back (log-probabilities are made from them; a constraint masks them).
-    fn device_sampler(&mut self) -> Option<&mut Sampler> {
-        (self.logprobs.is_none() && self.constraint.is_none()).then_some(&mut self.sampler)
+        let pick = backend.decode_choose(state, token, &mut self.choice()?)?;
+        self.advance(&pick)?;
+        Ok(pick)
     }
 }
 
@@ -125,33 +107,27 @@ pub fn decode_batch<B: Backend>(
     backend: &B,
     entries: &mut [BatchEntry<'_, B::State>],
 ) -> Result<Vec<Pick>> {
-    let mut rows: Vec<DecodeRow<'_, B::State>> = entries
-        .iter_mut()
-        .map(|e| DecodeRow {
-            state: &mut *e.state,
-            token: e.token,
-            sampler: e.stage.device_sampler(),
-        })
-        .collect();
-    let decoded = backend.decode_batch(&mut rows)?;
-    drop(rows);
+    let picks = {
+        let mut rows = Vec::with_capacity(entries.len());
+        for e in entries.iter_mut() {
+            rows.push(DecodeRow {
+                state: &mut *e.state,
+                token: e.token,
+                choice: e.stage.choice()?,
+            });
+        }
+        backend.decode_batch(&mut rows)?
+    };
     ensure!(
-        decoded.len() == entries.len(),
+        picks.len() == entries.len(),
         "the backend returned {} results for a batch of {}",
-        decoded.len(),
+        picks.len(),
         entries.len()
     );
-    entries
-        .iter_mut()
-        .zip(decoded)
-        .map(|(e, d)| match d {
-            Decoded::Token(token) => Ok(Pick {
-                token,
-                logprobs: None,
-            }),
-            Decoded::Logits(logits) => e.stage.pick(&logits),
-        })
-        .collect()
+    for (e, pick) in entries.iter_mut().zip(&picks) {
+        e.stage.advance(pick)?;
+    }
+    Ok(picks)
 }
 
 #[cfg(test)]
@@ -164,10 +140,11 @@ mod tests {
     use crate::logprobs::log_softmax_at;
     use crate::sampling::SamplingParams;
 
-    /// A device-like backend: `decode_sample` chooses without handing logits back, and says so.
+    /// A device-like backend: `decode_choose` makes the choice itself, and records what it was
+    /// asked for (log-probabilities, a mask).
     struct Device {
         config: ModelConfig,
-        calls: Mutex<Vec<&'static str>>,
+        calls: Mutex<Vec<(Option<usize>, bool)>>,
     }
 
     fn logits_after(token: u32) -> Vec<f32> {
@@ -198,27 +175,34 @@ mod tests {
             Ok(())
         }
         fn prefill(&self, _: &mut (), tokens: &[u32], _: LogitRows) -> Result<Vec<f32>> {
-            self.calls.lock().unwrap().push("logits");
             Ok(logits_after(*tokens.last().unwrap()))
         }
-        fn decode_sample(&self, _: &mut (), token: u32, s: &mut Sampler) -> Result<u32> {
-            self.calls.lock().unwrap().push("device");
-            Ok(s.sample(&logits_after(token)))
+        fn decode_choose(&self, _: &mut (), token: u32, c: &mut Choice<'_>) -> Result<Pick> {
+            let asked = (c.logprobs, c.allowed.is_some());
+            self.calls.lock().unwrap().push(asked);
+            Ok(c.pick(&logits_after(token)))
+        }
+    }
+
+    fn device() -> Device {
+        Device {
+            config: ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap(),
+            calls: Mutex::new(Vec::new()),
         }
     }
 
     #[test]
-    fn log_probabilities_take_the_logits_path_and_plain_requests_the_device() {
-        let backend = Device {
-            config: ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap(),
-            calls: Mutex::new(Vec::new()),
-        };
+    fn the_device_is_asked_for_the_whole_choice_log_probabilities_included() {
+        let backend = device();
         let mut plain = SamplingStage::new(Sampler::new(SamplingParams::greedy()), None);
         let pick = plain.decode(&backend, &mut (), 3).unwrap();
         assert_eq!(pick.logprobs, None);
         let mut scored = SamplingStage::new(Sampler::new(SamplingParams::greedy()), Some(2));
         let scored_pick = scored.decode(&backend, &mut (), 3).unwrap();
-        assert_eq!(*backend.calls.lock().unwrap(), ["device", "logits"]);
+        assert_eq!(
+            *backend.calls.lock().unwrap(),
+            [(None, false), (Some(2), false)]
+        );
         // The same token either way, with the log-probability its logits give.
         assert_eq!(scored_pick.token, pick.token);
         let lp = scored_pick.logprobs.unwrap();
@@ -233,24 +217,26 @@ mod tests {
         step: u32,
         len: usize,
         seen: Vec<u32>,
+        bits: Vec<u32>,
     }
 
     const END: u32 = 15;
 
     impl Constraint for Counting {
-        fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
-            for (t, logit) in logits.iter_mut().enumerate() {
-                let t = t as u32;
-                let allowed = if self.seen.len() < self.len {
+        fn allowed(&mut self) -> Result<Allowed<'_>> {
+            let open = self.seen.len() < self.len;
+            self.bits = vec![0];
+            for t in 0..16u32 {
+                let allowed = if open {
                     t.is_multiple_of(self.step) && t != END
                 } else {
                     t == END
                 };
-                if !allowed {
-                    *logit = f32::NEG_INFINITY;
+                if allowed {
+                    self.bits[0] |= 1 << t;
                 }
             }
-            Ok(())
+            Ok(Allowed::Bits(&self.bits))
         }
         fn advance(&mut self, token: u32) -> Result<()> {
             self.seen.push(token);
@@ -260,10 +246,7 @@ mod tests {
 
     #[test]
     fn a_constraint_decides_every_token_whatever_the_logits() {
-        let backend = Device {
-            config: ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap(),
-            calls: Mutex::new(Vec::new()),
-        };
+        let backend = device();
         let mut rng = crate::rng::Rng::new(7);
         for (case, temperature) in [0.0, 1.0, 2.0].into_iter().cycle().take(30).enumerate() {
             let params = SamplingParams {
@@ -275,6 +258,7 @@ mod tests {
                 step: 3,
                 len: 6,
                 seen: Vec::new(),
+                bits: Vec::new(),
             };
             let mut stage = SamplingStage::new(Sampler::new(params), None)
                 .with_constraint(Box::new(constraint));
@@ -290,16 +274,13 @@ mod tests {
                 "{tokens:?}"
             );
         }
-        // Constrained decoding takes the logits path: the mask is applied on the host.
-        assert!(backend.calls.lock().unwrap().iter().all(|c| *c == "logits"));
+        // The mask went to the device with every step.
+        assert!(backend.calls.lock().unwrap().iter().all(|c| c.1));
     }
 
     #[test]
     fn a_batch_asks_each_stage_as_it_would_be_asked_alone() {
-        let backend = Device {
-            config: ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap(),
-            calls: Mutex::new(Vec::new()),
-        };
+        let backend = device();
         let mut scored = SamplingStage::new(Sampler::new(SamplingParams::greedy()), Some(1));
         let mut plain = SamplingStage::new(Sampler::new(SamplingParams::greedy()), None);
         let (mut a, mut b) = ((), ());
@@ -319,7 +300,10 @@ mod tests {
             ],
         )
         .unwrap();
-        assert_eq!(*backend.calls.lock().unwrap(), ["logits", "device"]);
+        assert_eq!(
+            *backend.calls.lock().unwrap(),
+            [(Some(1), false), (None, false)]
+        );
         let mut alone = SamplingStage::new(Sampler::new(SamplingParams::greedy()), Some(1));
         assert_eq!(picks[0], alone.decode(&backend, &mut (), 3).unwrap());
         assert!(picks[0].logprobs.is_some());

@@ -19,7 +19,8 @@ mod state;
 use std::sync::Arc;
 
 use anyhow::{Result, bail, ensure};
-use lily_core::backend::{Backend, DecodeRow, Decoded, LogitRows};
+use lily_core::backend::{Backend, DecodeRow, LogitRows};
+use lily_core::choice::Pick;
 use lily_core::config::ModelConfig;
 use lily_core::weights::{Mixer, ModelWeights};
 
@@ -238,7 +239,7 @@ impl Backend for CpuBackend {
     }
 
     /// One step for every row, each weight read once for all of them (batch.rs).
-    fn decode_batch(&self, rows: &mut [DecodeRow<'_, CpuState>]) -> Result<Vec<Decoded>> {
+    fn decode_batch(&self, rows: &mut [DecodeRow<'_, CpuState>]) -> Result<Vec<Pick>> {
         let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
         let mut states: Vec<&mut CpuState> = rows.iter_mut().map(|r| &mut *r.state).collect();
         let logits = self.decode_rows(&mut states, &tokens)?;
@@ -246,10 +247,7 @@ impl Backend for CpuBackend {
         Ok(rows
             .iter_mut()
             .zip(logits.chunks(vocab))
-            .map(|(row, logits)| match row.sampler.as_deref_mut() {
-                Some(sampler) => Decoded::Token(sampler.sample(logits)),
-                None => Decoded::Logits(logits.to_vec()),
-            })
+            .map(|(row, logits)| row.choice.pick(logits))
             .collect())
     }
 }

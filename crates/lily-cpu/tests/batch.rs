@@ -6,7 +6,8 @@
 
 mod support;
 
-use lily_core::backend::{Backend, DecodeRow, Decoded, LogitRows};
+use lily_core::backend::{Backend, DecodeRow, LogitRows};
+use lily_core::choice::Choice;
 use lily_core::generate::prefill;
 use lily_core::model_ref::ModelRef;
 use lily_core::sampling::{Sampler, SamplingParams, argmax};
@@ -87,22 +88,20 @@ fn batched_equals_alone(backend: &CpuBackend, entries: &[Entry]) {
             continue;
         }
         sizes.push(active.len());
-        let mut rows: Vec<DecodeRow<'_, CpuState>> = states
+        let mut batch: Vec<&mut CpuState> = states
             .iter_mut()
             .enumerate()
             .filter(|(i, _)| active.contains(i))
-            .map(|(i, state)| DecodeRow {
-                state,
-                token: solo[i].0[step - entries[i].joins],
-                sampler: None,
-            })
+            .map(|(_, state)| state)
             .collect();
-        let out = backend.decode_batch(&mut rows).unwrap();
-        for (&i, decoded) in active.iter().zip(out) {
+        let tokens: Vec<u32> = active
+            .iter()
+            .map(|&i| solo[i].0[step - entries[i].joins])
+            .collect();
+        let out = backend.decode_rows(&mut batch, &tokens).unwrap();
+        let vocab = backend.config().vocab_size;
+        for (&i, got) in active.iter().zip(out.chunks(vocab)) {
             let want = &solo[i].1[step - entries[i].joins];
-            let Decoded::Logits(got) = decoded else {
-                panic!("logits were asked for");
-            };
             let same = got
                 .iter()
                 .zip(want)
@@ -111,7 +110,7 @@ fn batched_equals_alone(backend: &CpuBackend, entries: &[Entry]) {
                 same && got.len() == want.len(),
                 "sequence {i} at step {step} in a batch of {}: max diff {:e}",
                 active.len(),
-                support::rel_diff(&got, want)
+                support::rel_diff(got, want)
             );
         }
     }
@@ -135,7 +134,7 @@ fn a_batch_gives_each_sequence_its_logits_alone_on_the_fixtures() {
 }
 
 #[test]
-fn rows_with_a_sampler_get_the_token_it_picks_from_their_logits() {
+fn each_row_gets_the_choice_its_own_request_makes_from_its_logits() {
     let backend = synthetic_tiny();
     let prompts = [vec![1u32, 2, 3], vec![900, 17]];
     let mut states: Vec<CpuState> = prompts
@@ -143,24 +142,38 @@ fn rows_with_a_sampler_get_the_token_it_picks_from_their_logits() {
         .map(|p| prefilled(&backend, p, 1).0)
         .collect();
     let mut copies: Vec<CpuState> = states.clone();
-    let mut sampler = Sampler::new(SamplingParams::greedy());
+    let mut greedy = Sampler::new(SamplingParams::greedy());
+    let sampling = SamplingParams {
+        temperature: 1.0,
+        seed: 9,
+        ..SamplingParams::greedy()
+    };
+    let mut sampled = Sampler::new(sampling.clone());
+    let mut choices = [Choice::of(&mut greedy), Choice::of(&mut sampled)];
+    choices[1].logprobs = Some(3);
     let mut rows: Vec<DecodeRow<'_, CpuState>> = states
         .iter_mut()
         .zip([5u32, 6])
-        .map(|(state, token)| DecodeRow {
+        .zip(&mut choices)
+        .map(|((state, token), choice)| DecodeRow {
             state,
             token,
-            sampler: None,
+            choice: choice.reborrow(),
         })
         .collect();
-    rows[0].sampler = Some(&mut sampler);
     let out = backend.decode_batch(&mut rows).unwrap();
     let want = backend.decode(&mut copies[0], 5).unwrap();
-    assert_eq!(out[0], Decoded::Token(argmax(&want)));
-    assert_eq!(
-        out[1],
-        Decoded::Logits(backend.decode(&mut copies[1], 6).unwrap())
-    );
+    assert_eq!(out[0].token, argmax(&want));
+    assert_eq!(out[0].logprobs, None);
+    let logits = backend.decode(&mut copies[1], 6).unwrap();
+    let mut alone = Sampler::new(sampling);
+    let expected = Choice {
+        logprobs: Some(3),
+        ..Choice::of(&mut alone)
+    }
+    .pick(&logits);
+    assert_eq!(out[1], expected);
+    assert_eq!(expected.logprobs.map(|l| l.top.len()), Some(3));
 }
 
 #[test]
@@ -169,16 +182,20 @@ fn a_batch_with_a_full_sequence_is_refused_and_changes_no_state() {
     let (mut roomy, _) = prefilled(&backend, &[1, 2], 4);
     let (mut full, _) = prefilled(&backend, &[3, 4], 0);
     let before = (roomy.len(), full.len());
+    let (mut s1, mut s2) = (
+        Sampler::new(SamplingParams::greedy()),
+        Sampler::new(SamplingParams::greedy()),
+    );
     let mut rows = vec![
         DecodeRow {
             state: &mut roomy,
             token: 7,
-            sampler: None,
+            choice: Choice::of(&mut s1),
         },
         DecodeRow {
             state: &mut full,
             token: 8,
-            sampler: None,
+            choice: Choice::of(&mut s2),
         },
     ];
     let err = backend.decode_batch(&mut rows).unwrap_err();

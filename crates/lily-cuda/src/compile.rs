@@ -35,7 +35,7 @@ impl KernelFile {
     }
 }
 
-pub const KERNEL_FILES: [KernelFile; 13] = [
+pub const KERNEL_FILES: [KernelFile; 14] = [
     KernelFile {
         name: "gemv",
         headers: &[GEMV_STAGED],
@@ -99,6 +99,19 @@ pub const KERNEL_FILES: [KernelFile; 13] = [
         headers: &[],
         source: include_str!("kernels/sample.cu"),
         entries: &["argmax_partial", "argmax_final", "advance"],
+        only_for: None,
+    },
+    KernelFile {
+        name: "pick",
+        headers: &[],
+        source: include_str!("kernels/pick.cu"),
+        entries: &[
+            "pick_prepare",
+            "pick_adjust",
+            "pick_top",
+            "pick_top_raw",
+            "pick_choose",
+        ],
         only_for: None,
     },
     KernelFile {

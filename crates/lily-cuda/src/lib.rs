@@ -17,6 +17,7 @@ pub mod gpu;
 pub mod mat;
 pub mod moe_prefill;
 pub mod options;
+pub mod pick;
 mod prefill;
 mod state;
 mod step;
@@ -30,6 +31,7 @@ use anyhow::{Context, Result, bail, ensure};
 use cudarc::driver::CudaSlice;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use lily_core::backend::{Backend, LogitRows};
+use lily_core::choice::{Choice, Pick};
 use lily_core::config::ModelConfig;
 use lily_core::sampling::Sampler;
 use lily_core::weights::ModelWeights;
@@ -41,6 +43,7 @@ pub use state::CudaState;
 
 use crate::decode::{DecodePath, PersistentStep};
 use crate::gpu::{Gpu, ptr};
+use crate::pick::PickScratch;
 use crate::prefill::{Model, PrefillScratch, encode_chunk};
 use crate::step::{Scratch, Timeline, encode_step};
 use crate::weights::{DeviceWeights, HostWeights, WeightSource};
@@ -59,6 +62,7 @@ pub struct CudaBackend {
 struct Buffers {
     decode: Scratch,
     prefill: PrefillScratch,
+    pick: PickScratch,
 }
 
 /// Device memory the backend takes beyond weights and sequence state: the prefill chunk's
@@ -139,6 +143,7 @@ impl CudaBackend {
         let scratch = Mutex::new(Buffers {
             decode: Scratch::new(&gpu, &config)?,
             prefill: PrefillScratch::new(&gpu, &config, prefill_chunk)?,
+            pick: PickScratch::new(&gpu, config.vocab_size)?,
         });
         // Every weight is written before the first step: kernels may read weights ahead of their
         // pdl_wait(), which orders them only after the kernel before them.
@@ -205,13 +210,62 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The tokens a greedy choice on the device ranges over for `sampler`, or `None` when the
-    /// sampler needs the logits on the host (temperature, top-k/p, min-p, penalties).
-    fn device_choices(&self, sampler: &Sampler) -> Option<usize> {
+    /// The tokens a choice ranges over for `sampler`: the vocabulary, or its first `limit`.
+    fn choosable(&self, sampler: &Sampler) -> usize {
         let vocab = self.config.vocab_size;
-        sampler
-            .is_raw_greedy()
-            .then(|| sampler.vocab_limit().map_or(vocab, |l| l.clamp(1, vocab)))
+        sampler.vocab_limit().map_or(vocab, |l| l.clamp(1, vocab))
+    }
+
+    /// Makes `choice` from the logits the step or prefill left in the decode scratch, on the
+    /// device, unless it is a plain argmax, which the step has made already (`greedy_done`) or
+    /// which is made here.
+    fn choose(
+        &self,
+        buffers: &mut Buffers,
+        state: &mut CudaState,
+        choice: &mut Choice<'_>,
+        greedy_done: bool,
+    ) -> Result<Pick> {
+        let pick = if choice.is_raw_greedy() {
+            if !greedy_done {
+                let (token, pos) = (
+                    ptr(&state.token, &self.gpu.stream),
+                    ptr(&state.pos, &self.gpu.stream),
+                );
+                let choices = self.choosable(choice.sampler);
+                step::device_argmax(&self.gpu, &buffers.decode, choices, token, pos)?;
+            }
+            Pick {
+                token: self.gpu.download(&state.token)?[0],
+                logprobs: None,
+            }
+        } else {
+            let Buffers { decode, pick, .. } = buffers;
+            pick.pick(&self.gpu, &decode.logits, &mut state.token, choice)?
+        };
+        state.device_token = Some(pick.token);
+        Ok(pick)
+    }
+
+    /// How the choices made on the device ended so far (`pick`).
+    pub fn pick_counts(&self) -> Result<pick::PickCounts> {
+        Ok(self.lock()?.pick.counts())
+    }
+
+    /// Makes `choice` from a row of `logits` given by the host, on the device, as a step would:
+    /// the device's choice on inputs a test controls.
+    pub fn choose_from(&self, logits: &[f32], choice: &mut Choice<'_>) -> Result<Pick> {
+        ensure!(
+            logits.len() == self.config.vocab_size,
+            "a row of {} logits, not {}",
+            self.config.vocab_size,
+            logits.len()
+        );
+        let mut buffers = self.lock()?;
+        let Buffers { decode, pick, .. } = &mut *buffers;
+        self.gpu.stream.memcpy_htod(logits, &mut decode.logits)?;
+        let mut slot = self.gpu.zeros::<u32>(1)?;
+        pick.pick(&self.gpu, &decode.logits, &mut slot, choice)
     }
 
     /// Runs `steps` decode steps of `state` without the graph, timing each kernel family on the
@@ -369,7 +423,9 @@ impl CudaBackend {
         tokens: &[u32],
         rows: LogitRows,
     ) -> Result<Vec<f32>> {
-        let Buffers { decode, prefill } = buffers;
+        let Buffers {
+            decode, prefill, ..
+        } = buffers;
         let (vocab, h) = (self.config.vocab_size, self.config.hidden_size);
         let all = rows == LogitRows::All;
         let chunks: Vec<&[u32]> = tokens.chunks(prefill.chunk).collect();
@@ -532,30 +588,20 @@ impl Backend for CudaBackend {
         }
     }
 
-    /// A greedy first token is chosen on the device: only the token comes back, not the logits.
-    fn prefill_sample(
+    /// The first token is chosen on the device: only the pick comes back, not the logits.
+    fn prefill_choose(
         &self,
         state: &mut CudaState,
         tokens: &[u32],
-        sampler: &mut Sampler,
-    ) -> Result<u32> {
-        let Some(choices) = self.device_choices(sampler) else {
-            let logits = self.prefill(state, tokens, LogitRows::Last)?;
-            return Ok(sampler.sample(&logits));
-        };
+        choice: &mut Choice<'_>,
+    ) -> Result<Pick> {
         self.check_prompt(state, tokens)?;
         let mut buffers = self.lock()?;
         self.encode_prompt(&mut buffers, state, tokens, LogitRows::Last)?;
-        let (token, pos) = (
-            ptr(&state.token, &self.gpu.stream),
-            ptr(&state.pos, &self.gpu.stream),
-        );
-        step::device_argmax(&self.gpu, &buffers.decode, choices, token, pos)?;
+        let pick = self.choose(&mut buffers, state, choice, false)?;
         // After the argmax, which advances the position as a decode step does.
         self.set_position(state)?;
-        let next = self.gpu.download(&state.token)?[0];
-        state.device_token = Some(next);
-        Ok(next)
+        Ok(pick)
     }
 
     /// One graph step (the f32 GEMV path), logits read back.
@@ -569,23 +615,22 @@ impl Backend for CudaBackend {
         self.gpu.download(&scratch.decode.logits)
     }
 
-    fn decode_sample(
+    fn decode_choose(
         &self,
         state: &mut CudaState,
         token: u32,
-        sampler: &mut Sampler,
-    ) -> Result<u32> {
-        let Some(choices) = self.device_choices(sampler) else {
-            let logits = self.decode(state, token)?;
-            return Ok(sampler.sample(&logits));
-        };
+        choice: &mut Choice<'_>,
+    ) -> Result<Pick> {
         self.check_room(state, &[token])?;
-        let scratch = self.lock()?;
+        let mut buffers = self.lock()?;
         self.set_token(state, token)?;
-        self.step(state, &scratch.decode, Some(choices))?;
-        let next = self.gpu.download(&state.token)?[0];
-        state.device_token = Some(next);
-        Ok(next)
+        // The step's own argmax is the choice when nothing else is asked; otherwise the pick
+        // kernels replace the token it wrote.
+        let greedy = choice
+            .is_raw_greedy()
+            .then(|| self.choosable(choice.sampler));
+        self.step(state, &buffers.decode, greedy)?;
+        self.choose(&mut buffers, state, choice, true)
     }
 }
 

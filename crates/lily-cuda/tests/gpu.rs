@@ -5,6 +5,7 @@
 mod support;
 
 use lily_core::backend::{Backend, LogitRows};
+use lily_core::choice::Choice;
 use lily_core::config::ModelConfig;
 use lily_core::model_ref::ModelRef;
 use lily_core::rng::uniform_at;
@@ -139,7 +140,8 @@ fn full_size_decode_gives_the_cpus_32_greedy_tokens() {
     let mut next = PROMPT[PROMPT.len() - 1];
     let ours: Vec<u32> = (0..N)
         .map(|_| {
-            next = gpu.decode_sample(&mut gs, next, &mut sampler).unwrap();
+            let pick = gpu.decode_choose(&mut gs, next, &mut Choice::of(&mut sampler));
+            next = pick.unwrap().token;
             next
         })
         .collect();

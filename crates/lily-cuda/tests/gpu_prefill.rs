@@ -7,6 +7,7 @@
 mod support;
 
 use lily_core::backend::{Backend, LogitRows};
+use lily_core::choice::Choice;
 use lily_core::config::ModelConfig;
 use lily_core::model_ref::ModelRef;
 use lily_core::sampling::{Sampler, SamplingParams};
@@ -18,7 +19,7 @@ use lily_cuda::{CudaBackend, KvPrecision};
 use support::{BF16_PREFILL, argmax, fixture, options, rel_diff, tokens};
 
 /// The first token after a prefill and the tokens of the decode steps after it, chosen on the
-/// device (`prefill_sample`, `decode_sample`), are what the host sampler picks from the same
+/// device (`prefill_choose`, `decode_choose`), are what the host sampler picks from the same
 /// backend's logits: with the whole vocabulary, and with the choice limited to ids below the
 /// unlimited winner (so the limit must change the answer), below 1 and below the vocabulary.
 /// The prompt crosses a chunk boundary (chunks of 48).
@@ -48,15 +49,18 @@ fn greedy_choices_on_the_device_equal_the_hosts() {
                 };
                 let mut state = gpu.new_state(len + 4).unwrap();
                 let mut chosen = vec![
-                    gpu.prefill_sample(&mut state, &prompt, &mut sampler())
-                        .unwrap(),
+                    gpu.prefill_choose(&mut state, &prompt, &mut Choice::of(&mut sampler()))
+                        .unwrap()
+                        .token,
                 ];
                 let mut expected = vec![sampler().sample(&logits)];
                 for _ in 0..3 {
                     let last = *chosen.last().unwrap();
                     let mut fork = gpu.fork(&state).unwrap();
                     expected.push(sampler().sample(&gpu.decode(&mut fork, last).unwrap()));
-                    chosen.push(gpu.decode_sample(&mut state, last, &mut sampler()).unwrap());
+                    let mut s = sampler();
+                    let pick = gpu.decode_choose(&mut state, last, &mut Choice::of(&mut s));
+                    chosen.push(pick.unwrap().token);
                 }
                 eprintln!(
                     "{name}, prompt {len}, limit {limit:?}: device {chosen:?}, host {expected:?}"

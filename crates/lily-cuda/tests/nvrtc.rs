@@ -115,3 +115,27 @@ fn the_persistent_decode_step_compiles_with_the_hosts_argument_layout() {
     }
     let _ = std::fs::remove_dir_all(cache);
 }
+
+/// Every pick kernel's one parameter has the size of the host's `PickArgs`.
+#[test]
+#[ignore = "needs libnvrtc.so.13 on LD_LIBRARY_PATH; scripts/test.sh installs it and runs this"]
+fn the_pick_kernels_take_the_hosts_argument_layout() {
+    use lily_cuda::compile::{compile, model_defines};
+    use lily_cuda::pick::pick_args_bytes;
+    let cache = std::env::temp_dir().join(format!("lily-nvrtc-pick-{}", std::process::id()));
+    // SAFETY: set before any thread of this test binary reads the environment.
+    unsafe { std::env::set_var("LILY_KERNEL_CACHE", &cache) };
+    let file = KERNEL_FILES.iter().find(|f| f.name == "pick").unwrap();
+    let config = synthetic_config("tiny").unwrap();
+    let ptx = compile(file, &model_defines(&config, KvPrecision::Bf16), "sm_80").unwrap();
+    let text = ptx.to_src();
+    for entry in file.entries {
+        let param = format!(".param .align 8 .b8 {entry}_param_0[{}]", pick_args_bytes());
+        assert!(
+            text.contains(&param),
+            "{entry}: no parameter of {} bytes",
+            pick_args_bytes()
+        );
+    }
+    let _ = std::fs::remove_dir_all(cache);
+}

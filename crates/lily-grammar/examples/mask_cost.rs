@@ -1,7 +1,8 @@
 //! What constrained decoding costs per token at the real 248K vocabulary: builds the grammar
 //! engine for Qwen3.6's tokenizer, compiles a few grammars, and times the mask (llguidance's
-//! computation plus setting the forbidden logits to -inf) over generations driven by random
-//! logits. Not a test: a measurement, whose figure goes into docs/BENCHMARKS.md.
+//! computation plus setting the forbidden logits to -inf, as the host applies it; on CUDA the
+//! device applies the bits instead) over generations driven by random logits. Not a test: a
+//! measurement, whose figure goes into docs/BENCHMARKS.md.
 //!
 //!     cargo run -p lily-grammar --example mask_cost [-- TOKENS]
 
@@ -73,7 +74,7 @@ fn main() -> Result<()> {
             while generated < tokens {
                 let mut logits: Vec<f32> = (0..VOCAB).map(|_| rng.next_f32() * 10.0).collect();
                 let started = Instant::now();
-                walk.mask(&mut logits)?;
+                walk.allowed()?.apply(&mut logits);
                 times.push(started.elapsed());
                 let token = sampler.sample(&logits);
                 generated += 1;

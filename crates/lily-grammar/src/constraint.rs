@@ -5,8 +5,9 @@ use std::sync::Mutex;
 
 use anyhow::{Result, anyhow};
 use lily_chat::TextTokenizer;
-use lily_core::sampling_stage::{Constraint, Grammar};
+use lily_core::sampling_stage::{Allowed, Constraint, Grammar};
 use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::SimpleVob;
 use llguidance::{Matcher, ParserFactory, TokenParser};
 
 use crate::vocabulary::token_env;
@@ -90,6 +91,7 @@ impl Grammar for CompiledGrammar {
         Ok(Box::new(GrammarWalk {
             matcher: Matcher::new(Ok(parser)),
             thinking: self.thinking.clone(),
+            mask: SimpleVob::new(),
         }))
     }
 }
@@ -99,39 +101,17 @@ pub struct GrammarWalk {
     matcher: Matcher,
     /// `Some` until the reasoning closes.
     thinking: Option<Thinking>,
+    /// The last mask computed (llguidance's bit vector: one bit a token id).
+    mask: SimpleVob,
 }
 
 impl Constraint for GrammarWalk {
-    fn mask(&mut self, logits: &mut [f32]) -> Result<()> {
+    fn allowed(&mut self) -> Result<Allowed<'_>> {
         if let Some(thinking) = &self.thinking {
-            for &t in &thinking.turn_ends {
-                if let Some(logit) = logits.get_mut(t as usize) {
-                    *logit = f32::NEG_INFINITY;
-                }
-            }
-            return Ok(());
+            return Ok(Allowed::Except(&thinking.turn_ends));
         }
-        let allowed = self.matcher.compute_mask_or_eos()?;
-        // Ids past the tokenizer's (the model's padding rows) are never allowed.
-        let known = allowed.len().min(logits.len());
-        for logit in &mut logits[known..] {
-            *logit = f32::NEG_INFINITY;
-        }
-        for (word, chunk) in allowed
-            .as_slice()
-            .iter()
-            .zip(logits[..known].chunks_mut(32))
-        {
-            if *word == u32::MAX {
-                continue;
-            }
-            for (bit, logit) in chunk.iter_mut().enumerate() {
-                if word & (1 << bit) == 0 {
-                    *logit = f32::NEG_INFINITY;
-                }
-            }
-        }
-        Ok(())
+        self.mask = self.matcher.compute_mask_or_eos()?;
+        Ok(Allowed::Bits(self.mask.as_slice()))
     }
 
     fn advance(&mut self, token: u32) -> Result<()> {

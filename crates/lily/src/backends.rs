@@ -2,9 +2,9 @@
 //! command and the server are written once for any backend.
 
 use anyhow::{Result, bail};
-use lily_core::backend::{Backend, DecodeRow, Decoded, LogitRows};
+use lily_core::backend::{Backend, DecodeRow, LogitRows};
+use lily_core::choice::{Choice, Pick};
 use lily_core::config::ModelConfig;
-use lily_core::sampling::Sampler;
 use lily_cpu::{CpuBackend, CpuState};
 use lily_cuda::{CudaBackend, CudaState};
 
@@ -105,29 +105,29 @@ impl Backend for AnyBackend {
         with_state!(self, state, b, s => b.prefill(s, tokens, rows))
     }
 
-    fn prefill_sample(
+    fn prefill_choose(
         &self,
         state: &mut AnyState,
         tokens: &[u32],
-        sampler: &mut Sampler,
-    ) -> Result<u32> {
-        with_state!(self, state, b, s => b.prefill_sample(s, tokens, sampler))
+        choice: &mut Choice<'_>,
+    ) -> Result<Pick> {
+        with_state!(self, state, b, s => b.prefill_choose(s, tokens, choice))
     }
 
     fn decode(&self, state: &mut AnyState, token: u32) -> Result<Vec<f32>> {
         with_state!(self, state, b, s => b.decode(s, token))
     }
 
-    fn decode_sample(
+    fn decode_choose(
         &self,
         state: &mut AnyState,
         token: u32,
-        sampler: &mut Sampler,
-    ) -> Result<u32> {
-        with_state!(self, state, b, s => b.decode_sample(s, token, sampler))
+        choice: &mut Choice<'_>,
+    ) -> Result<Pick> {
+        with_state!(self, state, b, s => b.decode_choose(s, token, choice))
     }
 
-    fn decode_batch(&self, rows: &mut [DecodeRow<'_, AnyState>]) -> Result<Vec<Decoded>> {
+    fn decode_batch(&self, rows: &mut [DecodeRow<'_, AnyState>]) -> Result<Vec<Pick>> {
         match self {
             AnyBackend::Cpu(b) => b.decode_batch(&mut narrowed(rows, |s| match s {
                 AnyState::Cpu(s) => Some(s),
@@ -153,7 +153,7 @@ fn narrowed<'a, S>(
             Ok(DecodeRow {
                 state: state(&mut *row.state).ok_or_else(mismatch)?,
                 token: row.token,
-                sampler: row.sampler.as_deref_mut(),
+                choice: row.choice.reborrow(),
             })
         })
         .collect()

@@ -1,6 +1,6 @@
 //! `lily bench`: the protocol of design.md. Prefill from an empty state (time to the first
 //! sampled token) and decode (64 greedy steps after a prefill to the context length and one
-//! untimed step), each a
+//! untimed step; with `--sampled` the same again with Qwen's sampling), each a
 //! warm-up run then the median of `--runs`, on a pseudo-random token sequence fixed by seed.
 //! Decode is also reported against its memory-bandwidth ceiling.
 
@@ -9,8 +9,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, ensure};
 use lily_core::backend::{Backend, LogitRows};
+use lily_core::choice::Choice;
 use lily_core::config::{LayerKind, ModelConfig};
-use lily_core::generate::{prefill, prefill_sample};
+use lily_core::generate::{prefill, prefill_choose};
 use lily_core::load::{WeightFormat, weight_format};
 use lily_core::rng::Rng;
 use lily_core::sampling::{Sampler, SamplingParams};
@@ -35,6 +36,10 @@ pub struct Args {
     /// Greedy steps timed per decode sample.
     #[arg(long, default_value_t = 64)]
     decode_steps: usize,
+    /// Also time decode with Qwen's recommended sampling (temperature 0.7, top-p 0.8, top-k 20;
+    /// seeded), chosen where the backend chooses.
+    #[arg(long)]
+    sampled: bool,
     /// Timed runs per figure (after one warm-up); the median is reported.
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -114,36 +119,58 @@ pub fn run(args: Args) -> Result<()> {
             let mut state = backend.new_state(len + 1)?;
             let mut sampler = Sampler::new(SamplingParams::greedy());
             let start = Instant::now();
-            prefill_sample(&backend, &mut state, &tokens[..len], &mut sampler)?;
+            prefill_choose(
+                &backend,
+                &mut state,
+                &tokens[..len],
+                &mut Choice::of(&mut sampler),
+            )?;
             Ok(len as f64 / start.elapsed().as_secs_f64())
         })?;
         eprintln!("prefill {len}: {:.1} tok/s", median(&samples));
         rows.push(Row {
             kind: "prefill",
             length: len,
+            sampled: false,
             samples,
             ceiling: prefill_ceiling(len),
         });
     }
-    for &ctx in &args.contexts {
+    let samplings = [false, true].into_iter().filter(|&s| !s || args.sampled);
+    for (sampled, &ctx) in samplings.flat_map(|s| args.contexts.iter().map(move |c| (s, c))) {
+        let params = if sampled {
+            SamplingParams {
+                temperature: 0.7,
+                top_k: 20,
+                top_p: 0.8,
+                min_p: 0.0,
+                seed: args.seed,
+            }
+        } else {
+            SamplingParams::greedy()
+        };
         let samples = timed(args.runs, || {
             let mut state = backend.new_state(ctx + args.decode_steps + 2)?;
-            let mut sampler = Sampler::new(SamplingParams::greedy());
-            let mut token = prefill_sample(&backend, &mut state, &tokens[..ctx], &mut sampler)?;
+            let mut sampler = Sampler::new(params.clone());
+            let mut choice = Choice::of(&mut sampler);
+            let mut token =
+                prefill_choose(&backend, &mut state, &tokens[..ctx], &mut choice)?.token;
             // The first step of a sequence captures its decode graph (milliseconds on CUDA), a
             // cost paid once per sequence: it stays out of the timed steps.
-            token = backend.decode_sample(&mut state, token, &mut sampler)?;
+            token = backend.decode_choose(&mut state, token, &mut choice)?.token;
             let start = Instant::now();
             for _ in 0..args.decode_steps {
-                token = backend.decode_sample(&mut state, token, &mut sampler)?;
+                token = backend.decode_choose(&mut state, token, &mut choice)?.token;
             }
             Ok(args.decode_steps as f64 / start.elapsed().as_secs_f64())
         })?;
-        eprintln!("decode at {ctx}: {:.1} tok/s", median(&samples));
+        let how = if sampled { ", sampled" } else { "" };
+        eprintln!("decode at {ctx}{how}: {:.1} tok/s", median(&samples));
         let ceiling = bandwidth / bytes_per_token(ctx);
         rows.push(Row {
             kind: "decode",
             length: ctx,
+            sampled,
             samples,
             ceiling: Some(ceiling),
         });
@@ -179,12 +206,15 @@ pub fn run(args: Args) -> Result<()> {
             ),
             None => ("—".into(), "—".into(), "—".into()),
         };
+        // llama-bench decodes greedily: a sampled row has no peer figure to stand beside.
         let peer = peer
             .get(r.kind, r.length)
+            .filter(|_| !r.sampled)
             .map_or("—".into(), |p| format!("{:.2}", m / p));
+        let phase = if r.sampled { "decode, sampled" } else { r.kind };
         println!(
-            "| {} | {} | {m:.1} | {ceil} | {pct} | {rate} | {peer} |",
-            r.kind, r.length
+            "| {phase} | {} | {m:.1} | {ceil} | {pct} | {rate} | {peer} |",
+            r.length
         );
     }
     if let (AnyBackend::Cuda(gpu), Some(&ctx)) = (&backend, args.contexts.first()) {
@@ -266,9 +296,9 @@ pub fn run(args: Args) -> Result<()> {
             "weight_bytes_per_decoded_token": weight_bytes,
             "decode_steps": args.decode_steps,
             "seed": args.seed,
-            // One sequence, greedy: what every figure of this command measures.
+            // One sequence: what every figure of this command measures.
             "results": rows.iter().map(|r| serde_json::json!({
-                "phase": r.kind, "tokens": r.length, "batch": 1, "sampled": false,
+                "phase": r.kind, "tokens": r.length, "batch": 1, "sampled": r.sampled,
                 "median_tok_s": median(&r.samples), "samples_tok_s": r.samples,
                 "ceiling_tok_s": r.ceiling, "llama_cpp_tok_s": peer.get(r.kind, r.length),
             })).collect::<Vec<_>>(),
@@ -364,6 +394,8 @@ impl Peer {
 struct Row {
     kind: &'static str,
     length: usize,
+    /// Decode with `--sampled`'s sampling rather than greedy.
+    sampled: bool,
     samples: Vec<f64>,
     ceiling: Option<f64>,
 }
