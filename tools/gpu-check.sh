@@ -62,6 +62,14 @@ if [ "$step" = all ] || [ "$step" = profile ]; then
     --device cuda --tokens 1 --max-tokens 3 --temperature 0 --ignore-eos > "$out/ncu.csv" 2>"$out/ncu.err"
   python3 tools/ncu_summary.py "$out/ncu.csv" | tee "$out/ncu-summary.md"
 fi
+if [ "$step" = peer-cpu ]; then
+  # llama.cpp for the CPU only (~2 min on 16 cores) while its GGUF is written, for `cpu` next.
+  bash .gpu/peer/peer.sh >/dev/null 2>&1
+  bash .gpu/peer/peer.sh build-cpu > "$out/peer-build.txt" 2>&1 &
+  bash .gpu/peer/peer.sh gguf > "$out/peer-gguf.txt" 2>&1
+  wait
+  cat "$out/peer-build.txt" "$out/peer-gguf.txt" | tail -3
+fi
 if [ "$step" = all ] || [ "$step" = cpu ]; then
   # llama.cpp on the CPU first, in the same run, when its build and GGUF are there (peer.sh build,
   # peer.sh gguf); then both CPU numerics beside it.
@@ -72,7 +80,7 @@ if [ "$step" = all ] || [ "$step" = cpu ]; then
   fi
   for nx in f32 int8; do
     LILY_CPU_NUMERICS=$nx .gpu/lily bench --model synthetic:qwen3.6-35b-a3b --device cpu \
-      --prompt-lens 256 --contexts 256,1024 "${peer[@]}" --json "$out/bench-cpu-$nx.json" 2>&1 \
+      --prompt-lens 256 --contexts "${CONTEXTS:-256}" --runs "${RUNS:-2}" "${peer[@]}" --json "$out/bench-cpu-$nx.json" 2>&1 \
       | tee "$out/bench-cpu-$nx.md"
   done
 fi
