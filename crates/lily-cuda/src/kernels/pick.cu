@@ -323,10 +323,10 @@ __device__ double block_max_f64(double x, double* smem) {
     return t;
 }
 
+// sv / si hold every list's entries (lists * PICK_TOP <= PICK_CHUNK).
 extern "C" __global__ void pick_choose(PickArgs a) {
     __shared__ float sv[PICK_CHUNK], cv[PICK_TOP], lv[PICK_LOGPROBS];
     __shared__ int si[PICK_CHUNK], ci[PICK_TOP], li[PICK_LOGPROBS];
-    // (lists * PICK_TOP <= PICK_CHUNK entries.)
     __shared__ double red[32];
     pdl_wait();
     best_of_lists(a.top_v, a.top_i, a.lists, sv, si, PICK_TOP, cv, ci);
