@@ -152,3 +152,55 @@ impl<'a> Choice<'a> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::SamplingParams;
+
+    #[test]
+    fn both_kinds_of_mask_give_the_same_bits_and_forbid_the_same_logits() {
+        // Ids 0..70: all but 3 and 64, as a list and as bits (ragged last word).
+        let n = 70;
+        let except = Allowed::Except(&[3, 64, 500]);
+        let bits = except.to_bits(n);
+        assert_eq!(bits.len(), 3);
+        assert_eq!(bits[0], !(1 << 3));
+        assert_eq!(bits[2], (1 << 6) - 1 - 1, "bit 64 clear, none past id 69");
+        let as_bits = Allowed::Bits(&bits);
+        for id in 0..n as u32 {
+            assert_eq!(as_bits.allows(id), except.allows(id), "id {id}");
+        }
+        assert!(!as_bits.allows(70), "past the words nothing is allowed");
+        let (mut a, mut b) = (vec![1f32; n + 2], vec![1f32; n + 2]);
+        except.apply(&mut a);
+        as_bits.apply(&mut b);
+        assert_eq!(a[..n], b[..n]);
+        assert_eq!(
+            (a[3], a[64], a[10]),
+            (f32::NEG_INFINITY, f32::NEG_INFINITY, 1.0)
+        );
+    }
+
+    #[test]
+    fn a_masked_token_is_never_chosen_whatever_the_draw() {
+        // Two allowed tokens of tiny probability beside a forbidden favourite: even a draw at
+        // the top of [0, 1) must land on an allowed one.
+        let logits = [0.0, 50.0, 0.0, -3.0];
+        let bits = [0b1101u32];
+        for temperature in [0.5f32, 1.0, 4.0] {
+            let mut sampler = Sampler::new(SamplingParams {
+                temperature,
+                ..SamplingParams::greedy()
+            });
+            let mut choice = Choice {
+                allowed: Some(Allowed::Bits(&bits)),
+                ..Choice::of(&mut sampler)
+            };
+            for draw in [0.0, 0.5, 0.999_999_9] {
+                let token = choice.pick_drawn(&logits, draw).token;
+                assert_ne!(token, 1, "draw {draw} at T {temperature}");
+            }
+        }
+    }
+}

@@ -204,4 +204,27 @@ mod tests {
         // Token 1: -2 + 3 (bias) + 1 (presence) = 2, then halved as positive.
         assert_eq!(adjusted(p, &[], &[1]), [2.0, 1.0, 1.0, 0.5]);
     }
+
+    #[test]
+    fn an_id_biased_twice_gets_both_biases_and_each_id_one_entry() {
+        let p = Penalties {
+            presence: 0.5,
+            repetition: 2.0,
+            logit_bias: vec![(1, 3.0), (1, 1.5)],
+            ..Penalties::default()
+        };
+        let mut adjuster = LogitAdjuster::new(p, &[1, 1, 2]);
+        adjuster.record(1);
+        adjuster.record(1);
+        let ids: Vec<u32> = adjuster.adjustments().iter().map(|a| a.id).collect();
+        assert_eq!(ids, [1, 2]);
+        // Token 1: -2 + 4.5 (both biases) - 0.5 (presence) = 2, halved as positive.
+        assert_eq!(adjusted_by(&adjuster), [2.0, 1.0, 0.5, 0.5]);
+    }
+
+    fn adjusted_by(adjuster: &LogitAdjuster) -> Vec<f32> {
+        let mut logits = vec![2.0, -2.0, 1.0, 0.5];
+        adjuster.apply(&mut logits);
+        logits
+    }
 }
