@@ -40,40 +40,49 @@ def check(cond, what):
         sys.exit(1)
 
 
+def start_server(lily, model, device, *extra):
+    """`lily serve` on a free port, once it answers /health: the process, its base URL and its log
+    so far (a thread keeps appending). Exits with the log's tail if it does not come up in 300 s."""
+    server = subprocess.Popen(
+        [lily, "serve", "--model", model, "--device", device, "--port", "0", "--max-seq", "4096", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = None
+    started = time.time()
+    log = []
+    # The server prints the address it bound; it answers /health once the model is loaded.
+    while base is None and time.time() - started < 300:
+        line = server.stdout.readline()
+        if not line:
+            break
+        log.append(line)
+        for word in line.split():
+            if word.startswith("http://"):
+                base = word.rstrip("/.,").removesuffix("/v1")
+    check(base is not None, "server printed its address:\n" + "".join(log[-20:]))
+    threading.Thread(target=lambda: [log.append(l) for l in server.stdout], daemon=True).start()
+    while True:
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    break
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        if time.time() - started > 300 or server.poll() is not None:
+            server.kill()
+            check(False, "server became healthy:\n" + "".join(log[-20:]))
+        time.sleep(1)
+    return server, base, log
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lily", default=".gpu/lily")
     ap.add_argument("--model", default="synthetic:qwen3.6-35b-a3b")
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args()
-    server = subprocess.Popen(
-        [a.lily, "serve", "--model", a.model, "--device", a.device, "--port", "0", "--max-seq", "4096"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = None
     started = time.time()
-    log = []
+    server, base, log = start_server(a.lily, a.model, a.device)
     try:
-        # The server prints the address it bound; it answers /health once the model is loaded.
-        while base is None and time.time() - started < 300:
-            line = server.stdout.readline()
-            if not line:
-                break
-            log.append(line)
-            for word in line.split():
-                if word.startswith("http://"):
-                    base = word.rstrip("/.,").removesuffix("/v1")
-        check(base is not None, "server printed its address:\n" + "".join(log[-20:]))
-        threading.Thread(target=lambda: [log.append(l) for l in server.stdout], daemon=True).start()
-        while True:
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            if time.time() - started > 300 or server.poll() is not None:
-                check(False, "server became healthy:\n" + "".join(log[-20:]))
-            time.sleep(1)
         print(f"healthy after {time.time() - started:.0f} s at {base}", flush=True)
         m = a.model
 

@@ -38,7 +38,7 @@ impl KernelFile {
 pub const KERNEL_FILES: [KernelFile; 14] = [
     KernelFile {
         name: "gemv",
-        headers: &[GEMV_STAGED],
+        headers: &[GEMV_STAGED, GEMV_ROWS],
         source: include_str!("kernels/gemv.cu"),
         entries: &[
             "gemv_b4",
@@ -50,9 +50,30 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
             "gemv_add_b4",
             "gemv_add_b8",
             "gemv_add_b32",
+            "gemv_rows_norm_b4_x2",
+            "gemv_rows_norm_b4_x4",
+            "gemv_rows_norm_b4_x8",
+            "gemv_rows_norm_b8_x2",
+            "gemv_rows_norm_b8_x4",
+            "gemv_rows_norm_b8_x8",
+            "gemv_rows_norm_b32_x2",
+            "gemv_rows_norm_b32_x4",
+            "gemv_rows_norm_b32_x8",
+            "gemv_rows_add_b4_x2",
+            "gemv_rows_add_b4_x4",
+            "gemv_rows_add_b4_x8",
+            "gemv_rows_add_b8_x2",
+            "gemv_rows_add_b8_x4",
+            "gemv_rows_add_b8_x8",
+            "gemv_rows_add_b32_x2",
+            "gemv_rows_add_b32_x4",
+            "gemv_rows_add_b32_x8",
             "embed_b4",
             "embed_b8",
             "embed_b32",
+            "embed_rows_b4",
+            "embed_rows_b8",
+            "embed_rows_b32",
         ],
         only_for: None,
     },
@@ -98,7 +119,7 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
         name: "sample",
         headers: &[],
         source: include_str!("kernels/sample.cu"),
-        entries: &["argmax_partial", "argmax_final", "advance"],
+        entries: &["argmax_partial", "argmax_final"],
         only_for: None,
     },
     KernelFile {
@@ -193,6 +214,7 @@ const GDN_DECODE: &str = include_str!("kernels/gdn_decode.cuh");
 const ATTN_DECODE: &str = include_str!("kernels/attn_decode.cuh");
 const MOE_DECODE: &str = include_str!("kernels/moe_decode.cuh");
 const GEMV_STAGED: &str = include_str!("kernels/gemv_staged.cuh");
+const GEMV_ROWS: &str = include_str!("kernels/gemv_rows.cuh");
 const GEMV_STREAM: &str = include_str!("kernels/gemv_stream.cuh");
 
 /// The persistent decode step. Compiled apart from [`KERNEL_FILES`], once the weights are laid out:
@@ -259,6 +281,7 @@ pub fn model_defines(c: &ModelConfig, kv: KvPrecision) -> Vec<(String, String)> 
         d("TOPK", c.experts_per_token.to_string()),
         d("NORM_TOPK", (c.norm_topk_prob as u8).to_string()),
         d("KV_F32", ((kv == KvPrecision::F32) as u8).to_string()),
+        d("MAX_ATTN_SPLITS", MAX_ATTN_SPLITS.to_string()),
     ]
 }
 
@@ -348,7 +371,13 @@ mod tests {
     /// through one of the shared bodies that call it after requesting only weights.
     #[test]
     fn every_kernel_waits_for_its_predecessor() {
-        const WAITING_BODIES: [&str; 4] = ["gemv_staged<", "route<", "gate_up<", "down_combine<"];
+        const WAITING_BODIES: [&str; 5] = [
+            "gemv_staged<",
+            "gemv_rows<",
+            "route<",
+            "gate_up<",
+            "down_combine<",
+        ];
         for file in &KERNEL_FILES {
             let pieces: Vec<&str> = file.source.split("__global__").skip(1).collect();
             assert!(!pieces.is_empty(), "{}.cu has no kernels", file.name);

@@ -109,7 +109,8 @@ impl Gpu {
         let raised = crate::gemm::dynamic_shared(wgmma)
             .into_iter()
             .chain(crate::gdn_chunked::dynamic_shared(config, optin))
-            .chain(crate::attention_prefill::dynamic_shared(config, optin));
+            .chain(crate::attention_prefill::dynamic_shared(config, optin))
+            .chain(crate::step::dynamic_shared(optin));
         for (entry, bytes) in raised {
             let f = functions
                 .get(entry.as_str())
@@ -199,10 +200,49 @@ impl Gpu {
     }
 }
 
-/// The raw device address of a buffer, for kernel arguments and structs passed by value.
-pub fn ptr<T>(buf: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+/// The raw device address of a buffer (or a view of one), for kernel arguments and structs
+/// passed by value.
+pub fn ptr<T, B: DevicePtr<T>>(buf: &B, stream: &CudaStream) -> u64 {
     buf.device_ptr(stream).0
 }
+
+/// Most sequences one decode step advances (kernels/common.cuh, MAX_ROWS).
+pub const MAX_ROWS: usize = 8;
+
+/// The kernels' `struct RowPtrs`: one buffer of each sequence of a step, row by row.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RowPtrs {
+    pub p: [u64; MAX_ROWS],
+}
+
+/// The kernels' `struct RowInts`: one count of each sequence of a step.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RowInts {
+    pub n: [i32; MAX_ROWS],
+}
+
+impl RowPtrs {
+    /// The rows' addresses in order; rows past them stay null.
+    pub fn of(addresses: impl IntoIterator<Item = u64>) -> Self {
+        let mut rows = RowPtrs::default();
+        rows.p.iter_mut().zip(addresses).for_each(|(r, a)| *r = a);
+        rows
+    }
+}
+
+impl RowInts {
+    pub fn of(values: impl IntoIterator<Item = i32>) -> Self {
+        let mut rows = RowInts::default();
+        rows.n.iter_mut().zip(values).for_each(|(r, v)| *r = v);
+        rows
+    }
+}
+
+// SAFETY: plain-old-data with the C layouts of `struct RowPtrs` and `struct RowInts`.
+unsafe impl DeviceRepr for RowPtrs {}
+unsafe impl DeviceRepr for RowInts {}
 
 /// A kernel argument by value.
 #[derive(Clone, Copy, Debug)]
@@ -211,6 +251,8 @@ pub enum KArg {
     I32(i32),
     F32(f32),
     Mat(MatArg),
+    Rows(RowPtrs),
+    Ints(RowInts),
 }
 
 impl From<u64> for KArg {
@@ -231,6 +273,16 @@ impl From<f32> for KArg {
 impl From<MatArg> for KArg {
     fn from(v: MatArg) -> Self {
         KArg::Mat(v)
+    }
+}
+impl From<RowPtrs> for KArg {
+    fn from(v: RowPtrs) -> Self {
+        KArg::Rows(v)
+    }
+}
+impl From<RowInts> for KArg {
+    fn from(v: RowInts) -> Self {
+        KArg::Ints(v)
     }
 }
 
@@ -287,6 +339,8 @@ impl Gpu {
                 KArg::I32(v) => builder.arg(v),
                 KArg::F32(v) => builder.arg(v),
                 KArg::Mat(v) => builder.arg(v),
+                KArg::Rows(v) => builder.arg(v),
+                KArg::Ints(v) => builder.arg(v),
             };
         }
         // SAFETY: argument types and order follow the kernel signatures in kernels/*.cu (each
@@ -311,6 +365,8 @@ impl Gpu {
                 KArg::I32(v) => v as *mut i32 as *mut c_void,
                 KArg::F32(v) => v as *mut f32 as *mut c_void,
                 KArg::Mat(v) => v as *mut MatArg as *mut c_void,
+                KArg::Rows(v) => v as *mut RowPtrs as *mut c_void,
+                KArg::Ints(v) => v as *mut RowInts as *mut c_void,
             })
             .collect();
         self.launch_raw(

@@ -30,7 +30,7 @@ use std::sync::Mutex;
 use anyhow::{Context, Result, bail, ensure};
 use cudarc::driver::CudaSlice;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use lily_core::backend::{Backend, LogitRows};
+use lily_core::backend::{Backend, DecodeRow, LogitRows};
 use lily_core::choice::{Choice, Pick};
 use lily_core::config::ModelConfig;
 use lily_core::sampling::Sampler;
@@ -40,12 +40,13 @@ pub use compile::KvPrecision;
 pub use gpu::gpu_available;
 pub use options::{CudaOptions, DEFAULT_PREFILL_CHUNK};
 pub use state::CudaState;
+pub use step::rows_shared_bytes;
 
 use crate::decode::{DecodePath, PersistentStep};
 use crate::gpu::{Gpu, ptr};
 use crate::pick::PickScratch;
 use crate::prefill::{Model, PrefillScratch, encode_chunk};
-use crate::step::{Scratch, Timeline, encode_step};
+use crate::step::{Scratch, StepRow, Timeline, encode_step};
 use crate::weights::{DeviceWeights, HostWeights, WeightSource};
 
 pub struct CudaBackend {
@@ -57,18 +58,32 @@ pub struct CudaBackend {
     /// One step or chunk runs at a time; the scratch activations are shared by every sequence.
     scratch: Mutex<Buffers>,
     prefill_chunk: usize,
+    /// The most sequences one decode step advances (the batched GEMVs' shared memory bounds it).
+    step_rows: usize,
 }
 
 struct Buffers {
     decode: Scratch,
     prefill: PrefillScratch,
     pick: PickScratch,
+    /// The captured step of the last batch of several sequences.
+    batch: Option<BatchGraph>,
+}
+
+/// A captured step of several sequences: which states (by [`CudaState::id`]) with which
+/// argmax ranges, in row order.
+struct BatchGraph {
+    rows: Vec<(u64, usize)>,
+    graph: cudarc::driver::CudaGraph,
 }
 
 /// Device memory the backend takes beyond weights and sequence state: the prefill chunk's
-/// activations, plus 256 MiB for the decode step's scratch and allocator slack.
+/// activations, the decode step's for its most rows, and 128 MiB for the choice's scratch and
+/// allocator slack.
 pub fn activation_bytes(c: &ModelConfig, options: &CudaOptions) -> usize {
-    PrefillScratch::bytes(c, options.prefill_chunk, options.gdn_prefill) + (256 << 20)
+    PrefillScratch::bytes(c, options.prefill_chunk, options.gdn_prefill)
+        + Scratch::bytes(c)
+        + (128 << 20)
 }
 
 /// Logit rows computed per lm_head GEMM when every row is wanted (teacher-forced scoring): a
@@ -144,7 +159,9 @@ impl CudaBackend {
             decode: Scratch::new(&gpu, &config)?,
             prefill: PrefillScratch::new(&gpu, &config, prefill_chunk)?,
             pick: PickScratch::new(&gpu, config.vocab_size)?,
+            batch: None,
         });
+        let step_rows = step::step_rows(&config, &weights.gemv_formats(), gpu.shared_optin);
         // Every weight is written before the first step: kernels may read weights ahead of their
         // pdl_wait(), which orders them only after the kernel before them.
         gpu.sync()?;
@@ -155,7 +172,13 @@ impl CudaBackend {
             persistent,
             scratch,
             prefill_chunk,
+            step_rows,
         })
+    }
+
+    /// The most sequences one decode step advances; a larger batch runs as several steps.
+    pub fn step_rows(&self) -> usize {
+        self.step_rows
     }
 
     /// Whether decode steps run the persistent kernel (else the graph of launches).
@@ -198,7 +221,7 @@ impl CudaBackend {
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
             let encoded = self.gpu.programmatic(|| {
                 let (gpu, c, w) = (&self.gpu, &self.config, &self.weights);
-                encode_step(gpu, c, w, scratch, state, choices, None)
+                encode_step(gpu, c, w, scratch, &[StepRow { state, choices }], None)
             });
             let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0));
             encoded?;
@@ -228,12 +251,8 @@ impl CudaBackend {
     ) -> Result<Pick> {
         let pick = if choice.is_raw_greedy() {
             if !greedy_done {
-                let (token, pos) = (
-                    ptr(&state.token, &self.gpu.stream),
-                    ptr(&state.pos, &self.gpu.stream),
-                );
                 let choices = self.choosable(choice.sampler);
-                step::device_argmax(&self.gpu, &buffers.decode, choices, token, pos)?;
+                step::device_argmax(&self.gpu, &buffers.decode, state, choices)?;
             }
             Pick {
                 token: self.gpu.download(&state.token)?[0],
@@ -241,10 +260,24 @@ impl CudaBackend {
             }
         } else {
             let Buffers { decode, pick, .. } = buffers;
-            pick.pick(&self.gpu, &decode.logits, &mut state.token, choice)?
+            let row = decode.logits.slice(..self.config.vocab_size);
+            pick.pick(&self.gpu, &row, &mut state.token, choice)?
         };
         state.device_token = Some(pick.token);
         Ok(pick)
+    }
+
+    /// The logits the last batched step left for its first `rows` rows, row after row: what a
+    /// test compares with each sequence's step alone.
+    pub fn batch_logits(&self, rows: usize) -> Result<Vec<f32>> {
+        ensure!(
+            rows <= self.step_rows,
+            "a step holds at most {} rows",
+            self.step_rows
+        );
+        let buffers = self.lock()?;
+        let all = buffers.decode.logits.slice(..rows * self.config.vocab_size);
+        Ok(self.gpu.stream.clone_dtoh(&all)?)
     }
 
     /// How the choices made on the device ended so far (`pick`).
@@ -263,9 +296,12 @@ impl CudaBackend {
         );
         let mut buffers = self.lock()?;
         let Buffers { decode, pick, .. } = &mut *buffers;
-        self.gpu.stream.memcpy_htod(logits, &mut decode.logits)?;
+        let vocab = self.config.vocab_size;
+        self.gpu
+            .stream
+            .memcpy_htod(logits, &mut decode.logits.slice_mut(..vocab))?;
         let mut slot = self.gpu.zeros::<u32>(1)?;
-        pick.pick(&self.gpu, &decode.logits, &mut slot, choice)
+        pick.pick(&self.gpu, &decode.logits.slice(..vocab), &mut slot, choice)
     }
 
     /// Runs `steps` decode steps of `state` without the graph, timing each kernel family on the
@@ -287,13 +323,16 @@ impl CudaBackend {
         let mut timeline = Timeline::default();
         for _ in 0..steps {
             self.gpu.programmatic(|| {
+                let row = StepRow {
+                    state,
+                    choices: self.config.vocab_size,
+                };
                 encode_step(
                     &self.gpu,
                     &self.config,
                     &self.weights,
                     &scratch.decode,
-                    state,
-                    self.config.vocab_size,
+                    &[row],
                     Some(&mut timeline),
                 )
             })?;
@@ -451,6 +490,75 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// The first row of the decode scratch's logits: a prefill's last row, a single step's row.
+    fn first_logits(&self, s: &Scratch) -> Result<Vec<f32>> {
+        let row = s.logits.slice(..self.config.vocab_size);
+        Ok(self.gpu.stream.clone_dtoh(&row)?)
+    }
+
+    /// One batched step of `rows` (2 to [`Self::step_rows`] sequences, each checked already):
+    /// their graph replayed, captured first when the batch differs from the last one, then each
+    /// row's choice: the step's own argmax where that is the choice, else the pick kernels on
+    /// the row's logits.
+    fn decode_rows(&self, rows: &mut [DecodeRow<'_, CudaState>]) -> Result<Vec<Pick>> {
+        let mut buffers = self.lock()?;
+        for row in rows.iter_mut() {
+            self.set_token(row.state, row.token)?;
+        }
+        let key: Vec<(u64, usize)> = rows
+            .iter()
+            .map(|r| (r.state.id, self.choosable(r.choice.sampler)))
+            .collect();
+        if buffers.batch.as_ref().is_none_or(|b| b.rows != key) {
+            buffers.batch = None;
+            let step_rows: Vec<StepRow<'_>> = rows
+                .iter()
+                .zip(&key)
+                .map(|(r, &(_, choices))| StepRow {
+                    state: &*r.state,
+                    choices,
+                })
+                .collect();
+            self.gpu
+                .stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let encoded = self.gpu.programmatic(|| {
+                let (gpu, c, w) = (&self.gpu, &self.config, &self.weights);
+                encode_step(gpu, c, w, &buffers.decode, &step_rows, None)
+            });
+            let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0));
+            encoded?;
+            let graph = graph?.context("graph capture produced no graph")?;
+            buffers.batch = Some(BatchGraph { rows: key, graph });
+        }
+        if let Some(batch) = &buffers.batch {
+            batch.graph.launch()?;
+        }
+        let chosen = self
+            .gpu
+            .stream
+            .clone_dtoh(&buffers.decode.chosen.slice(..rows.len()))?;
+        let vocab = self.config.vocab_size;
+        let mut picks = Vec::with_capacity(rows.len());
+        for (i, row) in rows.iter_mut().enumerate() {
+            let state = &mut *row.state;
+            state.len += 1;
+            let pick = if row.choice.is_raw_greedy() {
+                Pick {
+                    token: chosen[i],
+                    logprobs: None,
+                }
+            } else {
+                let Buffers { decode, pick, .. } = &mut *buffers;
+                let logits = decode.logits.slice(i * vocab..(i + 1) * vocab);
+                pick.pick(&self.gpu, &logits, &mut state.token, &mut row.choice)?
+            };
+            state.device_token = Some(pick.token);
+            picks.push(pick);
+        }
+        Ok(picks)
+    }
+
     /// The decode graph reads the position from the device.
     fn set_position(&self, state: &mut CudaState) -> Result<()> {
         self.gpu
@@ -584,7 +692,7 @@ impl Backend for CudaBackend {
         self.set_position(state)?;
         match rows {
             LogitRows::All => Ok(all),
-            LogitRows::Last => self.gpu.download(&buffers.decode.logits),
+            LogitRows::Last => self.first_logits(&buffers.decode),
         }
     }
 
@@ -612,7 +720,7 @@ impl Backend for CudaBackend {
         self.step(state, &scratch.decode, None)?;
         // The step's argmax overwrote the slot with a token the host has not seen.
         state.device_token = None;
-        self.gpu.download(&scratch.decode.logits)
+        self.first_logits(&scratch.decode)
     }
 
     fn decode_choose(
@@ -631,6 +739,30 @@ impl Backend for CudaBackend {
             .then(|| self.choosable(choice.sampler));
         self.step(state, &buffers.decode, greedy)?;
         self.choose(&mut buffers, state, choice, true)
+    }
+
+    /// Up to [`CudaBackend::step_rows`] sequences a step, each weight read once for all of them;
+    /// a larger batch runs as several steps. Every row is checked before any advances. The
+    /// persistent step takes one sequence at a time.
+    fn decode_batch(&self, rows: &mut [DecodeRow<'_, CudaState>]) -> Result<Vec<Pick>> {
+        for row in rows.iter() {
+            self.check_room(row.state, &[row.token])?;
+        }
+        if self.persistent.is_some() || self.step_rows < 2 {
+            return rows
+                .iter_mut()
+                .map(|row| self.decode_choose(row.state, row.token, &mut row.choice))
+                .collect();
+        }
+        let mut picks = Vec::with_capacity(rows.len());
+        for group in rows.chunks_mut(self.step_rows) {
+            if let [row] = group {
+                picks.push(self.decode_choose(row.state, row.token, &mut row.choice)?);
+            } else {
+                picks.extend(self.decode_rows(group)?);
+            }
+        }
+        Ok(picks)
     }
 }
 

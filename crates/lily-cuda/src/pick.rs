@@ -11,7 +11,7 @@
 use std::ffi::c_void;
 
 use anyhow::{Result, ensure};
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaView};
 use lily_core::choice::{Choice, Pick};
 use lily_core::logprobs::TokenLogprobs;
 use lily_core::penalties::Adjustment;
@@ -127,7 +127,7 @@ impl PickScratch {
     pub fn pick(
         &mut self,
         gpu: &Gpu,
-        logits: &CudaSlice<f32>,
+        logits: &CudaView<'_, f32>,
         token_slot: &mut CudaSlice<u32>,
         choice: &mut Choice<'_>,
     ) -> Result<Pick> {
@@ -170,7 +170,7 @@ impl PickScratch {
             logprobs.is_some_and(|k| k > 0) && (allowed != 0 || !adjustments.is_empty());
         let p = |b: &CudaSlice<f32>| ptr(b, st);
         let mut args = PickArgs {
-            logits: p(logits),
+            logits: ptr(logits, st),
             adjusted: p(&self.adjusted),
             allowed,
             adjustments: ptr(&self.adjustments, st),
@@ -227,7 +227,7 @@ impl PickScratch {
     fn finish_on_host(
         &mut self,
         gpu: &Gpu,
-        logits: &CudaSlice<f32>,
+        logits: &CudaView<'_, f32>,
         token_slot: &mut CudaSlice<u32>,
         choice: &mut Choice<'_>,
         draw: f32,

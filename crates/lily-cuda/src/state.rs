@@ -1,6 +1,8 @@
 //! One sequence on the GPU: KV caches, conv windows, recurrent states, the token slot that
 //! the step reads and the argmax writes, the position counter, and the step's captured graph.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use anyhow::Result;
 use cudarc::driver::{CudaGraph, CudaSlice};
 use lily_core::config::{LayerKind, ModelConfig};
@@ -15,6 +17,9 @@ fn kv_cache_halves(c: &ModelConfig, max_seq: usize, kv: KvPrecision) -> usize {
 }
 
 pub struct CudaState {
+    /// Unique among the states of the process: a captured batched step names its states by it
+    /// (an address could be reused by a later state).
+    pub(crate) id: u64,
     pub(crate) len: usize,
     pub(crate) max_seq: usize,
     /// KV splits of decode attention, fixed by `max_seq` (the captured graph's grid).
@@ -41,6 +46,11 @@ pub(crate) enum LayerState {
         window: CudaSlice<f32>,
         recurrent: CudaSlice<f32>,
     },
+}
+
+fn next_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 // SAFETY: the state is only used from the thread that owns the backend's stream at a time; the
@@ -82,6 +92,7 @@ impl CudaState {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(CudaState {
+            id: next_id(),
             len: 0,
             max_seq,
             attn_splits: attn_splits(max_seq),
@@ -114,6 +125,7 @@ impl CudaState {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(CudaState {
+            id: next_id(),
             len: self.len,
             max_seq: self.max_seq,
             attn_splits: self.attn_splits,

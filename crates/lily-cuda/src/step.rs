@@ -1,21 +1,29 @@
 //! One decode step as a fixed sequence of launches, all on one stream, nothing read back: the
-//! token comes from the state's slot, routing and the argmax stay on the device, and the step
-//! ends by writing the chosen token into the slot and advancing the position. Because nothing in
-//! the sequence depends on the host, it is captured once per sequence as a CUDA graph.
+//! tokens come from the sequences' slots, routing and the argmax stay on the device, and the step
+//! ends by writing each chosen token into its slot and advancing each position. Because nothing
+//! in the sequence depends on the host, it is captured once as a CUDA graph: per sequence for a
+//! step of one, per set of sequences for a batched step.
+//!
+//! A step advances 1 to [`MAX_ROWS`] sequences. Their activations lie row after row in the
+//! scratch buffers; kernels of per-sequence work (attention, the Gated DeltaNet, routing, the
+//! experts, the argmax) take the row from the grid and the row's state from [`RowPtrs`], and the
+//! dense GEMVs read each weight once for every row (`gemv_rows_*`). Every row gets the bits it
+//! gets in a step of its own.
 
-use anyhow::{Result, ensure};
+use anyhow::{Result, bail, ensure};
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaEvent, CudaSlice};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use lily_core::config::ModelConfig;
 
 use crate::compile::MAX_ATTN_SPLITS;
-use crate::gpu::{Gpu, KArg, ptr};
+use crate::gpu::{Gpu, KArg, MAX_ROWS, RowInts, RowPtrs, Shape, ptr};
 use crate::launch;
 use crate::mat::{DeviceMat, MatArg, XS_COLS, gemv_shape, staged_shape, wave_shape};
 use crate::state::{CudaState, LayerState};
 use crate::weights::{DeviceAttention, DeviceGdn, DeviceMixer, DeviceMoe, DeviceWeights};
 
-/// Activations of one step, shared by every sequence (steps run one at a time).
+/// Activations of one step, row after row for the sequences it advances (at most
+/// [`MAX_ROWS`]), shared by every sequence (steps run one at a time).
 pub struct Scratch {
     /// The residual stream: the mixer and expert projections add into it, and the GEMVs that
     /// read it normalise it themselves.
@@ -32,11 +40,13 @@ pub struct Scratch {
     pub ids: CudaSlice<i32>,
     pub weights: CudaSlice<f32>,
     pub act: CudaSlice<f32>,
-    /// Blocks of the router launch that have finished (the last one routes and resets it).
+    /// Blocks of a row's router launch that have finished (the last one routes and resets it).
     pub route_done: CudaSlice<u32>,
     pub logits: CudaSlice<f32>,
     pub arg_v: CudaSlice<f32>,
     pub arg_i: CudaSlice<i32>,
+    /// The greedy token of each row, all in one place for the host to read.
+    pub chosen: CudaSlice<u32>,
 }
 
 /// Rows one warp of the router GEMV in `moe_route_b*` computes (kernels/moe.cu, ROUTE_ROWS).
@@ -47,33 +57,82 @@ const DOWN_ROWS: usize = 2;
 /// Blocks of the first argmax stage (kernels/sample.cu, ARGMAX_BLOCKS).
 const ARGMAX_BLOCKS: u32 = 128;
 
+/// Floats of each buffer of [`Scratch`] for one row, in field order.
+fn row_floats(c: &ModelConfig) -> [usize; 18] {
+    let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
+    let gdn_proj = c.gdn_conv_dim() + c.gdn_value_dim() + 2 * c.linear_num_value_heads;
+    let attn_proj = nh * 2 * hd + 2 * nkv * hd;
+    // kernels/attention.cu, ATTN_PARTS: every split a row can have, for each query head.
+    let parts = nkv * MAX_ATTN_SPLITS * (nh / nkv);
+    [
+        c.hidden_size,
+        gdn_proj.max(attn_proj),
+        c.gdn_conv_dim(),
+        c.gdn_value_dim(),
+        c.gdn_value_dim(),
+        nh * hd,
+        parts * 2,
+        parts * hd,
+        nh * hd,
+        c.num_experts + 1,
+        c.experts_per_token,
+        c.experts_per_token,
+        c.experts_per_token * c.moe_intermediate_size + c.shared_intermediate_size,
+        1,
+        c.vocab_size,
+        ARGMAX_BLOCKS as usize,
+        ARGMAX_BLOCKS as usize,
+        1,
+    ]
+}
+
 impl Scratch {
     pub fn new(gpu: &Gpu, c: &ModelConfig) -> Result<Self> {
-        let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
-        let gdn_proj = c.gdn_conv_dim() + c.gdn_value_dim() + 2 * c.linear_num_value_heads;
-        let attn_proj = nh * 2 * hd + 2 * nkv * hd;
-        let parts = nkv * MAX_ATTN_SPLITS * (nh / nkv);
+        let [
+            hidden,
+            proj,
+            conv_out,
+            gdn_o,
+            gdn_y,
+            q,
+            part_ml,
+            part_acc,
+            attn_out,
+            router_logits,
+            ids,
+            weights,
+            act,
+            route_done,
+            logits,
+            arg_v,
+            arg_i,
+            chosen,
+        ] = row_floats(c).map(|n| n * MAX_ROWS);
         Ok(Scratch {
-            hidden: gpu.zeros(c.hidden_size)?,
-            proj: gpu.zeros(gdn_proj.max(attn_proj))?,
-            conv_out: gpu.zeros(c.gdn_conv_dim())?,
-            gdn_o: gpu.zeros(c.gdn_value_dim())?,
-            gdn_y: gpu.zeros(c.gdn_value_dim())?,
-            q: gpu.zeros(nh * hd)?,
-            part_ml: gpu.zeros(parts * 2)?,
-            part_acc: gpu.zeros(parts * hd)?,
-            attn_out: gpu.zeros(nh * hd)?,
-            router_logits: gpu.zeros(c.num_experts + 1)?,
-            ids: gpu.zeros(c.experts_per_token)?,
-            weights: gpu.zeros(c.experts_per_token)?,
-            act: gpu.zeros(
-                c.experts_per_token * c.moe_intermediate_size + c.shared_intermediate_size,
-            )?,
-            route_done: gpu.zeros(1)?,
-            logits: gpu.zeros(c.vocab_size)?,
-            arg_v: gpu.zeros(ARGMAX_BLOCKS as usize)?,
-            arg_i: gpu.zeros(ARGMAX_BLOCKS as usize)?,
+            hidden: gpu.zeros(hidden)?,
+            proj: gpu.zeros(proj)?,
+            conv_out: gpu.zeros(conv_out)?,
+            gdn_o: gpu.zeros(gdn_o)?,
+            gdn_y: gpu.zeros(gdn_y)?,
+            q: gpu.zeros(q)?,
+            part_ml: gpu.zeros(part_ml)?,
+            part_acc: gpu.zeros(part_acc)?,
+            attn_out: gpu.zeros(attn_out)?,
+            router_logits: gpu.zeros(router_logits)?,
+            ids: gpu.zeros(ids)?,
+            weights: gpu.zeros(weights)?,
+            act: gpu.zeros(act)?,
+            route_done: gpu.zeros(route_done)?,
+            logits: gpu.zeros(logits)?,
+            arg_v: gpu.zeros(arg_v)?,
+            arg_i: gpu.zeros(arg_i)?,
+            chosen: gpu.zeros(chosen)?,
         })
+    }
+
+    /// Device bytes [`Scratch::new`] allocates (every buffer holds 4-byte elements).
+    pub fn bytes(c: &ModelConfig) -> usize {
+        row_floats(c).iter().sum::<usize>() * MAX_ROWS * 4
     }
 }
 
@@ -82,6 +141,7 @@ fn round_up_warp(n: usize) -> u32 {
 }
 
 /// What a GEMV launch does with its input and output (the `gemv_*` kernels of gemv.cu).
+#[derive(Clone, Copy)]
 enum GemvForm {
     /// `y = W · (RMSNorm(x) · norm)`, x being the residual stream.
     Norm(u64, f32),
@@ -89,8 +149,64 @@ enum GemvForm {
     Add,
 }
 
-/// `y = [m0 | m1 | ...] · x` in one of its forms, one launch for matrices that share their input.
-fn gemv(gpu: &Gpu, form: GemvForm, mats: &[&DeviceMat], x: u64, y: u64) -> Result<()> {
+/// The bound on its rows a batched GEMV is compiled for (`gemv_rows_*_x{2,4,8}`).
+fn rows_bound(rows: usize) -> usize {
+    rows.next_power_of_two().max(2)
+}
+
+/// Dynamic shared memory of `gemv_rows_*` for `bound` rows of `cols` inputs (kernels/
+/// gemv_rows.cuh): each row's staged x and chunk sums, then its norm scratch and inverse norm.
+pub fn rows_shared_bytes(bits: u32, cols: usize, bound: usize) -> usize {
+    let per = if bits == 32 { 1 } else { 128 / bits as usize };
+    let (xs, xsum) = match bits {
+        32 => (cols, 1),
+        _ => (cols / per * (per + 4), cols / per),
+    };
+    4 * bound * (xs + xsum + 32 + 1)
+}
+
+/// The widest input a batched GEMV of the model stages: the hidden state, the GDN's gated
+/// output or the attention's.
+fn widest_input(c: &ModelConfig) -> usize {
+    c.hidden_size
+        .max(c.gdn_value_dim())
+        .max(c.num_attention_heads * c.head_dim)
+}
+
+/// The rows a step can take: the largest bound whose batched GEMVs' shared memory fits a block
+/// of the device for the model's formats (1: no batched step).
+pub fn step_rows(c: &ModelConfig, bits: &[u32], shared_optin: usize) -> usize {
+    let widest = widest_input(c);
+    [8, 4, 2]
+        .into_iter()
+        .find(|&n| {
+            bits.iter()
+                .all(|&b| rows_shared_bytes(b, widest, n) <= shared_optin)
+        })
+        .unwrap_or(1)
+}
+
+/// The batched GEMVs' shared memory limits to raise at start: all a block can have (each launch
+/// asks for what its rows and width need, [`rows_shared_bytes`]).
+pub fn dynamic_shared(shared_optin: usize) -> Vec<(String, u32)> {
+    let mut raised = Vec::new();
+    for bits in [4, 8, 32] {
+        for bound in [2, 4, 8] {
+            for form in ["norm", "add"] {
+                raised.push((
+                    format!("gemv_rows_{form}_b{bits}_x{bound}"),
+                    shared_optin as u32,
+                ));
+            }
+        }
+    }
+    raised
+}
+
+/// `y[n] = [m0 | m1 | ...] · x[n]` for each of `rows` rows in one of its forms, one launch for
+/// matrices that share their input: `gemv_*` for one row, `gemv_rows_*` for several (each
+/// weight read once for all of them, each row's result the one it gets alone).
+fn gemv(gpu: &Gpu, form: GemvForm, mats: &[&DeviceMat], rows: usize, x: u64, y: u64) -> Result<()> {
     ensure!(
         !mats.is_empty() && mats.len() <= 4,
         "gemv takes 1 to 4 matrices"
@@ -104,22 +220,55 @@ fn gemv(gpu: &Gpu, form: GemvForm, mats: &[&DeviceMat], x: u64, y: u64) -> Resul
         cols <= XS_COLS,
         "the CUDA GEMV stages at most {XS_COLS} inputs, not {cols}"
     );
+    ensure!(
+        (1..=MAX_ROWS).contains(&rows),
+        "a GEMV takes 1 to {MAX_ROWS} rows, not {rows}"
+    );
     let mut args = [MatArg::default(); 4];
     for (a, m) in args.iter_mut().zip(mats) {
         *a = m.arg(gpu);
     }
-    let rows: Vec<usize> = mats.iter().map(|m| m.rows).collect();
+    let mat_rows: Vec<usize> = mats.iter().map(|m| m.rows).collect();
     let mut kargs: Vec<KArg> = args.iter().map(|&a| KArg::Mat(a)).collect();
-    kargs.push(KArg::Ptr(x));
+    let shape = gemv_shape(&mat_rows);
+    if rows == 1 {
+        kargs.push(KArg::Ptr(x));
+        let name = match form {
+            GemvForm::Add => format!("gemv_add_b{bits}"),
+            GemvForm::Norm(norm, eps) => {
+                kargs.extend([KArg::Ptr(norm), KArg::F32(eps)]);
+                format!("gemv_norm_b{bits}")
+            }
+        };
+        kargs.push(KArg::Ptr(y));
+        return gpu.launch(&name, shape, &kargs);
+    }
+    let bound = rows_bound(rows);
+    kargs.extend([KArg::I32(rows as i32), KArg::Ptr(x)]);
     let name = match form {
-        GemvForm::Add => format!("gemv_add_b{bits}"),
+        GemvForm::Add => format!("gemv_rows_add_b{bits}_x{bound}"),
         GemvForm::Norm(norm, eps) => {
             kargs.extend([KArg::Ptr(norm), KArg::F32(eps)]);
-            format!("gemv_norm_b{bits}")
+            format!("gemv_rows_norm_b{bits}_x{bound}")
         }
     };
     kargs.push(KArg::Ptr(y));
-    gpu.launch(&name, gemv_shape(&rows), &kargs)
+    // One wave: every block stages all the rows' inputs, so more blocks than fit at once would
+    // stage them again for nothing; the warps stride over the units instead.
+    let shared = rows_shared_bytes(bits, cols, bound);
+    let per_sm = gpu
+        .function(&name)?
+        .occupancy_max_active_blocks_per_multiprocessor(shape.block, shared, None)?;
+    ensure!(
+        per_sm > 0,
+        "{name} needs {shared} bytes of shared memory for {rows} rows of {cols} inputs, more than {} gives a block",
+        gpu.name
+    );
+    let wave = Shape {
+        grid: (shape.grid.0.min(per_sm * gpu.sms), 1, 1),
+        block: shape.block,
+    };
+    gpu.launch_shared(&name, wave, shared as u32, &kargs)
 }
 
 /// GPU-timeline events between the kernel families of a step, for `lily bench`'s breakdown.
@@ -151,13 +300,51 @@ impl Timeline {
     }
 }
 
-/// The MoE block of one layer: router + top-k, then the chosen and shared experts' gate/up, then
-/// their down projections, combined and added into the residual stream. Three launches.
-fn experts(gpu: &Gpu, c: &ModelConfig, m: &DeviceMoe, post_norm: u64, s: &Scratch) -> Result<()> {
+/// One sequence's row in a decode step: its state, and the tokens its greedy choice ranges
+/// over.
+pub struct StepRow<'a> {
+    pub state: &'a CudaState,
+    pub choices: usize,
+}
+
+/// The step's per-row buffers and counts, as the kernels take them.
+struct Rows {
+    n: usize,
+    token: RowPtrs,
+    pos: RowPtrs,
+    choices: RowInts,
+    splits: RowInts,
+}
+
+impl Rows {
+    fn of(gpu: &Gpu, rows: &[StepRow<'_>]) -> Self {
+        let st = &gpu.stream;
+        Rows {
+            n: rows.len(),
+            token: RowPtrs::of(rows.iter().map(|r| ptr(&r.state.token, st))),
+            pos: RowPtrs::of(rows.iter().map(|r| ptr(&r.state.pos, st))),
+            choices: RowInts::of(rows.iter().map(|r| r.choices as i32)),
+            splits: RowInts::of(rows.iter().map(|r| r.state.attn_splits as i32)),
+        }
+    }
+}
+
+/// The MoE block of one layer for every row: router + top-k, then the chosen and shared
+/// experts' gate/up, then their down projections, combined and added into the residual stream.
+/// Three launches, each over every row (the grid's y).
+fn experts(
+    gpu: &Gpu,
+    c: &ModelConfig,
+    m: &DeviceMoe,
+    post_norm: u64,
+    s: &Scratch,
+    rows: usize,
+) -> Result<()> {
     let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
     let (h, eps) = (c.hidden_size, c.rms_norm_eps);
     let (inter, shared) = (c.moe_intermediate_size, c.shared_intermediate_size);
     let (ids, done) = (ptr(&s.ids, &gpu.stream), ptr(&s.route_done, &gpu.stream));
+    let b = rows as u32;
     ensure!(
         m.router.bits == m.shared_gate.bits,
         "the router and the shared-expert gate must share a format"
@@ -169,7 +356,8 @@ fn experts(gpu: &Gpu, c: &ModelConfig, m: &DeviceMoe, post_norm: u64, s: &Scratc
     let name = format!("moe_route_b{}", m.router.bits);
     // ROUTE_ROWS rows per warp (moe.cu), whole units per matrix as the kernel counts them.
     let units = m.router.rows.div_ceil(ROUTE_ROWS) + m.shared_gate.rows.div_ceil(ROUTE_ROWS);
-    let shape = staged_shape(units);
+    let mut shape = staged_shape(units);
+    shape.grid.1 = b;
     let (r, sg) = (m.router.arg(gpu), m.shared_gate.arg(gpu));
     gpu.launch(
         &name,
@@ -194,7 +382,7 @@ fn experts(gpu: &Gpu, c: &ModelConfig, m: &DeviceMoe, post_norm: u64, s: &Scratc
         "routed and shared experts must share a format"
     );
     // One (gate, up) row pair per warp and unit (moe.cu, PAIRS), eight warps a block, one wave
-    // (three blocks an SM on the H200: __launch_bounds__(256, 3)).
+    // over all the rows (three blocks an SM on the H200: __launch_bounds__(256, 3)).
     let pairs = c.experts_per_token * inter + shared;
     let (g, u, sg, su) = (
         m.gate.arg(gpu),
@@ -203,7 +391,9 @@ fn experts(gpu: &Gpu, c: &ModelConfig, m: &DeviceMoe, post_norm: u64, s: &Scratc
         m.shared[1].arg(gpu),
     );
     let name = format!("moe_gate_up_b{bits}");
-    let shape = wave_shape(pairs, 8, gpu.resident_blocks_256(&name)?);
+    let wave = gpu.resident_blocks_256(&name)?.div_ceil(b);
+    let mut shape = wave_shape(pairs, 8, wave);
+    shape.grid.1 = b;
     gpu.launch(
         &name,
         shape,
@@ -223,7 +413,9 @@ fn experts(gpu: &Gpu, c: &ModelConfig, m: &DeviceMoe, post_norm: u64, s: &Scratc
     // DOWN_ROWS (moe.cu) output rows per warp and unit, eight warps a block.
     let name = format!("moe_down_b{bits}");
     let (d, sd) = (m.down.arg(gpu), m.shared[2].arg(gpu));
-    let shape = wave_shape(h.div_ceil(DOWN_ROWS), 8, gpu.resident_blocks_256(&name)?);
+    let wave = gpu.resident_blocks_256(&name)?.div_ceil(b);
+    let mut shape = wave_shape(h.div_ceil(DOWN_ROWS), 8, wave);
+    shape.grid.1 = b;
     gpu.launch(
         &name,
         shape,
@@ -241,38 +433,43 @@ fn experts(gpu: &Gpu, c: &ModelConfig, m: &DeviceMoe, post_norm: u64, s: &Scratc
     )
 }
 
-/// Enqueues one whole decode step for `state`, its greedy choice ranging over the first
-/// `choices` tokens; with a timeline, marks each kernel family.
+/// Enqueues one whole decode step for `rows` (1 to [`MAX_ROWS`] sequences, each weight read
+/// once for all of them); with a timeline, marks each kernel family.
 pub fn encode_step(
     gpu: &Gpu,
     c: &ModelConfig,
     w: &DeviceWeights,
     s: &Scratch,
-    state: &CudaState,
-    choices: usize,
+    step_rows: &[StepRow<'_>],
     mut timeline: Option<&mut Timeline>,
 ) -> Result<()> {
+    ensure!(
+        (1..=MAX_ROWS).contains(&step_rows.len()),
+        "a decode step takes 1 to {MAX_ROWS} sequences, not {}",
+        step_rows.len()
+    );
     let mut mark = |family: &'static str| match timeline.as_deref_mut() {
         Some(t) => t.mark(gpu, family),
         None => Ok(()),
     };
     mark("start")?;
-    let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
+    let st = &gpu.stream;
+    let p = |b: &CudaSlice<f32>| ptr(b, st);
     let eps = c.rms_norm_eps;
-    let token = ptr(&state.token, &gpu.stream);
-    let pos = ptr(&state.pos, &gpu.stream);
+    let rows = Rows::of(gpu, step_rows);
+    let (n, b) = (rows.n, rows.n as u32);
 
     let embed = w.embed.arg(gpu);
-    let name = format!("embed_b{}", w.embed.bits);
-    launch!(gpu, &name, (1, 1, 1), 256; embed, token, p(&s.hidden));
+    let name = format!("embed_rows_b{}", w.embed.bits);
+    launch!(gpu, &name, (b, 1, 1), 256; embed, rows.token, p(&s.hidden));
     mark("embed")?;
 
     // No norm launches: the GEMVs that read the residual stream normalise it as they stage it,
     // and the mixer output and expert down projections add into it.
-    for (layer, ls) in w.layers.iter().zip(&state.layers) {
+    for (l, layer) in w.layers.iter().enumerate() {
         let input_norm = GemvForm::Norm(p(&layer.input_norm), eps);
-        match (&layer.mixer, ls) {
-            (DeviceMixer::GatedDeltaNet(g), LayerState::GatedDeltaNet { window, recurrent }) => {
+        match &layer.mixer {
+            DeviceMixer::GatedDeltaNet(g) => {
                 let DeviceGdn {
                     proj,
                     conv,
@@ -281,87 +478,176 @@ pub fn encode_step(
                     norm,
                     out_proj,
                 } = g.as_ref();
+                let (window, recurrent) = gdn_rows(step_rows, l, st)?;
                 gemv(
                     gpu,
                     input_norm,
                     &[&proj[0], &proj[1], &proj[2], &proj[3]],
+                    n,
                     p(&s.hidden),
                     p(&s.proj),
                 )?;
                 let conv_dim = c.gdn_conv_dim();
-                launch!(gpu, "gdn_conv", (conv_dim.div_ceil(256) as u32, 1, 1), 256;
-                    p(&s.proj), p(conv), p(window), p(&s.conv_out));
+                launch!(gpu, "gdn_conv", (conv_dim.div_ceil(256) as u32, b, 1), 256;
+                    p(&s.proj), p(conv), window, p(&s.conv_out));
                 let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
                 let cols = dv.min(32);
-                launch!(gpu, "gdn_step", (nv as u32, dv.div_ceil(cols) as u32, 1), (cols * 4) as u32;
-                    p(&s.conv_out), p(&s.proj), p(a_log), p(dt_bias), p(recurrent), p(&s.gdn_o));
-                launch!(gpu, "gdn_gated_norm", (nv as u32, 1, 1), round_up_warp(dv);
+                launch!(gpu, "gdn_step", (nv as u32, dv.div_ceil(cols) as u32, b), (cols * 4) as u32;
+                    p(&s.conv_out), p(&s.proj), p(a_log), p(dt_bias), recurrent, p(&s.gdn_o));
+                launch!(gpu, "gdn_gated_norm", (nv as u32, b, 1), round_up_warp(dv);
                     p(&s.gdn_o), p(&s.proj), p(norm), p(&s.gdn_y), eps);
                 mark("gated deltanet")?;
-                gemv(gpu, GemvForm::Add, &[out_proj], p(&s.gdn_y), p(&s.hidden))?;
+                gemv(
+                    gpu,
+                    GemvForm::Add,
+                    &[out_proj],
+                    n,
+                    p(&s.gdn_y),
+                    p(&s.hidden),
+                )?;
                 mark("mixer output gemv")?;
             }
-            (DeviceMixer::Attention(a), LayerState::Attention { k, v }) => {
+            DeviceMixer::Attention(a) => {
                 let DeviceAttention {
                     proj,
                     q_norm,
                     k_norm,
                     o_proj,
                 } = a.as_ref();
+                let (k, v) = attention_rows(step_rows, l, st)?;
                 gemv(
                     gpu,
                     input_norm,
                     &[&proj[0], &proj[1], &proj[2]],
+                    n,
                     p(&s.hidden),
                     p(&s.proj),
                 )?;
                 mark("mixer input gemv")?;
                 let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
-                let kp = ptr(k, &gpu.stream);
-                let vp = ptr(v, &gpu.stream);
                 // One warp per head (head_norm_rope).
-                launch!(gpu, "attn_prep", ((nh + nkv) as u32, 1, 1), 32;
-                    p(&s.proj), p(q_norm), p(k_norm), pos, p(&s.q), kp, vp, eps);
-                let splits = state.attn_splits;
+                launch!(gpu, "attn_prep", ((nh + nkv) as u32, b, 1), 32;
+                    p(&s.proj), p(q_norm), p(k_norm), rows.pos, p(&s.q), k, v, eps);
+                let splits = step_rows
+                    .iter()
+                    .map(|r| r.state.attn_splits)
+                    .max()
+                    .unwrap_or(1);
                 // 128 threads: attn_split is written for four warps (AS_WARPS).
-                launch!(gpu, "attn_split", (nkv as u32, splits as u32, 1), 128;
-                    p(&s.q), kp, vp, pos, p(&s.part_ml), p(&s.part_acc));
-                launch!(gpu, "attn_combine", (nh as u32, 1, 1), round_up_warp(hd);
-                    p(&s.part_ml), p(&s.part_acc), splits as i32, p(&s.proj), p(&s.attn_out));
+                launch!(gpu, "attn_split", (nkv as u32, splits as u32, b), 128;
+                    p(&s.q), k, v, rows.pos, rows.splits, p(&s.part_ml), p(&s.part_acc));
+                launch!(gpu, "attn_combine", (nh as u32, b, 1), round_up_warp(hd);
+                    p(&s.part_ml), p(&s.part_acc), rows.splits, p(&s.proj), p(&s.attn_out));
                 mark("attention")?;
-                gemv(gpu, GemvForm::Add, &[o_proj], p(&s.attn_out), p(&s.hidden))?;
+                gemv(
+                    gpu,
+                    GemvForm::Add,
+                    &[o_proj],
+                    n,
+                    p(&s.attn_out),
+                    p(&s.hidden),
+                )?;
                 mark("mixer output gemv")?;
             }
-            _ => unreachable!("states are built from the same config as the weights"),
         }
-        experts(gpu, c, &layer.moe, p(&layer.post_norm), s)?;
+        experts(gpu, c, &layer.moe, p(&layer.post_norm), s, n)?;
         mark("experts")?;
     }
     gemv(
         gpu,
         GemvForm::Norm(p(&w.final_norm), eps),
         &[&w.lm_head],
+        n,
         p(&s.hidden),
         p(&s.logits),
     )?;
     mark("lm_head")?;
-    device_argmax(gpu, s, choices, token, pos)?;
+    argmax_rows(gpu, s, &rows)?;
     mark("argmax")?;
     Ok(())
 }
 
-/// The greedy choice among the first `choices` of `s.logits` into the token slot `token`, the
-/// lowest id on ties (as the host's `argmax`), and `pos` advanced by one.
-pub fn device_argmax(gpu: &Gpu, s: &Scratch, choices: usize, token: u64, pos: u64) -> Result<()> {
+/// Layer `l`'s conv windows and recurrent states of every row.
+fn gdn_rows(step_rows: &[StepRow<'_>], l: usize, st: &CudaStream) -> Result<(RowPtrs, RowPtrs)> {
+    let (mut window, mut recurrent) = (RowPtrs::default(), RowPtrs::default());
+    for (i, row) in step_rows.iter().enumerate() {
+        let LayerState::GatedDeltaNet {
+            window: w,
+            recurrent: r,
+        } = &row.state.layers[l]
+        else {
+            bail!("layer {l} of a state is not a Gated DeltaNet");
+        };
+        (window.p[i], recurrent.p[i]) = (ptr(w, st), ptr(r, st));
+    }
+    Ok((window, recurrent))
+}
+
+/// Layer `l`'s K and V caches of every row.
+fn attention_rows(
+    step_rows: &[StepRow<'_>],
+    l: usize,
+    st: &CudaStream,
+) -> Result<(RowPtrs, RowPtrs)> {
+    let (mut k, mut v) = (RowPtrs::default(), RowPtrs::default());
+    for (i, row) in step_rows.iter().enumerate() {
+        let LayerState::Attention { k: kc, v: vc } = &row.state.layers[l] else {
+            bail!("layer {l} of a state is not an attention layer");
+        };
+        (k.p[i], v.p[i]) = (ptr(kc, st), ptr(vc, st));
+    }
+    Ok((k, v))
+}
+
+/// Each row's greedy choice among its first `choices` logits (row r at `r · vocab` of
+/// `s.logits`) into its token slot and `s.chosen[r]`, the lowest id on ties (as the host's
+/// `argmax`), and each row's position advanced by one.
+fn argmax_rows(gpu: &Gpu, s: &Scratch, rows: &Rows) -> Result<()> {
     let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
+    let vocab = s.logits.len() / MAX_ROWS;
     ensure!(
-        choices >= 1 && choices <= s.logits.len(),
-        "the argmax ranges over 1 ..= {} logits, not {choices}",
-        s.logits.len()
+        rows.choices.n[..rows.n]
+            .iter()
+            .all(|&n| n >= 1 && n as usize <= vocab),
+        "the argmax ranges over 1 ..= {vocab} logits, not {:?}",
+        &rows.choices.n[..rows.n]
     );
-    launch!(gpu, "argmax_partial", (ARGMAX_BLOCKS, 1, 1), 256;
-        p(&s.logits), choices as i32, p(&s.arg_v), ptr(&s.arg_i, &gpu.stream));
-    launch!(gpu, "argmax_final", (1, 1, 1), 32;
-        p(&s.arg_v), ptr(&s.arg_i, &gpu.stream), token, pos);
+    let b = rows.n as u32;
+    launch!(gpu, "argmax_partial", (ARGMAX_BLOCKS, b, 1), 256;
+        p(&s.logits), vocab as i32, rows.choices, p(&s.arg_v), ptr(&s.arg_i, &gpu.stream));
+    launch!(gpu, "argmax_final", (b, 1, 1), 32;
+        p(&s.arg_v), ptr(&s.arg_i, &gpu.stream), rows.choices, rows.token, rows.pos,
+        ptr(&s.chosen, &gpu.stream));
     Ok(())
+}
+
+/// The greedy choice among the first `choices` of the first row of `s.logits` into the token
+/// slot of `state`, the lowest id on ties, and its position advanced by one (after a prefill).
+pub fn device_argmax(gpu: &Gpu, s: &Scratch, state: &CudaState, choices: usize) -> Result<()> {
+    argmax_rows(gpu, s, &Rows::of(gpu, &[StepRow { state, choices }]))
+}
+
+#[cfg(test)]
+mod tests {
+    use lily_core::config::QWEN36_35B_A3B_CONFIG;
+
+    use super::*;
+
+    /// The real model's widest batched input is 4,096 (the GDN's and the attention's outputs):
+    /// 4-bit rows of 36 floats a 32-code chunk, their sums and the norm scratch.
+    #[test]
+    fn the_rows_a_step_takes_follow_the_shared_memory() {
+        let c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
+        assert_eq!(rows_shared_bytes(4, 4096, 1), 4 * (4608 + 128 + 33));
+        assert_eq!(rows_shared_bytes(32, 4096, 2), 2 * 4 * (4096 + 1 + 33));
+        assert_eq!(step_rows(&c, &[4], 227 * 1024), 8);
+        assert_eq!(step_rows(&c, &[4], 100 * 1024), 4);
+        assert_eq!(step_rows(&c, &[4], 48 * 1024), 2);
+        assert_eq!(step_rows(&c, &[4, 32], 100 * 1024), 4);
+        assert_eq!(step_rows(&c, &[32], 120 * 1024), 4);
+        assert_eq!(step_rows(&c, &[4], 16 * 1024), 1);
+        assert_eq!(rows_bound(3), 4);
+        assert_eq!(rows_bound(2), 2);
+        assert_eq!(rows_bound(8), 8);
+    }
 }

@@ -128,6 +128,27 @@ pub fn device_bytes(w: &ModelWeights) -> usize {
 }
 
 impl DeviceWeights {
+    /// The formats of the matrices the decode step's dense GEMVs read (the mixers' projections
+    /// and the lm_head), each once.
+    pub fn gemv_formats(&self) -> Vec<u32> {
+        let mut bits = vec![self.lm_head.bits];
+        for layer in &self.layers {
+            match &layer.mixer {
+                DeviceMixer::GatedDeltaNet(g) => {
+                    bits.extend(g.proj.iter().map(|m| m.bits));
+                    bits.push(g.out_proj.bits);
+                }
+                DeviceMixer::Attention(a) => {
+                    bits.extend(a.proj.iter().map(|m| m.bits));
+                    bits.push(a.o_proj.bits);
+                }
+            }
+        }
+        bits.sort_unstable();
+        bits.dedup();
+        bits
+    }
+
     /// Every tensor the config implies, from `src`.
     pub fn build(gpu: &Gpu, c: &ModelConfig, src: &mut dyn WeightSource) -> Result<Self> {
         ensure!(c.num_experts > 0 && c.num_layers() > 0, "empty model");

@@ -15,7 +15,7 @@ use lily_core::weights::{Linear, ModelWeights};
 use lily_cpu::CpuBackend;
 use lily_cuda::CudaBackend;
 use lily_cuda::KvPrecision;
-use lily_cuda::gpu::{Gpu, KArg, Shape, ptr};
+use lily_cuda::gpu::{Gpu, KArg, RowInts, RowPtrs, Shape, ptr};
 use lily_cuda::mat::{DeviceMat, MatArg, gemv_shape};
 use support::{NEEDS_GPU, dense_of, fixture, greedy, random_linear, rel_diff};
 
@@ -314,11 +314,14 @@ fn run_attention(
         grid: (nkv as u32, splits as u32, 1),
         block: 128,
     };
+    // One row of a step: the sequence's cache, position and split count.
+    let splits_arg = KArg::Ints(RowInts::of([splits as i32]));
     let args = [
         p(&dq),
-        KArg::Ptr(k),
-        KArg::Ptr(v),
-        KArg::Ptr(ptr(&pos, &gpu.stream)),
+        KArg::Rows(RowPtrs::of([k])),
+        KArg::Rows(RowPtrs::of([v])),
+        KArg::Rows(RowPtrs::of([ptr(&pos, &gpu.stream)])),
+        splits_arg,
         p(&part_ml),
         p(&part_acc),
     ];
@@ -327,13 +330,7 @@ fn run_attention(
         grid: (nh as u32, 1, 1),
         block: hd.div_ceil(32) as u32 * 32,
     };
-    let args = [
-        p(&part_ml),
-        p(&part_acc),
-        KArg::I32(splits as i32),
-        p(&dqkv),
-        p(&out),
-    ];
+    let args = [p(&part_ml), p(&part_acc), splits_arg, p(&dqkv), p(&out)];
     gpu.launch("attn_combine", combine_shape, &args).unwrap();
     gpu.download(&out).unwrap()
 }

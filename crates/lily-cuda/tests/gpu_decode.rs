@@ -2,17 +2,43 @@
 //! residual stream computed by every block while staging x) and `gemv_add_b*` (the result added
 //! into y). Ragged row counts, several matrices per launch, widths that take one and two load
 //! batches per lane, and a row count large enough that every warp strides over several units.
-//! Needs a CUDA GPU (`--include-ignored` on the H200).
+//! Then the batched step's `gemv_rows_*` (several sequences' rows, each weight read once) against
+//! the single-row kernels, bit for bit. Needs a CUDA GPU (`--include-ignored` on the H200).
 
 mod support;
 
 use lily_core::rng::uniform_at;
 use lily_core::synthetic::synthetic_config;
 use lily_core::weights::Linear;
-use lily_cuda::KvPrecision;
-use lily_cuda::gpu::{Gpu, KArg, ptr};
+use lily_cuda::gpu::{Gpu, KArg, Shape, ptr};
 use lily_cuda::mat::{DeviceMat, MatArg, gemv_shape};
+use lily_cuda::{KvPrecision, rows_shared_bytes};
 use support::{dense_of, random_linear, rel_diff};
+
+/// Random matrices of `shapes` rows and `cols` columns in one format, on the host and the device,
+/// and the kernels' four matrix arguments (the unused ones empty).
+fn upload(
+    gpu: &Gpu,
+    bits: u32,
+    cols: usize,
+    shapes: &[usize],
+    seed: u64,
+) -> (Vec<Linear>, Vec<DeviceMat>, [KArg; 4]) {
+    let mats: Vec<Linear> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &r)| random_linear(r, cols, bits, seed * i as u64 + cols as u64))
+        .collect();
+    let dev: Vec<DeviceMat> = mats
+        .iter()
+        .map(|m| DeviceMat::upload(gpu, m).unwrap())
+        .collect();
+    let mut args = [MatArg::default(); 4];
+    for (a, m) in args.iter_mut().zip(&dev) {
+        *a = m.arg(gpu);
+    }
+    (mats, dev, args.map(KArg::Mat))
+}
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -28,21 +54,9 @@ fn fused_norm_and_residual_gemvs_match_the_cpu() {
             (4096, vec![2048]),
             (64, vec![40_001]),
         ] {
-            let mats: Vec<Linear> = shapes
-                .iter()
-                .enumerate()
-                .map(|(i, &r)| random_linear(r, cols, bits, 7 * i as u64 + cols as u64))
-                .collect();
+            let (mats, _dev, mats_args) = upload(&gpu, bits, cols, &shapes, 7);
             let hidden: Vec<f32> = (0..cols).map(|i| 3.0 * uniform_at(11, i as u64)).collect();
             let norm_w: Vec<f32> = (0..cols).map(|i| 1.0 + uniform_at(12, i as u64)).collect();
-            let dev: Vec<DeviceMat> = mats
-                .iter()
-                .map(|m| DeviceMat::upload(&gpu, m).unwrap())
-                .collect();
-            let mut args = [MatArg::default(); 4];
-            for (a, m) in args.iter_mut().zip(&dev) {
-                *a = m.arg(&gpu);
-            }
             let total: usize = shapes.iter().sum();
             let start: Vec<f32> = (0..total).map(|i| uniform_at(13, i as u64)).collect();
             let (dh, dn) = (gpu.upload(&hidden).unwrap(), gpu.upload(&norm_w).unwrap());
@@ -50,7 +64,6 @@ fn fused_norm_and_residual_gemvs_match_the_cpu() {
                 gpu.zeros::<f32>(total).unwrap(),
                 gpu.upload(&start).unwrap(),
             );
-            let mats_args = args.map(KArg::Mat);
             let p = |b| KArg::Ptr(b);
             let mut norm_args = mats_args.to_vec();
             norm_args.extend([
@@ -100,6 +113,108 @@ fn fused_norm_and_residual_gemvs_match_the_cpu() {
             // row, chunk or scale shows up at 1e-2 or more.
             assert!(dn <= 1e-5, "gemv_norm {bits}-bit {cols} cols: {dn:e}");
             assert!(da <= 1e-5, "gemv_add {bits}-bit {cols} cols: {da:e}");
+        }
+    }
+}
+
+/// `gemv_rows_{norm,add}_b*` for 2 to 8 rows give every row the bits `gemv_{norm,add}_b*` give it
+/// alone: at every format, widths of one and several load batches, ragged row counts, 2, 3, 5, 7
+/// and 8 rows (bounds 2, 4, 8 and rows short of them), and grids of one block and of one wave.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn batched_gemvs_give_each_row_its_single_row_bits() {
+    let config = synthetic_config("tiny").unwrap();
+    let gpu = Gpu::new(&config, KvPrecision::F32).expect("needs a CUDA GPU");
+    let eps = 1e-6f32;
+    for bits in [4u32, 8, 32] {
+        for (cols, shapes) in [
+            (64usize, vec![1usize, 7, 33]),
+            (2048, vec![257, 1]),
+            (4096, vec![1030]),
+        ] {
+            let (_, _dev, mats_args) = upload(&gpu, bits, cols, &shapes, 5);
+            let total: usize = shapes.iter().sum();
+            let norm_w: Vec<f32> = (0..cols).map(|i| 1.0 + uniform_at(22, i as u64)).collect();
+            let dn = gpu.upload(&norm_w).unwrap();
+            let p = |b: u64| KArg::Ptr(b);
+            for nx in [2usize, 3, 5, 7, 8] {
+                let bound = nx.next_power_of_two();
+                let x: Vec<f32> = (0..nx * cols)
+                    .map(|i| 3.0 * uniform_at(21 + nx as u64, i as u64))
+                    .collect();
+                let start: Vec<f32> = (0..nx * total).map(|i| uniform_at(23, i as u64)).collect();
+                let dx = gpu.upload(&x).unwrap();
+                let single = gemv_shape(&shapes);
+                let shared = rows_shared_bytes(bits, cols, bound) as u32;
+                for blocks in [1u32, single.grid.0.min(132)] {
+                    let (y_norm, y_add) = (
+                        gpu.zeros::<f32>(nx * total).unwrap(),
+                        gpu.upload(&start).unwrap(),
+                    );
+                    let shape = || Shape {
+                        grid: (blocks, 1, 1),
+                        block: single.block,
+                    };
+                    let mut a = mats_args.to_vec();
+                    a.extend([
+                        KArg::I32(nx as i32),
+                        p(ptr(&dx, &gpu.stream)),
+                        p(ptr(&dn, &gpu.stream)),
+                        KArg::F32(eps),
+                        p(ptr(&y_norm, &gpu.stream)),
+                    ]);
+                    let name = format!("gemv_rows_norm_b{bits}_x{bound}");
+                    gpu.launch_shared(&name, shape(), shared, &a).unwrap();
+                    let mut a = mats_args.to_vec();
+                    a.extend([
+                        KArg::I32(nx as i32),
+                        p(ptr(&dx, &gpu.stream)),
+                        p(ptr(&y_add, &gpu.stream)),
+                    ]);
+                    let name = format!("gemv_rows_add_b{bits}_x{bound}");
+                    gpu.launch_shared(&name, shape(), shared, &a).unwrap();
+                    let (got_norm, got_add) = (
+                        gpu.download(&y_norm).unwrap(),
+                        gpu.download(&y_add).unwrap(),
+                    );
+                    for n in 0..nx {
+                        let xr = gpu.upload(&x[n * cols..(n + 1) * cols]).unwrap();
+                        let yn = gpu.zeros::<f32>(total).unwrap();
+                        let ya = gpu.upload(&start[n * total..(n + 1) * total]).unwrap();
+                        let mut a = mats_args.to_vec();
+                        a.extend([
+                            p(ptr(&xr, &gpu.stream)),
+                            p(ptr(&dn, &gpu.stream)),
+                            KArg::F32(eps),
+                            p(ptr(&yn, &gpu.stream)),
+                        ]);
+                        gpu.launch(&format!("gemv_norm_b{bits}"), gemv_shape(&shapes), &a)
+                            .unwrap();
+                        let mut a = mats_args.to_vec();
+                        a.extend([p(ptr(&xr, &gpu.stream)), p(ptr(&ya, &gpu.stream))]);
+                        gpu.launch(&format!("gemv_add_b{bits}"), gemv_shape(&shapes), &a)
+                            .unwrap();
+                        let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        let rows = n * total..(n + 1) * total;
+                        let label = format!(
+                            "{bits}-bit, {cols} cols, rows {shapes:?}, {nx} rows, {blocks} blocks, row {n}"
+                        );
+                        assert_eq!(
+                            bits_of(&got_norm[rows.clone()]),
+                            bits_of(&gpu.download(&yn).unwrap()),
+                            "gemv_rows_norm {label}"
+                        );
+                        assert_eq!(
+                            bits_of(&got_add[rows]),
+                            bits_of(&gpu.download(&ya).unwrap()),
+                            "gemv_rows_add {label}"
+                        );
+                    }
+                }
+            }
+            eprintln!(
+                "{bits}-bit, {cols} cols, rows {shapes:?}: every batched row equals its single-row bits"
+            );
         }
     }
 }

@@ -133,8 +133,6 @@ impl Backend for AnyBackend {
                 AnyState::Cpu(s) => Some(s),
                 AnyState::Cuda(_) => None,
             })?),
-            // No batched CUDA step yet (it comes with the persistent decode kernel): the
-            // trait's default runs the rows one at a time through the single-sequence step.
             AnyBackend::Cuda(b) => b.decode_batch(&mut narrowed(rows, |s| match s {
                 AnyState::Cuda(s) => Some(&mut **s),
                 AnyState::Cpu(_) => None,

@@ -1,42 +1,54 @@
-// Gated attention for one decode token. Constants: NH query heads, NKV KV heads, HD head dim,
-// ROT rotary dims, ROPE_THETA. The position comes from device memory, so a
-// captured graph replays unchanged from step to step.
+// Gated attention for one decode token of each sequence in a step. Constants: NH query heads, NKV
+// KV heads, HD head dim, ROT rotary dims, ROPE_THETA, MAX_ATTN_SPLITS. The grid's last dimension
+// is the row: each sequence's activations at its row of the step's buffers, its KV cache and
+// position from the row's pointers. Positions come from device memory, so a captured graph
+// replays unchanged from step to step.
 
+// A row's fused projection: [q|gate per head (NH·2·HD) | k (NKV·HD) | v (NKV·HD)].
+#define ATTN_PROJ (NH * 2 * HD + 2 * NKV * HD)
+// Partial results a row's splits can leave (heads × splits), the row stride of part_ml / part_acc.
+#define ATTN_PARTS ((long)NKV * MAX_ATTN_SPLITS * GROUP)
 
 // Per head (one warp a block): RMSNorm and RoPE (head_norm_rope); queries go to `q_out`, keys
 // and values into the cache at the current position. Blocks 0..NH-1 are query heads,
-// NH..NH+NKV-1 KV heads. qkv = [q|gate per head (NH·2·HD) | k (NKV·HD) | v].
-extern "C" __global__ void attn_prep(const float* qkv, const float* q_norm, const float* k_norm,
-                                     const int* pos_ptr, float* q_out, kv_t* k_cache, kv_t* v_cache,
-                                     float eps) {
+// NH..NH+NKV-1 KV heads.
+extern "C" __global__ void attn_prep(const float* qkv, const float* q_norm, const float* k_norm, RowPtrs pos,
+                                     float* q_out, RowPtrs k_cache, RowPtrs v_cache, float eps) {
     pdl_wait();
     __shared__ float tmp[HD];
-    int head = blockIdx.x, lane = threadIdx.x;
+    int head = blockIdx.x, lane = threadIdx.x, row = blockIdx.y;
+    qkv += row * ATTN_PROJ;
     bool is_q = head < NH;
     int kv = head - NH;
     const float* src = is_q ? qkv + head * 2 * HD : qkv + NH * 2 * HD + kv * HD;
-    int pos = pos_ptr[0];
+    int p = *(const int*)pos.p[row];
     float y[HEAD_PER_LANE];
-    head_norm_rope(src, is_q ? q_norm : k_norm, eps, pos, tmp, lane, y);
-    store_head(is_q, y, lane, q_out + head * HD, k_cache, v_cache, pos, kv, qkv + NH * 2 * HD + NKV * HD + kv * HD);
+    head_norm_rope(src, is_q ? q_norm : k_norm, eps, p, tmp, lane, y);
+    store_head(is_q, y, lane, q_out + (row * NH + head) * HD, (kv_t*)k_cache.p[row], (kv_t*)v_cache.p[row], p, kv,
+               qkv + NH * 2 * HD + NKV * HD + kv * HD);
 }
 
-// One block per (KV head, split of the context); the split count is the grid's y size, chosen
-// per sequence from its longest context.
+// One block per (KV head, split of the context); a row's split count (chosen per sequence from
+// its longest context) is at most the grid's y size, and the blocks past it have nothing to do.
 extern "C" __global__ void __launch_bounds__(4 * WARP)
-attn_split(const float* q, const kv_t* k_cache, const kv_t* v_cache, const int* pos_ptr,
-           float* part_ml, float* part_acc) {
+attn_split(const float* q, RowPtrs k_cache, RowPtrs v_cache, RowPtrs pos, RowInts nsplit, float* part_ml,
+           float* part_acc) {
     pdl_wait();
     __shared__ AsSmem<4> sm;
-    attn_split_block<4>(q + blockIdx.x * GROUP * HD, k_cache, v_cache, pos_ptr[0] + 1, blockIdx.x, blockIdx.y, gridDim.y, part_ml,
-                        part_acc, sm);
+    const int row = blockIdx.z, splits = nsplit.n[row];
+    if ((int)blockIdx.y >= splits) return;
+    attn_split_block<4>(q + (row * NH + blockIdx.x * GROUP) * HD, (const kv_t*)k_cache.p[row],
+                        (const kv_t*)v_cache.p[row], *(const int*)pos.p[row] + 1, blockIdx.x, blockIdx.y, splits,
+                        part_ml + row * ATTN_PARTS * 2, part_acc + row * ATTN_PARTS * HD, sm);
 }
 
 // Merges the splits of each query head and applies the sigmoid output gate: block h, thread d.
-extern "C" __global__ void attn_combine(const float* part_ml, const float* part_acc, int nsplit,
+extern "C" __global__ void attn_combine(const float* part_ml, const float* part_acc, RowInts nsplit,
                                         const float* qkv, float* out) {
     pdl_wait();
-    int h = blockIdx.x, d = threadIdx.x;
+    int h = blockIdx.x, d = threadIdx.x, row = blockIdx.y;
     if (d >= HD) return;
-    out[h * HD + d] = attn_combine_one(h, d, part_ml, part_acc, nsplit, qkv);
+    out[(row * NH + h) * HD + d] = attn_combine_one(h, d, part_ml + row * ATTN_PARTS * 2,
+                                                    part_acc + row * ATTN_PARTS * HD, nsplit.n[row],
+                                                    qkv + row * ATTN_PROJ);
 }

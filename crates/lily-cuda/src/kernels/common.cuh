@@ -150,6 +150,16 @@ struct Mat {
     int group;
 };
 
+// A batched decode step's per-sequence buffers and counts (step.rs, RowPtrs and RowInts): row
+// r's at [r]. The step's activations lie row after row instead ([row][width], one buffer).
+#define MAX_ROWS 8
+struct RowPtrs {
+    void* p[MAX_ROWS];
+};
+struct RowInts {
+    int n[MAX_ROWS];
+};
+
 // ---- bf16 pairs for the tensor-core kernels (gemm.cu, gemm_wgmma.cu, attention_prefill.cu) ----
 
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {

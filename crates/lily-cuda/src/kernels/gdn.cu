@@ -1,26 +1,37 @@
-// Gated DeltaNet for one decode token in three launches of the graph step (the shared bodies are
-// in gdn_decode.cuh).
+// Gated DeltaNet for one decode token of each sequence in a step, in three launches of the graph
+// step (the shared bodies are in gdn_decode.cuh). The grid's last dimension is the row: each
+// sequence's activations at its row of the step's buffers, its conv window and recurrent state
+// from the row's pointer.
+
+// The fused input projection of a row: [qkv (CONV_DIM) | z (NV·DV) | b (NV) | a (NV)].
+#define GDN_PROJ (CONV_DIM + NV * DV + 2 * NV)
 
 // Causal depthwise conv of the q|k|v channels, then SiLU (gdn_conv_channel), a thread a channel.
-extern "C" __global__ void gdn_conv(const float* proj, const float* conv_w, float* window, float* out) {
+extern "C" __global__ void gdn_conv(const float* proj, const float* conv_w, RowPtrs window, float* out) {
     pdl_wait();
-    int ch = blockIdx.x * blockDim.x + threadIdx.x;
-    if (ch < CONV_DIM) out[ch] = gdn_conv_channel(ch, proj[ch], conv_w, window);
+    int row = blockIdx.y, ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch < CONV_DIM)
+        out[row * CONV_DIM + ch] = gdn_conv_channel(ch, proj[row * GDN_PROJ + ch], conv_w, (float*)window.p[row]);
 }
 
 // One (value head, GDN_COLS columns) item per block, 4 row groups (GDN_COLS · 4 threads).
 extern "C" __global__ void gdn_step(const float* conv, const float* proj, const float* a_log,
-                                    const float* dt_bias, float* state, float* out) {
+                                    const float* dt_bias, RowPtrs state, float* out) {
     pdl_wait();
     __shared__ GdnStepSmem<4> sm;
-    gdn_step_cols<4>(blockIdx.x, blockIdx.y * GDN_COLS, conv, proj, a_log, dt_bias, state, out, sm);
+    int row = blockIdx.z;
+    gdn_step_cols<4>(blockIdx.x, blockIdx.y * GDN_COLS, conv + row * CONV_DIM, proj + row * GDN_PROJ, a_log,
+                     dt_bias, (float*)state.p[row], out + row * NV * DV, sm);
 }
 
 // Gated RMSNorm per value head: normalise, scale by the plain weight, gate with silu(z).
 extern "C" __global__ void gdn_gated_norm(const float* o, const float* proj, const float* w, float* y, float eps) {
     pdl_wait();
     __shared__ float scratch[32];
-    int j = blockIdx.x, d = threadIdx.x;
+    int j = blockIdx.x, d = threadIdx.x, row = blockIdx.y;
+    o += row * NV * DV;
+    y += row * NV * DV;
+    proj += row * GDN_PROJ;
     float x = d < DV ? o[j * DV + d] : 0.f;
     float inv = rsqrtf(block_sum(x * x, scratch) / DV + eps);
     if (d < DV) y[j * DV + d] = x * inv * w[d] * siluf(proj[CONV_DIM + j * DV + d]);

@@ -56,9 +56,8 @@ __device__ __forceinline__ float xs_prescale(int c) {
 // kernel's critical path, and a loop that waits for each load in turn costs microseconds.
 #define STAGE_UNROLL 4
 
-// 1 / RMS(h[0..n)) as add_rms_norm computes it. Every block of a launch gets identical bits (same
-// summation order), so rows computed by different blocks see the same normalised vector.
-__device__ float block_inv_rms(const float* h, int n, float eps, float* scratch) {
+// This thread's part of the sum of squares of h[0..n), which block_inv_rms reduces.
+__device__ __forceinline__ float thread_sumsq(const float* h, int n) {
     float ss = 0.f;
     if (n % 4 == 0) {
         for (int i = threadIdx.x; i < n / 4; i += blockDim.x * STAGE_UNROLL) {
@@ -69,13 +68,23 @@ __device__ float block_inv_rms(const float* h, int n, float eps, float* scratch)
                 v[u] = j < n / 4 ? load_act4(h + 4 * j) : make_float4(0.f, 0.f, 0.f, 0.f);
             }
 #pragma unroll
-            for (int u = 0; u < STAGE_UNROLL; u++)
-                ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
+            for (int u = 0; u < STAGE_UNROLL; u++) {
+                // Spelled out, so that every kernel that inlines this rounds alike (chunk_sum).
+                float q = __fmaf_rn(v[u].y, v[u].y, __fmul_rn(v[u].x, v[u].x));
+                q = __fmaf_rn(v[u].w, v[u].w, __fmaf_rn(v[u].z, v[u].z, q));
+                ss = __fadd_rn(ss, q);
+            }
         }
     } else {
-        for (int i = threadIdx.x; i < n; i += blockDim.x) ss += load_act(h + i) * load_act(h + i);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) ss = __fmaf_rn(load_act(h + i), load_act(h + i), ss);
     }
-    return rsqrtf(block_sum(ss, scratch) / n + eps);
+    return ss;
+}
+
+// 1 / RMS(h[0..n)) as add_rms_norm computes it. Every block of a launch gets identical bits (same
+// summation order), so rows computed by different blocks see the same normalised vector.
+__device__ float block_inv_rms(const float* h, int n, float eps, float* scratch) {
+    return rsqrtf(block_sum(thread_sumsq(h, n), scratch) / n + eps);
 }
 
 // Stores float4 j (< n4; past it, only the shuffles) of a quantised matrix's staged x: prescaled
@@ -98,10 +107,11 @@ __device__ __forceinline__ void stage_float4(float4 v, int j, int n4, float* xs,
 
 // Stages x[c] (or x[c] · inv · norm_w[c] with norm_w) for c in [0, cols) into xs (padded,
 // prescaled) and each chunk's plain sum into xsum. Every thread of the block must call it (whole
-// warps take part in the shuffles); it ends with a barrier. For quantised matrices cols is a
+// warps take part in the shuffles); no barrier (stage_x adds it). For quantised matrices cols is a
 // multiple of CHUNK_CODES(BITS), and x and norm_w are 16-byte aligned (device buffers).
 template <int BITS>
-__device__ void stage_x(int cols, const float* x, const float* norm_w, float inv, float* xs, float* xsum) {
+__device__ __forceinline__ void stage_x_values(int cols, const float* x, const float* norm_w, float inv, float* xs,
+                                               float* xsum) {
     if constexpr (BITS == 32) {
         for (int c = threadIdx.x; c < cols; c += blockDim.x * STAGE_UNROLL) {
             float v[STAGE_UNROLL];
@@ -137,6 +147,12 @@ __device__ void stage_x(int cols, const float* x, const float* norm_w, float inv
             for (int u = 0; u < STAGE_UNROLL; u++) stage_float4<BITS>(v[u], c + u * blockDim.x, n4, xs, xsum);
         }
     }
+}
+
+// stage_x_values, then a barrier: x is staged for the whole block.
+template <int BITS>
+__device__ void stage_x(int cols, const float* x, const float* norm_w, float inv, float* xs, float* xsum) {
+    stage_x_values<BITS>(cols, x, norm_w, inv, xs, xsum);
     __syncthreads();
 }
 
@@ -184,6 +200,27 @@ __device__ __forceinline__ u32 magic_reg() {
     return r;
 }
 
+// Code i (of 128 / BITS) of a 16-byte chunk as a float, times 2^(BITS·(p % HALF)) for its
+// position p in its word: exact, and staged x carries the inverse power of two (xs_prescale).
+// magic is magic_reg()'s.
+template <int BITS>
+__device__ __forceinline__ float chunk_code(const u32 (&words)[4], int i, u32 magic) {
+    constexpr int HALF = 16 / BITS, WORD = 32 / BITS;
+    constexpr u32 MASK = (1u << BITS) - 1u;
+    const int p = i % WORD;
+    const u32 v = p >= HALF ? words[i / WORD] >> 16 : words[i / WORD];
+    return __uint_as_float(mask_or(v, MASK << (BITS * (p % HALF)), magic)) - 8388608.f;
+}
+
+// A chunk's share of a row's dot product from its codes' dot product dq with x and the sum sx of
+// x over the chunk: scale · dq + bias · sx. The products and sums of every GEMV are written as
+// explicit fmaf / fmul, so the compiler contracts them the same way in every kernel (a · b + c · d
+// could otherwise become either fma(a, b, c · d) or fma(c, d, a · b)): the batched step's GEMVs
+// give each row the single-row kernel's bits.
+__device__ __forceinline__ float chunk_sum(u16 scale, float dq, u16 bias, float sx) {
+    return __fmaf_rn(bf16_to_f32(scale), dq, __fmul_rn(bf16_to_f32(bias), sx));
+}
+
 // acc[r] += this lane's share of row r · x for NB chunks of R rows (chunk lane + j·WARP from
 // `base`), whose codes, scale and bias chunk(r, j, q, scale, bias) gives: from registers
 // (dot_batch) or from shared memory (gemv_stream.cuh). Row r reads x from chunk xoff[r] on (0 for
@@ -192,8 +229,7 @@ __device__ __forceinline__ u32 magic_reg() {
 template <int BITS, int R, int NB, bool SHARED_X, class Chunk>
 __device__ __forceinline__ void dot_chunks(Chunk chunk, int base, int chunks, const int (&xoff)[R],
                                            const float* xs, const float* xsum, int lane, float (&acc)[R]) {
-    constexpr int PER = 128 / BITS, HALF = 16 / BITS, WORD = 32 / BITS;
-    constexpr u32 MASK = (1u << BITS) - 1u;
+    constexpr int PER = 128 / BITS;
     const u32 magic = magic_reg();
 #pragma unroll
     for (int j = 0; j < NB; j++) {
@@ -216,17 +252,11 @@ __device__ __forceinline__ void dot_chunks(Chunk chunk, int base, int chunks, co
             uint4 q;
             u16 scale, bias;
             chunk(r, j, q, scale, bias);
-            u32 words[4] = {q.x, q.y, q.z, q.w};
+            const u32 words[4] = {q.x, q.y, q.z, q.w};
             float dq = 0.f;
 #pragma unroll
-            for (int i = 0; i < PER; i++) {
-                int p = i % WORD;
-                u32 v = p >= HALF ? words[i / WORD] >> 16 : words[i / WORD];
-                // code · 2^(BITS·(p % HALF)), exactly; xf carries the inverse power of two.
-                float code = __uint_as_float(mask_or(v, MASK << (BITS * (p % HALF)), magic)) - 8388608.f;
-                dq += code * xf[i];
-            }
-            acc[r] += bf16_to_f32(scale) * dq + bf16_to_f32(bias) * sx;
+            for (int i = 0; i < PER; i++) dq = __fmaf_rn(chunk_code<BITS>(words, i, magic), xf[i], dq);
+            acc[r] += chunk_sum(scale, dq, bias, sx);
         }
     }
 }
@@ -287,7 +317,7 @@ __device__ void staged_units(long units, int cols, int group, RowsOf rows_of, St
             float acc[R] = {};
             for (int c = lane; c < cols; c += WARP) {
 #pragma unroll
-                for (int r = 0; r < R; r++) acc[r] += ((const float*)rows[r].w)[c] * xs[xoff[r] + c];
+                for (int r = 0; r < R; r++) acc[r] = __fmaf_rn(((const float*)rows[r].w)[c], xs[xoff[r] + c], acc[r]);
             }
             store(u, acc);
         }
@@ -338,6 +368,46 @@ __device__ void staged_units(long units, int cols, int group, RowsOf rows_of, St
 // Chunks per lane per row whose loads are issued together (2 covers a 2,048-wide 4-bit row).
 #define GEMV_BATCH 2
 
+// The units of ROWS rows of matrices [ms[0] | ... | ms[nm - 1]], whose outputs lie end to end.
+template <int ROWS, class Mats>
+struct MatUnits {
+    const Mats& ms;
+    int nm;
+
+    __device__ long count() const {
+        long units = 0;
+        for (int i = 0; i < nm; i++) units += (ms[i].rows + ROWS - 1) / ROWS;
+        return units;
+    }
+
+    // Unit u → its matrix, first row and the offset of that matrix's rows in y (the rows of the
+    // matrices before it). Each matrix gets whole units.
+    __device__ void locate(long u, int& which, long& r0, long& base) const {
+        base = 0;
+        which = nm - 1;
+        for (int i = 0; i < nm; i++) {
+            long n = (ms[i].rows + ROWS - 1) / ROWS;
+            if (u < n) { which = i; break; }
+            u -= n;
+            base += ms[i].rows;
+        }
+        r0 = u * ROWS;
+    }
+
+    // The unit's rows, a ragged unit's last ones repeating its matrix's last row.
+    template <int BITS>
+    __device__ void rows_of(long u, RowRef (&rows)[ROWS], int (&xoff)[ROWS]) const {
+        int which; long r0, base;
+        locate(u, which, r0, base);
+        const Mat& m = ms[which];
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            rows[r] = row_ref(m, min(r0 + r, (long)m.rows - 1), BITS);
+            xoff[r] = 0;
+        }
+    }
+};
+
 // Rows [ms[0] | ... | ms[nm - 1]] · x, ROWS rows per warp and unit, NB chunks per lane and row
 // loaded together, over blocks blk of nblk; all the matrices share x (so their columns). ms may
 // point into global memory (the persistent step's weight table): each unit reads its matrix's
@@ -349,34 +419,11 @@ __device__ void staged_units(long units, int cols, int group, RowsOf rows_of, St
 template <int BITS, int ROWS, int NB, class Mats, class Stage, class Out>
 __device__ void gemv_mats(const Mats& ms, int nm, Stage stage, Out out, const float* xs, const float* xsum, int blk,
                           int nblk) {
-    long units = 0;
-    for (int i = 0; i < nm; i++) units += (ms[i].rows + ROWS - 1) / ROWS;
-    // Unit u → its matrix, first row and the offset of that matrix's rows in y (the rows of the
-    // matrices before it). Each matrix gets whole units.
-    auto locate = [&](long u, int& which, long& r0, long& base) {
-        base = 0;
-        which = nm - 1;
-        for (int i = 0; i < nm; i++) {
-            long n = (ms[i].rows + ROWS - 1) / ROWS;
-            if (u < n) { which = i; break; }
-            u -= n;
-            base += ms[i].rows;
-        }
-        r0 = u * ROWS;
-    };
-    auto rows_of = [&](long u, RowRef (&rows)[ROWS], int (&xoff)[ROWS]) {
-        int which; long r0, base;
-        locate(u, which, r0, base);
-        const Mat& m = ms[which];
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            rows[r] = row_ref(m, min(r0 + r, (long)m.rows - 1), BITS);
-            xoff[r] = 0;
-        }
-    };
+    const MatUnits<ROWS, Mats> mu{ms, nm};
+    auto rows_of = [&](long u, RowRef (&rows)[ROWS], int (&xoff)[ROWS]) { mu.template rows_of<BITS>(u, rows, xoff); };
     auto store = [&](long u, float (&acc)[ROWS]) {
         int which; long r0, base;
-        locate(u, which, r0, base);
+        mu.locate(u, which, r0, base);
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             // Every lane holds the sum (warp_sum); lane r stores row r, so that stores which
@@ -385,7 +432,7 @@ __device__ void gemv_mats(const Mats& ms, int nm, Stage stage, Out out, const fl
             if (threadIdx.x % WARP == r && r0 + r < ms[which].rows) out(which, r0 + r, base + r0 + r, v);
         }
     };
-    staged_units<BITS, ROWS, NB, true, true>(units, ms[0].cols, ms[0].group, rows_of, stage, store, xs, xsum,
+    staged_units<BITS, ROWS, NB, true, true>(mu.count(), ms[0].cols, ms[0].group, rows_of, stage, store, xs, xsum,
                                               blk, nblk);
 }
 

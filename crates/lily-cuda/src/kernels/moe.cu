@@ -29,11 +29,15 @@ __device__ void route(Mat router, Mat sh_gate, const float* hidden, const float*
     if (threadIdx.x == 0) *done = 0;
 }
 
+// Each launch runs every row of the step: the grid's y is the row, whose hidden state, router
+// logits (NE + 1 a row: the shared gate's last), choice (TOPK ids and weights) and act
+// (TOPK · inter + the shared expert's width) lie at its row of the step's buffers.
 #define MOE(BITS)                                                                                 \
     extern "C" __global__ void __launch_bounds__(256) moe_route_b##BITS(                          \
         Mat router, Mat sh_gate, const float* hidden, const float* norm_w, float eps, float* logits, \
         int* ids, float* weights, u32* done) {                                                    \
-        route<BITS>(router, sh_gate, hidden, norm_w, eps, logits, ids, weights, done);            \
+        route<BITS>(router, sh_gate, hidden + (long)blockIdx.y * router.cols, norm_w, eps, logits + blockIdx.y * (NE + 1), \
+                    ids + blockIdx.y * TOPK, weights + blockIdx.y * TOPK, done + blockIdx.y);                          \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_b##BITS(                     \
         Mat gate, Mat up, Mat sh_gate, Mat sh_up, int inter, const int* ids, const float* hidden, \
@@ -41,15 +45,17 @@ __device__ void route(Mat router, Mat sh_gate, const float* hidden, const float*
         __shared__ __align__(16) float xs[XS_FLOATS(BITS)];                                       \
         __shared__ float xsum[XSUM_FLOATS(BITS)];                                                 \
         __shared__ float scratch[32];                                                             \
-        gate_up<BITS>(gate, up, sh_gate, sh_up, inter, ids, hidden, norm_w, eps, act, xs, xsum,    \
-                      scratch, blockIdx.x, gridDim.x);                                            \
+        gate_up<BITS>(gate, up, sh_gate, sh_up, inter, ids + blockIdx.y * TOPK, hidden + (long)blockIdx.y * gate.cols, norm_w, \
+                      eps, act + (long)blockIdx.y * (TOPK * inter + sh_gate.rows), xs, xsum, scratch, blockIdx.x, \
+                      gridDim.x);                                                                 \
     }                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) moe_down_b##BITS(                           \
         Mat down, Mat sh_down, int inter, int hidden, const int* ids, const float* weights,       \
         const float* logits, const float* act, float* residual) {                                 \
         __shared__ DownSmem<BITS> s;                                                              \
-        down_combine<BITS>(down, sh_down, inter, hidden, ids, weights, logits, act, residual, s,   \
-                           blockIdx.x, gridDim.x);                                                \
+        down_combine<BITS>(down, sh_down, inter, hidden, ids + blockIdx.y * TOPK, weights + blockIdx.y * TOPK,  \
+                           logits + blockIdx.y * (NE + 1), act + (long)blockIdx.y * (TOPK * inter + sh_down.cols), \
+                           residual + (long)blockIdx.y * hidden, s, blockIdx.x, gridDim.x);              \
     }
 MOE(4)
 MOE(8)

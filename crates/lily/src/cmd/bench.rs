@@ -1,14 +1,15 @@
 //! `lily bench`: the protocol of design.md. Prefill from an empty state (time to the first
 //! sampled token) and decode (64 greedy steps after a prefill to the context length and one
-//! untimed step; with `--sampled` the same again with Qwen's sampling), each a
-//! warm-up run then the median of `--runs`, on a pseudo-random token sequence fixed by seed.
-//! Decode is also reported against its memory-bandwidth ceiling.
+//! untimed step; with `--sampled` the same again with Qwen's sampling; with `--batch` for
+//! several sequences decoded together), each a warm-up run then the median of `--runs`, on a
+//! pseudo-random token sequence fixed by seed. One sequence's decode is also reported against its
+//! memory-bandwidth ceiling.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result, ensure};
-use lily_core::backend::{Backend, LogitRows};
+use lily_core::backend::{Backend, DecodeRow, LogitRows};
 use lily_core::choice::Choice;
 use lily_core::config::{LayerKind, ModelConfig};
 use lily_core::generate::{prefill, prefill_choose};
@@ -40,6 +41,10 @@ pub struct Args {
     /// seeded), chosen where the backend chooses.
     #[arg(long)]
     sampled: bool,
+    /// Sequences decoded together, each decode figure measured for each (one batched step a
+    /// token: the total and the per-sequence rate).
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    batch: Vec<usize>,
     /// Timed runs per figure (after one warm-up); the median is reported.
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -131,13 +136,23 @@ pub fn run(args: Args) -> Result<()> {
         rows.push(Row {
             kind: "prefill",
             length: len,
+            batch: 1,
             sampled: false,
             samples,
             ceiling: prefill_ceiling(len),
         });
     }
-    let samplings = [false, true].into_iter().filter(|&s| !s || args.sampled);
-    for (sampled, &ctx) in samplings.flat_map(|s| args.contexts.iter().map(move |c| (s, c))) {
+    ensure!(
+        args.batch.iter().all(|&b| b >= 1),
+        "--batch sizes must be at least 1"
+    );
+    let mut decodes = Vec::new();
+    for sampled in [false, true].into_iter().filter(|&s| !s || args.sampled) {
+        for &batch in &args.batch {
+            decodes.extend(args.contexts.iter().map(|&ctx| (sampled, batch, ctx)));
+        }
+    }
+    for (sampled, batch, ctx) in decodes {
         let params = if sampled {
             SamplingParams {
                 temperature: 0.7,
@@ -150,29 +165,22 @@ pub fn run(args: Args) -> Result<()> {
             SamplingParams::greedy()
         };
         let samples = timed(args.runs, || {
-            let mut state = backend.new_state(ctx + args.decode_steps + 2)?;
-            let mut sampler = Sampler::new(params.clone());
-            let mut choice = Choice::of(&mut sampler);
-            let mut token =
-                prefill_choose(&backend, &mut state, &tokens[..ctx], &mut choice)?.token;
-            // The first step of a sequence captures its decode graph (milliseconds on CUDA), a
-            // cost paid once per sequence: it stays out of the timed steps.
-            token = backend.decode_choose(&mut state, token, &mut choice)?.token;
-            let start = Instant::now();
-            for _ in 0..args.decode_steps {
-                token = backend.decode_choose(&mut state, token, &mut choice)?.token;
-            }
-            Ok(args.decode_steps as f64 / start.elapsed().as_secs_f64())
+            decode_rate(&backend, &tokens, ctx, batch, args.decode_steps, &params)
         })?;
         let how = if sampled { ", sampled" } else { "" };
-        eprintln!("decode at {ctx}{how}: {:.1} tok/s", median(&samples));
-        let ceiling = bandwidth / bytes_per_token(ctx);
+        eprintln!(
+            "decode at {ctx}{how}, {batch} at once: {:.1} tok/s",
+            median(&samples)
+        );
+        // The ceiling counts one sequence's bytes: a batch reads more experts per step.
+        let ceiling = (batch == 1).then(|| bandwidth / bytes_per_token(ctx));
         rows.push(Row {
             kind: "decode",
             length: ctx,
+            batch,
             sampled,
             samples,
-            ceiling: Some(ceiling),
+            ceiling,
         });
     }
 
@@ -189,10 +197,10 @@ pub fn run(args: Args) -> Result<()> {
         weight_bytes / 1e9
     );
     println!(
-        "| phase | tokens | tok/s (median of {}) | ceiling tok/s | % of ceiling | weights GB/s | × llama.cpp, same machine |",
+        "| phase | tokens | sequences | tok/s (median of {}) | per sequence | ceiling tok/s | % of ceiling | weights GB/s | × llama.cpp, same machine |",
         args.runs
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &rows {
         let m = median(&r.samples);
         let (ceil, pct, rate) = match r.ceiling {
@@ -206,15 +214,16 @@ pub fn run(args: Args) -> Result<()> {
             ),
             None => ("—".into(), "—".into(), "—".into()),
         };
-        // llama-bench decodes greedily: a sampled row has no peer figure to stand beside.
+        // llama-bench decodes greedily, one sequence: other rows have no peer figure.
         let peer = peer
             .get(r.kind, r.length)
-            .filter(|_| !r.sampled)
+            .filter(|_| !r.sampled && r.batch == 1)
             .map_or("—".into(), |p| format!("{:.2}", m / p));
         let phase = if r.sampled { "decode, sampled" } else { r.kind };
+        let per = m / r.batch as f64;
         println!(
-            "| {phase} | {} | {m:.1} | {ceil} | {pct} | {rate} | {peer} |",
-            r.length
+            "| {phase} | {} | {} | {m:.1} | {per:.1} | {ceil} | {pct} | {rate} | {peer} |",
+            r.length, r.batch
         );
     }
     if let (AnyBackend::Cuda(gpu), Some(&ctx)) = (&backend, args.contexts.first()) {
@@ -296,11 +305,13 @@ pub fn run(args: Args) -> Result<()> {
             "weight_bytes_per_decoded_token": weight_bytes,
             "decode_steps": args.decode_steps,
             "seed": args.seed,
-            // One sequence: what every figure of this command measures.
+            // `batch` sequences decoded together: tok/s counts all of them, per_sequence one.
             "results": rows.iter().map(|r| serde_json::json!({
-                "phase": r.kind, "tokens": r.length, "batch": 1, "sampled": r.sampled,
+                "phase": r.kind, "tokens": r.length, "batch": r.batch, "sampled": r.sampled,
                 "median_tok_s": median(&r.samples), "samples_tok_s": r.samples,
-                "ceiling_tok_s": r.ceiling, "llama_cpp_tok_s": peer.get(r.kind, r.length),
+                "per_sequence_tok_s": median(&r.samples) / r.batch as f64,
+                "ceiling_tok_s": r.ceiling,
+                "llama_cpp_tok_s": peer.get(r.kind, r.length).filter(|_| r.batch == 1 && !r.sampled),
             })).collect::<Vec<_>>(),
         });
         std::fs::write(path, serde_json::to_string_pretty(&record)?)
@@ -394,10 +405,70 @@ impl Peer {
 struct Row {
     kind: &'static str,
     length: usize,
+    /// Sequences decoded together (1 for prefill).
+    batch: usize,
     /// Decode with `--sampled`'s sampling rather than greedy.
     sampled: bool,
     samples: Vec<f64>,
     ceiling: Option<f64>,
+}
+
+/// Tokens a second over `batch` sequences decoded together for `steps` steps, each prefilled to
+/// `ctx` tokens (each its own rotation of `tokens`, so that the rows differ) and stepped once
+/// untimed: a sequence's first step captures its decode graph (milliseconds on CUDA), a cost
+/// paid once per sequence or batch.
+fn decode_rate(
+    backend: &AnyBackend,
+    tokens: &[u32],
+    ctx: usize,
+    batch: usize,
+    steps: usize,
+    params: &SamplingParams,
+) -> Result<f64> {
+    let mut samplers: Vec<Sampler> = (0..batch)
+        .map(|i| {
+            let seed = params.seed.wrapping_add(i as u64);
+            Sampler::new(SamplingParams {
+                seed,
+                ..params.clone()
+            })
+        })
+        .collect();
+    let mut states = Vec::with_capacity(batch);
+    let mut next = Vec::with_capacity(batch);
+    for (i, sampler) in samplers.iter_mut().enumerate() {
+        let mut state = backend.new_state(ctx + steps + 2)?;
+        let prompt: Vec<u32> = tokens[i % ctx..ctx]
+            .iter()
+            .chain(&tokens[..i % ctx])
+            .copied()
+            .collect();
+        let first = prefill_choose(backend, &mut state, &prompt, &mut Choice::of(sampler))?;
+        states.push(state);
+        next.push(first.token);
+    }
+    let mut step = |states: &mut [AnyState], next: &mut [u32]| -> Result<()> {
+        let mut rows: Vec<DecodeRow<'_, AnyState>> = states
+            .iter_mut()
+            .zip(samplers.iter_mut())
+            .zip(next.iter())
+            .map(|((state, sampler), &token)| DecodeRow {
+                state,
+                token,
+                choice: Choice::of(sampler),
+            })
+            .collect();
+        let picks = backend.decode_batch(&mut rows)?;
+        drop(rows);
+        next.iter_mut().zip(picks).for_each(|(t, p)| *t = p.token);
+        Ok(())
+    };
+    step(&mut states, &mut next)?;
+    let start = Instant::now();
+    for _ in 0..steps {
+        step(&mut states, &mut next)?;
+    }
+    Ok((batch * steps) as f64 / start.elapsed().as_secs_f64())
 }
 
 /// One warm-up, then `runs` timed samples.
