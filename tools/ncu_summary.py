@@ -15,8 +15,8 @@ for row in csv.DictReader(rows):
     scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(row.get("Metric Unit", "nsecond"), 1e-3)
     totals[name] += value * scale
     counts[name] += 1
-# One embedding lookup per step: the number of steps seen.
-steps = float(sum(n for k, n in counts.items() if k.startswith("embed_b")) or 1)
+# One embedding launch per decode step (embed_rows_b*): the number of steps seen.
+steps = float(sum(n for k, n in counts.items() if k.startswith("embed_rows_b")) or 1)
 total = sum(totals.values())
 print(f"| kernel | launches per step | µs per step | share |\n|---|---:|---:|---:|")
 for name, us in sorted(totals.items(), key=lambda kv: -kv[1]):

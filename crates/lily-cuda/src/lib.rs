@@ -304,41 +304,56 @@ impl CudaBackend {
         pick.pick(&self.gpu, &decode.logits.slice(..vocab), &mut slot, choice)
     }
 
-    /// Runs `steps` decode steps of `state` without the graph, timing each kernel family on the
-    /// GPU's timeline; returns milliseconds per step by family. Launch gaps that a graph would
-    /// remove show up here, so the sum exceeds a graph step's time.
+    /// Runs `steps` decode steps of `states` (one sequence, or a batch of up to
+    /// [`Self::step_rows`]) without the graph, timing each kernel family on the GPU's timeline;
+    /// returns milliseconds per step by family. Launch gaps that a graph would remove show up
+    /// here, so the sum exceeds a graph step's time. The persistent step profiles one sequence.
     pub fn profile_decode(
         &self,
-        state: &mut CudaState,
+        states: &mut [&mut CudaState],
         steps: usize,
     ) -> Result<Vec<(&'static str, f64)>> {
         ensure!(
-            steps > 0 && state.len + steps <= state.max_seq,
+            (1..=self.step_rows.max(1)).contains(&states.len()),
+            "a profiled step takes 1 to {} sequences, not {}",
+            self.step_rows.max(1),
+            states.len()
+        );
+        ensure!(
+            steps > 0 && states.iter().all(|s| s.len + steps <= s.max_seq),
             "no room for {steps} profiled steps"
         );
         let scratch = self.lock()?;
         if let Some(step) = &self.persistent {
-            return self.profile_persistent(step, state, &scratch.decode, steps);
+            ensure!(states.len() == 1, "the persistent step takes one sequence");
+            return self.profile_persistent(step, states[0], &scratch.decode, steps);
         }
         let mut timeline = Timeline::default();
         for _ in 0..steps {
-            self.gpu.programmatic(|| {
-                let row = StepRow {
+            let rows: Vec<StepRow<'_>> = states
+                .iter()
+                .map(|state| StepRow {
                     state,
                     choices: self.config.vocab_size,
-                };
+                })
+                .collect();
+            self.gpu.programmatic(|| {
                 encode_step(
                     &self.gpu,
                     &self.config,
                     &self.weights,
                     &scratch.decode,
-                    &[row],
+                    &rows,
                     Some(&mut timeline),
                 )
             })?;
-            state.len += 1;
+            for state in states.iter_mut() {
+                state.len += 1;
+            }
         }
-        state.device_token = None;
+        for state in states.iter_mut() {
+            state.device_token = None;
+        }
         self.gpu.sync()?;
         let mut totals = timeline.totals()?;
         totals.iter_mut().for_each(|(_, ms)| *ms /= steps as f64);

@@ -30,8 +30,9 @@ __device__ void stage_rows(int cols, int nx, const float* x, const float* norm_w
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = (blockDim.x + WARP - 1) / WARP;
     if (norm_w) {
         float ss[NX];
+        thread_sumsq<NX>(x, cols, nx, ss);
 #pragma unroll
-        for (int n = 0; n < NX; n++) ss[n] = n < nx ? warp_sum(thread_sumsq(x + (long)n * cols, cols)) : 0.f;
+        for (int n = 0; n < NX; n++) ss[n] = warp_sum(ss[n]);
         if (lane == 0) {
 #pragma unroll
             for (int n = 0; n < NX; n++) scratch[n * WARP + warp] = ss[n];
@@ -44,12 +45,7 @@ __device__ void stage_rows(int cols, int nx, const float* x, const float* norm_w
         }
         __syncthreads();
     }
-    const int xs_n = xs_row_floats<BITS>(cols), xsum_n = xsum_row_floats<BITS>(cols);
-#pragma unroll
-    for (int n = 0; n < NX; n++)
-        if (n < nx)
-            stage_x_values<BITS>(cols, x + (long)n * cols, norm_w, norm_w ? inv[n] : 1.f, xs + n * xs_n,
-                                 xsum + n * xsum_n);
+    stage_x_values<BITS, NX>(cols, nx, x, norm_w, inv, xs, xsum, xs_row_floats<BITS>(cols), xsum_row_floats<BITS>(cols));
     __syncthreads();
 }
 

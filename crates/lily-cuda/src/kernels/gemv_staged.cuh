@@ -56,35 +56,53 @@ __device__ __forceinline__ float xs_prescale(int c) {
 // kernel's critical path, and a loop that waits for each load in turn costs microseconds.
 #define STAGE_UNROLL 4
 
-// This thread's part of the sum of squares of h[0..n), which block_inv_rms reduces.
-__device__ __forceinline__ float thread_sumsq(const float* h, int n) {
-    float ss = 0.f;
+// ss + the squares of v's four values, spelled out so that every kernel that inlines it rounds
+// alike (see chunk_sum).
+__device__ __forceinline__ float add_squares(float ss, float4 v) {
+    float q = __fmaf_rn(v.y, v.y, __fmul_rn(v.x, v.x));
+    q = __fmaf_rn(v.w, v.w, __fmaf_rn(v.z, v.z, q));
+    return __fadd_rn(ss, q);
+}
+
+// This thread's part of the sum of squares of rows r < nx of h (a row every n floats; NX bounds
+// nx) into ss[r], which block_inv_rms reduces. Every row's loads of a pass are in flight together,
+// and each row's sum runs in the same order whatever the other rows are.
+template <int NX = 1>
+__device__ __forceinline__ void thread_sumsq(const float* h, int n, int nx, float (&ss)[NX]) {
+#pragma unroll
+    for (int r = 0; r < NX; r++) ss[r] = 0.f;
     if (n % 4 == 0) {
         for (int i = threadIdx.x; i < n / 4; i += blockDim.x * STAGE_UNROLL) {
-            float4 v[STAGE_UNROLL];
+            float4 v[NX][STAGE_UNROLL];
 #pragma unroll
-            for (int u = 0; u < STAGE_UNROLL; u++) {
-                int j = i + u * blockDim.x;
-                v[u] = j < n / 4 ? load_act4(h + 4 * j) : make_float4(0.f, 0.f, 0.f, 0.f);
-            }
+            for (int r = 0; r < NX; r++)
 #pragma unroll
-            for (int u = 0; u < STAGE_UNROLL; u++) {
-                // Spelled out, so that every kernel that inlines this rounds alike (chunk_sum).
-                float q = __fmaf_rn(v[u].y, v[u].y, __fmul_rn(v[u].x, v[u].x));
-                q = __fmaf_rn(v[u].w, v[u].w, __fmaf_rn(v[u].z, v[u].z, q));
-                ss = __fadd_rn(ss, q);
-            }
+                for (int u = 0; u < STAGE_UNROLL; u++) {
+                    int j = i + u * blockDim.x;
+                    v[r][u] = r < nx && j < n / 4 ? load_act4(h + (long)r * n + 4 * j) : make_float4(0.f, 0.f, 0.f, 0.f);
+                }
+#pragma unroll
+            for (int r = 0; r < NX; r++)
+#pragma unroll
+                for (int u = 0; u < STAGE_UNROLL; u++) ss[r] = add_squares(ss[r], v[r][u]);
         }
     } else {
-        for (int i = threadIdx.x; i < n; i += blockDim.x) ss = __fmaf_rn(load_act(h + i), load_act(h + i), ss);
+#pragma unroll
+        for (int r = 0; r < NX; r++)
+            if (r < nx)
+                for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                    const float v = load_act(h + (long)r * n + i);
+                    ss[r] = __fmaf_rn(v, v, ss[r]);
+                }
     }
-    return ss;
 }
 
 // 1 / RMS(h[0..n)) as add_rms_norm computes it. Every block of a launch gets identical bits (same
 // summation order), so rows computed by different blocks see the same normalised vector.
 __device__ float block_inv_rms(const float* h, int n, float eps, float* scratch) {
-    return rsqrtf(block_sum(thread_sumsq(h, n), scratch) / n + eps);
+    float ss[1];
+    thread_sumsq(h, n, 1, ss);
+    return rsqrtf(block_sum(ss[0], scratch) / n + eps);
 }
 
 // Stores float4 j (< n4; past it, only the shuffles) of a quantised matrix's staged x: prescaled
@@ -106,45 +124,60 @@ __device__ __forceinline__ void stage_float4(float4 v, int j, int n4, float* xs,
 }
 
 // Stages x[c] (or x[c] · inv · norm_w[c] with norm_w) for c in [0, cols) into xs (padded,
-// prescaled) and each chunk's plain sum into xsum. Every thread of the block must call it (whole
-// warps take part in the shuffles); no barrier (stage_x adds it). For quantised matrices cols is a
-// multiple of CHUNK_CODES(BITS), and x and norm_w are 16-byte aligned (device buffers).
-template <int BITS>
-__device__ __forceinline__ void stage_x_values(int cols, const float* x, const float* norm_w, float inv, float* xs,
-                                               float* xsum) {
+// prescaled) and each chunk's plain sum into xsum, for rows r < nx of x (a row every cols floats,
+// each with its inv[r], into xs + r · xs_n and xsum + r · xsum_n; NX bounds nx, every row's loads
+// of a pass in flight together). Every thread of the block must call it (whole warps take part in
+// the shuffles); no barrier (stage_x adds it). For quantised matrices cols is a multiple of
+// CHUNK_CODES(BITS), and x and norm_w are 16-byte aligned (device buffers).
+template <int BITS, int NX = 1>
+__device__ __forceinline__ void stage_x_values(int cols, int nx, const float* x, const float* norm_w, const float* inv,
+                                               float* xs, float* xsum, int xs_n, int xsum_n) {
     if constexpr (BITS == 32) {
-        for (int c = threadIdx.x; c < cols; c += blockDim.x * STAGE_UNROLL) {
-            float v[STAGE_UNROLL];
 #pragma unroll
-            for (int u = 0; u < STAGE_UNROLL; u++) {
-                int j = c + u * blockDim.x;
-                v[u] = j < cols ? (norm_w ? load_act(x + j) * inv * norm_w[j] : load_act(x + j)) : 0.f;
+        for (int r = 0; r < NX; r++) {
+            if (r >= nx) break;
+            const float* xr = x + (long)r * cols;
+            for (int c = threadIdx.x; c < cols; c += blockDim.x * STAGE_UNROLL) {
+                float v[STAGE_UNROLL];
+#pragma unroll
+                for (int u = 0; u < STAGE_UNROLL; u++) {
+                    int j = c + u * blockDim.x;
+                    v[u] = j < cols ? (norm_w ? load_act(xr + j) * inv[r] * norm_w[j] : load_act(xr + j)) : 0.f;
+                }
+#pragma unroll
+                for (int u = 0; u < STAGE_UNROLL; u++)
+                    if (c + u * blockDim.x < cols) xs[r * xs_n + c + u * blockDim.x] = v[u];
             }
-#pragma unroll
-            for (int u = 0; u < STAGE_UNROLL; u++)
-                if (c + u * blockDim.x < cols) xs[c + u * blockDim.x] = v[u];
         }
     } else {
         // One float4 of x per thread and step; a chunk's values are adjacent threads' float4s.
         int n4 = cols / 4, end = (n4 + WARP - 1) / WARP * WARP;
         const float4* w4 = (const float4*)norm_w;
         for (int c = threadIdx.x; c < end; c += blockDim.x * STAGE_UNROLL) {
-            float4 v[STAGE_UNROLL];
+            float4 v[NX][STAGE_UNROLL];
 #pragma unroll
-            for (int u = 0; u < STAGE_UNROLL; u++) {
-                int j = c + u * blockDim.x;
-                v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (j < n4) {
-                    v[u] = load_act4(x + 4 * j);
-                    if (norm_w) {
-                        float4 w = w4[j];
-                        v[u] = make_float4(v[u].x * inv * w.x, v[u].y * inv * w.y, v[u].z * inv * w.z,
-                                           v[u].w * inv * w.w);
+            for (int r = 0; r < NX; r++)
+#pragma unroll
+                for (int u = 0; u < STAGE_UNROLL; u++) {
+                    int j = c + u * blockDim.x;
+                    v[r][u] = make_float4(0.f, 0.f, 0.f, 0.f);
+                    if (r < nx && j < n4) {
+                        v[r][u] = load_act4(x + (long)r * cols + 4 * j);
+                        if (norm_w) {
+                            float4 w = w4[j];
+                            const float f = inv[r];
+                            v[r][u] = make_float4(v[r][u].x * f * w.x, v[r][u].y * f * w.y, v[r][u].z * f * w.z,
+                                                  v[r][u].w * f * w.w);
+                        }
                     }
                 }
-            }
 #pragma unroll
-            for (int u = 0; u < STAGE_UNROLL; u++) stage_float4<BITS>(v[u], c + u * blockDim.x, n4, xs, xsum);
+            for (int r = 0; r < NX; r++)
+                if (r < nx) {
+#pragma unroll
+                    for (int u = 0; u < STAGE_UNROLL; u++)
+                        stage_float4<BITS>(v[r][u], c + u * blockDim.x, n4, xs + r * xs_n, xsum + r * xsum_n);
+                }
         }
     }
 }
@@ -152,7 +185,7 @@ __device__ __forceinline__ void stage_x_values(int cols, const float* x, const f
 // stage_x_values, then a barrier: x is staged for the whole block.
 template <int BITS>
 __device__ void stage_x(int cols, const float* x, const float* norm_w, float inv, float* xs, float* xsum) {
-    stage_x_values<BITS>(cols, x, norm_w, inv, xs, xsum);
+    stage_x_values<BITS>(cols, 1, x, norm_w, &inv, xs, xsum, 0, 0);
     __syncthreads();
 }
 

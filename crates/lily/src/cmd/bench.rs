@@ -228,19 +228,40 @@ pub fn run(args: Args) -> Result<()> {
     }
     if let (AnyBackend::Cuda(gpu), Some(&ctx)) = (&backend, args.contexts.first()) {
         // Where a step's time goes, op family by family: the persistent step's own timestamps,
-        // or the graph's kernels launched one by one (so launch gaps show).
+        // or the graph's kernels launched one by one (so launch gaps show); one sequence, and
+        // the largest batch the step takes of those asked for.
         let steps = 16;
-        let mut state = backend.new_state(ctx + steps + 1)?;
-        prefill(&backend, &mut state, &tokens[..ctx], LogitRows::Last)?;
-        if let AnyState::Cuda(s) = &mut state {
-            let families = gpu.profile_decode(s, steps)?;
+        let largest = args
+            .batch
+            .iter()
+            .copied()
+            .filter(|&b| b <= gpu.step_rows())
+            .max();
+        let batches = [1].into_iter().chain(largest.filter(|&b| b > 1));
+        for batch in batches.filter(|&b| b == 1 || !gpu.persistent_decode()) {
+            let mut states = Vec::with_capacity(batch);
+            for _ in 0..batch {
+                let mut state = backend.new_state(ctx + steps + 1)?;
+                prefill(&backend, &mut state, &tokens[..ctx], LogitRows::Last)?;
+                states.push(state);
+            }
+            let mut rows: Vec<&mut lily_cuda::CudaState> = states
+                .iter_mut()
+                .filter_map(|s| match s {
+                    AnyState::Cuda(s) => Some(&mut **s),
+                    AnyState::Cpu(_) => None,
+                })
+                .collect();
+            let families = gpu.profile_decode(&mut rows, steps)?;
             let total: f64 = families.iter().map(|(_, ms)| ms).sum();
             let how = if gpu.persistent_decode() {
                 "timestamped inside the persistent kernel"
             } else {
                 "kernels launched one by one"
             };
-            println!("\nper decode step at context {ctx}, {how}: {total:.3} ms");
+            println!(
+                "\nper decode step of {batch} sequence(s) at context {ctx}, {how}: {total:.3} ms"
+            );
             print_families(&families, total, "µs per step", 1e3);
         }
     }
