@@ -28,8 +28,8 @@ pub mod weights;
 use std::sync::Mutex;
 
 use anyhow::{Context, Result, bail, ensure};
-use cudarc::driver::CudaSlice;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice};
 use lily_core::backend::{Backend, DecodeRow, LogitRows};
 use lily_core::choice::{Choice, Pick};
 use lily_core::config::ModelConfig;
@@ -74,7 +74,7 @@ struct Buffers {
 /// argmax ranges, in row order.
 struct BatchGraph {
     rows: Vec<(u64, usize)>,
-    graph: cudarc::driver::CudaGraph,
+    graph: CudaGraph,
 }
 
 /// Device memory the backend takes beyond weights and sequence state: the prefill chunk's
@@ -216,21 +216,27 @@ impl CudaBackend {
         if stale {
             let choices = choices.unwrap_or(self.config.vocab_size);
             state.graph = None;
-            self.gpu
-                .stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let encoded = self.gpu.programmatic(|| {
-                let (gpu, c, w) = (&self.gpu, &self.config, &self.weights);
-                encode_step(gpu, c, w, scratch, &[StepRow { state, choices }], None)
-            });
-            let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0));
-            encoded?;
-            let graph = graph?.context("graph capture produced no graph")?;
+            let graph = self.capture_step(scratch, &[StepRow { state, choices }])?;
             state.graph = Some((graph, choices));
         }
         state.graph.as_ref().map(|(g, _)| g.launch()).transpose()?;
         state.len += 1;
         Ok(())
+    }
+
+    /// One decode step of `rows` captured as a graph (launched programmatically), for replay.
+    fn capture_step(&self, scratch: &Scratch, rows: &[StepRow<'_>]) -> Result<CudaGraph> {
+        self.gpu
+            .stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let encoded = self.gpu.programmatic(|| {
+            let (gpu, c, w) = (&self.gpu, &self.config, &self.weights);
+            encode_step(gpu, c, w, scratch, rows, None)
+        });
+        // The capture ends whether or not the encoding failed, so the stream is usable after.
+        let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0));
+        encoded?;
+        graph?.context("graph capture produced no graph")
     }
 
     /// The tokens a choice ranges over for `sampler`: the vocabulary, or its first `limit`.
@@ -534,16 +540,7 @@ impl CudaBackend {
                     choices,
                 })
                 .collect();
-            self.gpu
-                .stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let encoded = self.gpu.programmatic(|| {
-                let (gpu, c, w) = (&self.gpu, &self.config, &self.weights);
-                encode_step(gpu, c, w, &buffers.decode, &step_rows, None)
-            });
-            let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0));
-            encoded?;
-            let graph = graph?.context("graph capture produced no graph")?;
+            let graph = self.capture_step(&buffers.decode, &step_rows)?;
             buffers.batch = Some(BatchGraph { rows: key, graph });
         }
         if let Some(batch) = &buffers.batch {
