@@ -38,7 +38,7 @@ impl KernelFile {
 pub const KERNEL_FILES: [KernelFile; 14] = [
     KernelFile {
         name: "gemv",
-        headers: &[GEMV_STAGED, GEMV_ROWS],
+        headers: &[GEMV_STAGED, GEMV_ROWS, GEMV_MMA],
         source: include_str!("kernels/gemv.cu"),
         entries: &[
             "gemv_b4",
@@ -68,6 +68,8 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
             "gemv_rows_add_b32_x2",
             "gemv_rows_add_b32_x4",
             "gemv_rows_add_b32_x8",
+            "gemv_mma_norm_b4",
+            "gemv_mma_add_b4",
             "embed_b4",
             "embed_b8",
             "embed_b32",
@@ -215,6 +217,7 @@ const ATTN_DECODE: &str = include_str!("kernels/attn_decode.cuh");
 const MOE_DECODE: &str = include_str!("kernels/moe_decode.cuh");
 const GEMV_STAGED: &str = include_str!("kernels/gemv_staged.cuh");
 const GEMV_ROWS: &str = include_str!("kernels/gemv_rows.cuh");
+const GEMV_MMA: &str = include_str!("kernels/gemv_mma.cuh");
 const GEMV_STREAM: &str = include_str!("kernels/gemv_stream.cuh");
 
 /// The persistent decode step. Compiled apart from [`KERNEL_FILES`], once the weights are laid out:
@@ -371,9 +374,10 @@ mod tests {
     /// through one of the shared bodies that call it after requesting only weights.
     #[test]
     fn every_kernel_waits_for_its_predecessor() {
-        const WAITING_BODIES: [&str; 5] = [
+        const WAITING_BODIES: [&str; 6] = [
             "gemv_staged<",
             "gemv_rows<",
+            "gemv_mma(",
             "route<",
             "gate_up<",
             "down_combine<",

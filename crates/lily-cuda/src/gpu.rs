@@ -110,7 +110,7 @@ impl Gpu {
             .into_iter()
             .chain(crate::gdn_chunked::dynamic_shared(config, optin))
             .chain(crate::attention_prefill::dynamic_shared(config, optin))
-            .chain(crate::step::dynamic_shared(optin));
+            .chain(crate::gemv::dynamic_shared(optin));
         for (entry, bytes) in raised {
             let f = functions
                 .get(entry.as_str())

@@ -13,6 +13,7 @@ pub mod gdn_chunked;
 pub mod gdn_prefill;
 pub mod gemm;
 pub mod gemm_wgmma;
+pub mod gemv;
 pub mod gpu;
 pub mod mat;
 pub mod moe_prefill;
@@ -40,7 +41,6 @@ pub use compile::KvPrecision;
 pub use gpu::gpu_available;
 pub use options::{CudaOptions, DEFAULT_PREFILL_CHUNK};
 pub use state::CudaState;
-pub use step::rows_shared_bytes;
 
 use crate::decode::{DecodePath, PersistentStep};
 use crate::gpu::{Gpu, ptr};
@@ -161,7 +161,7 @@ impl CudaBackend {
             pick: PickScratch::new(&gpu, config.vocab_size)?,
             batch: None,
         });
-        let step_rows = step::step_rows(&config, &weights.gemv_formats(), gpu.shared_optin);
+        let step_rows = gemv::step_rows(&config, &weights.gemv_formats(), gpu.shared_optin);
         // Every weight is written before the first step: kernels may read weights ahead of their
         // pdl_wait(), which orders them only after the kernel before them.
         gpu.sync()?;

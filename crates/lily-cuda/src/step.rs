@@ -7,8 +7,8 @@
 //! A step advances 1 to [`MAX_ROWS`] sequences. Their activations lie row after row in the
 //! scratch buffers; kernels of per-sequence work (attention, the Gated DeltaNet, routing, the
 //! experts, the argmax) take the row from the grid and the row's state from [`RowPtrs`], and the
-//! dense GEMVs read each weight once for every row (`gemv_rows_*`). Every row gets the bits it
-//! gets in a step of its own.
+//! dense GEMVs read each weight once for every row (gemv.rs). Every row gets the bits it gets in a
+//! step of its own.
 
 use anyhow::{Result, bail, ensure};
 use cudarc::driver::sys::CUevent_flags;
@@ -16,9 +16,10 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use lily_core::config::ModelConfig;
 
 use crate::compile::MAX_ATTN_SPLITS;
-use crate::gpu::{Gpu, KArg, MAX_ROWS, RowInts, RowPtrs, Shape, ptr};
+use crate::gemv::{GemvForm, gemv};
+use crate::gpu::{Gpu, KArg, MAX_ROWS, RowInts, RowPtrs, ptr};
 use crate::launch;
-use crate::mat::{DeviceMat, MatArg, XS_COLS, gemv_shape, staged_shape, wave_shape};
+use crate::mat::{XS_COLS, staged_shape, wave_shape};
 use crate::state::{CudaState, LayerState};
 use crate::weights::{DeviceAttention, DeviceGdn, DeviceMixer, DeviceMoe, DeviceWeights};
 
@@ -138,137 +139,6 @@ impl Scratch {
 
 fn round_up_warp(n: usize) -> u32 {
     (n.div_ceil(32) * 32).min(1024) as u32
-}
-
-/// What a GEMV launch does with its input and output (the `gemv_*` kernels of gemv.cu).
-#[derive(Clone, Copy)]
-enum GemvForm {
-    /// `y = W · (RMSNorm(x) · norm)`, x being the residual stream.
-    Norm(u64, f32),
-    /// `y += W · x`, y being the residual stream.
-    Add,
-}
-
-/// The bound on its rows a batched GEMV is compiled for (`gemv_rows_*_x{2,4,8}`).
-fn rows_bound(rows: usize) -> usize {
-    rows.next_power_of_two().max(2)
-}
-
-/// Dynamic shared memory of `gemv_rows_*` for `bound` rows of `cols` inputs (kernels/
-/// gemv_rows.cuh): each row's staged x and chunk sums, then its norm scratch and inverse norm.
-pub fn rows_shared_bytes(bits: u32, cols: usize, bound: usize) -> usize {
-    let per = if bits == 32 { 1 } else { 128 / bits as usize };
-    let (xs, xsum) = match bits {
-        32 => (cols, 1),
-        _ => (cols / per * (per + 4), cols / per),
-    };
-    4 * bound * (xs + xsum + 32 + 1)
-}
-
-/// The widest input a batched GEMV of the model stages: the hidden state, the GDN's gated
-/// output or the attention's.
-fn widest_input(c: &ModelConfig) -> usize {
-    c.hidden_size
-        .max(c.gdn_value_dim())
-        .max(c.num_attention_heads * c.head_dim)
-}
-
-/// The rows a step can take: the largest bound whose batched GEMVs' shared memory fits a block
-/// of the device for the model's formats (1: no batched step).
-pub fn step_rows(c: &ModelConfig, bits: &[u32], shared_optin: usize) -> usize {
-    let widest = widest_input(c);
-    [8, 4, 2]
-        .into_iter()
-        .find(|&n| {
-            bits.iter()
-                .all(|&b| rows_shared_bytes(b, widest, n) <= shared_optin)
-        })
-        .unwrap_or(1)
-}
-
-/// The batched GEMVs' shared memory limits to raise at start: all a block can have (each launch
-/// asks for what its rows and width need, [`rows_shared_bytes`]).
-pub fn dynamic_shared(shared_optin: usize) -> Vec<(String, u32)> {
-    let mut raised = Vec::new();
-    for bits in [4, 8, 32] {
-        for bound in [2, 4, 8] {
-            for form in ["norm", "add"] {
-                raised.push((
-                    format!("gemv_rows_{form}_b{bits}_x{bound}"),
-                    shared_optin as u32,
-                ));
-            }
-        }
-    }
-    raised
-}
-
-/// `y[n] = [m0 | m1 | ...] · x[n]` for each of `rows` rows in one of its forms, one launch for
-/// matrices that share their input: `gemv_*` for one row, `gemv_rows_*` for several (each
-/// weight read once for all of them, each row's result the one it gets alone).
-fn gemv(gpu: &Gpu, form: GemvForm, mats: &[&DeviceMat], rows: usize, x: u64, y: u64) -> Result<()> {
-    ensure!(
-        !mats.is_empty() && mats.len() <= 4,
-        "gemv takes 1 to 4 matrices"
-    );
-    let (bits, cols) = (mats[0].bits, mats[0].cols);
-    ensure!(
-        mats.iter().all(|m| m.bits == bits && m.cols == cols),
-        "matrices launched together must share a format and their input"
-    );
-    ensure!(
-        cols <= XS_COLS,
-        "the CUDA GEMV stages at most {XS_COLS} inputs, not {cols}"
-    );
-    ensure!(
-        (1..=MAX_ROWS).contains(&rows),
-        "a GEMV takes 1 to {MAX_ROWS} rows, not {rows}"
-    );
-    let mut args = [MatArg::default(); 4];
-    for (a, m) in args.iter_mut().zip(mats) {
-        *a = m.arg(gpu);
-    }
-    let mat_rows: Vec<usize> = mats.iter().map(|m| m.rows).collect();
-    let mut kargs: Vec<KArg> = args.iter().map(|&a| KArg::Mat(a)).collect();
-    let shape = gemv_shape(&mat_rows);
-    if rows == 1 {
-        kargs.push(KArg::Ptr(x));
-        let name = match form {
-            GemvForm::Add => format!("gemv_add_b{bits}"),
-            GemvForm::Norm(norm, eps) => {
-                kargs.extend([KArg::Ptr(norm), KArg::F32(eps)]);
-                format!("gemv_norm_b{bits}")
-            }
-        };
-        kargs.push(KArg::Ptr(y));
-        return gpu.launch(&name, shape, &kargs);
-    }
-    let bound = rows_bound(rows);
-    kargs.extend([KArg::I32(rows as i32), KArg::Ptr(x)]);
-    let name = match form {
-        GemvForm::Add => format!("gemv_rows_add_b{bits}_x{bound}"),
-        GemvForm::Norm(norm, eps) => {
-            kargs.extend([KArg::Ptr(norm), KArg::F32(eps)]);
-            format!("gemv_rows_norm_b{bits}_x{bound}")
-        }
-    };
-    kargs.push(KArg::Ptr(y));
-    // One wave: every block stages all the rows' inputs, so more blocks than fit at once would
-    // stage them again for nothing; the warps stride over the units instead.
-    let shared = rows_shared_bytes(bits, cols, bound);
-    let per_sm = gpu
-        .function(&name)?
-        .occupancy_max_active_blocks_per_multiprocessor(shape.block, shared, None)?;
-    ensure!(
-        per_sm > 0,
-        "{name} needs {shared} bytes of shared memory for {rows} rows of {cols} inputs, more than {} gives a block",
-        gpu.name
-    );
-    let wave = Shape {
-        grid: (shape.grid.0.min(per_sm * gpu.sms), 1, 1),
-        block: shape.block,
-    };
-    gpu.launch_shared(&name, wave, shared as u32, &kargs)
 }
 
 /// GPU-timeline events between the kernel families of a step, for `lily bench`'s breakdown.
@@ -625,29 +495,4 @@ fn argmax_rows(gpu: &Gpu, s: &Scratch, rows: &Rows) -> Result<()> {
 /// slot of `state`, the lowest id on ties, and its position advanced by one (after a prefill).
 pub fn device_argmax(gpu: &Gpu, s: &Scratch, state: &CudaState, choices: usize) -> Result<()> {
     argmax_rows(gpu, s, &Rows::of(gpu, &[StepRow { state, choices }]))
-}
-
-#[cfg(test)]
-mod tests {
-    use lily_core::config::QWEN36_35B_A3B_CONFIG;
-
-    use super::*;
-
-    /// The real model's widest batched input is 4,096 (the GDN's and the attention's outputs):
-    /// 4-bit rows of 36 floats a 32-code chunk, their sums and the norm scratch.
-    #[test]
-    fn the_rows_a_step_takes_follow_the_shared_memory() {
-        let c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
-        assert_eq!(rows_shared_bytes(4, 4096, 1), 4 * (4608 + 128 + 33));
-        assert_eq!(rows_shared_bytes(32, 4096, 2), 2 * 4 * (4096 + 1 + 33));
-        assert_eq!(step_rows(&c, &[4], 227 * 1024), 8);
-        assert_eq!(step_rows(&c, &[4], 100 * 1024), 4);
-        assert_eq!(step_rows(&c, &[4], 48 * 1024), 2);
-        assert_eq!(step_rows(&c, &[4, 32], 100 * 1024), 4);
-        assert_eq!(step_rows(&c, &[32], 120 * 1024), 4);
-        assert_eq!(step_rows(&c, &[4], 16 * 1024), 1);
-        assert_eq!(rows_bound(3), 4);
-        assert_eq!(rows_bound(2), 2);
-        assert_eq!(rows_bound(8), 8);
-    }
 }

@@ -130,23 +130,24 @@ pub fn device_bytes(w: &ModelWeights) -> usize {
 impl DeviceWeights {
     /// The formats of the matrices the decode step's dense GEMVs read (the mixers' projections
     /// and the lm_head), each once.
-    pub fn gemv_formats(&self) -> Vec<u32> {
-        let mut bits = vec![self.lm_head.bits];
+    pub fn gemv_formats(&self) -> Vec<(u32, usize)> {
+        let mut mats = vec![&self.lm_head];
         for layer in &self.layers {
             match &layer.mixer {
                 DeviceMixer::GatedDeltaNet(g) => {
-                    bits.extend(g.proj.iter().map(|m| m.bits));
-                    bits.push(g.out_proj.bits);
+                    mats.extend(g.proj.iter());
+                    mats.push(&g.out_proj);
                 }
                 DeviceMixer::Attention(a) => {
-                    bits.extend(a.proj.iter().map(|m| m.bits));
-                    bits.push(a.o_proj.bits);
+                    mats.extend(a.proj.iter());
+                    mats.push(&a.o_proj);
                 }
             }
         }
-        bits.sort_unstable();
-        bits.dedup();
-        bits
+        let mut formats: Vec<(u32, usize)> = mats.iter().map(|m| (m.bits, m.group)).collect();
+        formats.sort_unstable();
+        formats.dedup();
+        formats
     }
 
     /// Every tensor the config implies, from `src`.

@@ -3,17 +3,20 @@
 //! into y). Ragged row counts, several matrices per launch, widths that take one and two load
 //! batches per lane, and a row count large enough that every warp strides over several units.
 //! Then the batched step's `gemv_rows_*` (several sequences' rows, each weight read once) against
-//! the single-row kernels, bit for bit. Needs a CUDA GPU (`--include-ignored` on the H200).
+//! the single-row kernels, bit for bit, and the tensor-core GEMVs (`gemv_mma_*`, through the
+//! step's launcher) against the CPU and each row against itself alone. Needs a CUDA GPU
+//! (`--include-ignored` on the H200).
 
 mod support;
 
 use lily_core::rng::uniform_at;
 use lily_core::synthetic::synthetic_config;
 use lily_core::weights::Linear;
+use lily_cuda::KvPrecision;
+use lily_cuda::gemv::{GemvForm, GemvRoute, gemv, gemv_route, rows_shared_bytes};
 use lily_cuda::gpu::{Gpu, KArg, Shape, ptr};
 use lily_cuda::mat::{DeviceMat, MatArg, gemv_shape};
-use lily_cuda::{KvPrecision, rows_shared_bytes};
-use support::{dense_of, random_linear, rel_diff};
+use support::{dense_of, random_linear, random_linear_grouped, rel_diff};
 
 /// Random matrices of `shapes` rows and `cols` columns in one format, on the host and the device,
 /// and the kernels' four matrix arguments (the unused ones empty).
@@ -214,6 +217,126 @@ fn batched_gemvs_give_each_row_its_single_row_bits() {
             }
             eprintln!(
                 "{bits}-bit, {cols} cols, rows {shapes:?}: every batched row equals its single-row bits"
+            );
+        }
+    }
+}
+
+/// `gemv` on `rows` rows of x (row after row) with y starting as `y0`, through the step's launcher.
+fn launch_gemv(
+    gpu: &Gpu,
+    form: GemvForm,
+    mats: &[&DeviceMat],
+    rows: usize,
+    x: &[f32],
+    y0: &[f32],
+) -> Vec<f32> {
+    let (dx, dy) = (gpu.upload(x).unwrap(), gpu.upload(y0).unwrap());
+    let (px, py) = (ptr(&dx, &gpu.stream), ptr(&dy, &gpu.stream));
+    gemv(gpu, form, mats, rows, px, py).unwrap();
+    gpu.download(&dy).unwrap()
+}
+
+/// The tensor-core GEMVs, the route of 4-bit codes in groups of a multiple of 64: both forms
+/// against the CPU (f64 sums of the dequantised weights), and every row of 2 to 8 bit for bit
+/// what it gets alone. Widths of one slab to two passes (a second pass of 8 of its 32 slabs at
+/// 2,560), groups of 64 and 128, ragged row counts, several matrices a launch, and enough rows
+/// that every block strides over many units.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tensor_core_gemvs_match_the_cpu_and_give_each_row_its_own_bits() {
+    let config = synthetic_config("tiny").unwrap();
+    let gpu = Gpu::new(&config, KvPrecision::F32).expect("needs a CUDA GPU");
+    let eps = 1e-6f32;
+    for (cols, group, shapes) in [
+        (64usize, 64usize, vec![1usize, 7, 33]),
+        (192, 64, vec![16, 5]),
+        (2048, 64, vec![257, 1, 48]),
+        (2048, 128, vec![300]),
+        (2560, 64, vec![33]),
+        (4096, 64, vec![2048, 16]),
+        (1024, 64, vec![20_001]),
+    ] {
+        assert_eq!(
+            gemv_route(4, group, cols, gpu.shared_optin),
+            GemvRoute::TensorCores
+        );
+        let mats: Vec<Linear> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| random_linear_grouped(r, cols, 4, group, 31 * i as u64 + cols as u64))
+            .collect();
+        let dev: Vec<DeviceMat> = mats
+            .iter()
+            .map(|m| DeviceMat::upload(&gpu, m).unwrap())
+            .collect();
+        let refs: Vec<&DeviceMat> = dev.iter().collect();
+        let dense: Vec<f32> = mats.iter().flat_map(dense_of).collect();
+        let total: usize = shapes.iter().sum();
+        let norm_w: Vec<f32> = (0..cols).map(|i| 1.0 + uniform_at(32, i as u64)).collect();
+        let dn = gpu.upload(&norm_w).unwrap();
+        let norm = GemvForm::Norm(ptr(&dn, &gpu.stream), eps);
+        for nx in [1usize, 2, 3, 5, 8] {
+            let x: Vec<f32> = (0..nx * cols)
+                .map(|i| 3.0 * uniform_at(33 + nx as u64, i as u64))
+                .collect();
+            let start: Vec<f32> = (0..nx * total).map(|i| uniform_at(34, i as u64)).collect();
+            let y_norm = launch_gemv(&gpu, norm, &refs, nx, &x, &vec![0.0; nx * total]);
+            let y_add = launch_gemv(&gpu, GemvForm::Add, &refs, nx, &x, &start);
+            for n in 0..nx {
+                let xr = &x[n * cols..(n + 1) * cols];
+                let inv = 1.0
+                    / (xr.iter().map(|&v| v as f64 * v as f64).sum::<f64>() / cols as f64
+                        + eps as f64)
+                        .sqrt();
+                let dot = |row: &[f32], normed: bool| {
+                    row.iter()
+                        .zip(xr)
+                        .zip(&norm_w)
+                        .map(|((&w, &v), &g)| {
+                            let v = if normed {
+                                v as f64 * inv * g as f64
+                            } else {
+                                v as f64
+                            };
+                            w as f64 * v
+                        })
+                        .sum::<f64>()
+                };
+                let rows = n * total..(n + 1) * total;
+                let want_norm: Vec<f32> = dense.chunks(cols).map(|r| dot(r, true) as f32).collect();
+                let want_add: Vec<f32> = dense
+                    .chunks(cols)
+                    .zip(&start[rows.clone()])
+                    .map(|(r, &s)| (dot(r, false) + s as f64) as f32)
+                    .collect();
+                let dn = rel_diff(&y_norm[rows.clone()], &want_norm);
+                let da = rel_diff(&y_add[rows.clone()], &want_add);
+                let label =
+                    format!("{cols} cols, group {group}, rows {shapes:?}, {nx} rows, row {n}");
+                // f32 sums of up to 4,096 exact products and a fast-math rsqrt: a few 1e-7 of
+                // the largest output; a wrong slab, pair, part or scale shows at 1e-2 or more.
+                assert!(dn <= 1e-5, "gemv_mma_norm {label}: {dn:e}");
+                assert!(da <= 1e-5, "gemv_mma_add {label}: {da:e}");
+                if nx > 1 {
+                    let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    let alone_norm = launch_gemv(&gpu, norm, &refs, 1, xr, &vec![0.0; total]);
+                    let alone_add =
+                        launch_gemv(&gpu, GemvForm::Add, &refs, 1, xr, &start[rows.clone()]);
+                    assert_eq!(
+                        bits_of(&y_norm[rows.clone()]),
+                        bits_of(&alone_norm),
+                        "gemv_mma_norm {label}"
+                    );
+                    assert_eq!(
+                        bits_of(&y_add[rows]),
+                        bits_of(&alone_add),
+                        "gemv_mma_add {label}"
+                    );
+                }
+            }
+            eprintln!(
+                "{cols} cols, group {group}, rows {shapes:?}, {nx} rows: as the CPU, each row its own bits"
             );
         }
     }

@@ -54,14 +54,6 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 address) {
                  : "r"(address));
 }
 
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // This thread's share of one X tile (BM × GEMM_BK f32, BM · 8 float4s): piece i is row
 // tid/8 + 32·i, columns 4·(tid%8) .. +4 of the step. A warp's load of one piece is 4 rows × 128
 // contiguous bytes: 4 whole lines, the fewest its 512 bytes can take. A tile of fewer than 32 rows

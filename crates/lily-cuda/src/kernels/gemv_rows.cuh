@@ -21,30 +21,42 @@ __device__ __forceinline__ int xsum_row_floats(int cols) {
     return BITS == 32 ? 1 : cols / CHUNK_CODES(BITS);
 }
 
+// inv[n] = 1 / RMS(x[n]) for the rows n < nx of x (a row every `cols` floats), as block_inv_rms
+// computes it for one: every row's partial sums first, then one reduction for all of them in
+// block_sum's order. PASS rows' loads are in flight together (fewer registers than all NX).
+// scratch holds NX × WARP floats. Ends with a barrier.
+template <int NX, int PASS = NX>
+__device__ void rows_inv_rms(int cols, int nx, const float* x, float eps, float* scratch, float* inv) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = (blockDim.x + WARP - 1) / WARP;
+    float ss[NX];
+#pragma unroll
+    for (int r0 = 0; r0 < NX; r0 += PASS) {
+        float part[PASS];
+        thread_sumsq<PASS>(x + (long)r0 * cols, cols, nx - r0, part);
+#pragma unroll
+        for (int r = 0; r < PASS; r++) ss[r0 + r] = part[r];
+    }
+#pragma unroll
+    for (int n = 0; n < NX; n++) ss[n] = warp_sum(ss[n]);
+    if (lane == 0) {
+#pragma unroll
+        for (int n = 0; n < NX; n++) scratch[n * WARP + warp] = ss[n];
+    }
+    __syncthreads();
+    if (threadIdx.x < nx) {
+        float total = 0.f;
+        for (int i = 0; i < warps; i++) total += scratch[threadIdx.x * WARP + i];
+        inv[threadIdx.x] = rsqrtf(total / cols + eps);
+    }
+    __syncthreads();
+}
+
 // Stages rows n < nx of x (a row every `cols` floats), each normalised as block_inv_rms does it
-// when norm_w is given: every row's partial sums first, then one reduction for all of them in
-// block_sum's order.
+// when norm_w is given.
 template <int BITS, int NX>
 __device__ void stage_rows(int cols, int nx, const float* x, const float* norm_w, float eps, float* xs, float* xsum,
                            float* scratch, float* inv) {
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = (blockDim.x + WARP - 1) / WARP;
-    if (norm_w) {
-        float ss[NX];
-        thread_sumsq<NX>(x, cols, nx, ss);
-#pragma unroll
-        for (int n = 0; n < NX; n++) ss[n] = warp_sum(ss[n]);
-        if (lane == 0) {
-#pragma unroll
-            for (int n = 0; n < NX; n++) scratch[n * WARP + warp] = ss[n];
-        }
-        __syncthreads();
-        if (threadIdx.x < nx) {
-            float total = 0.f;
-            for (int i = 0; i < warps; i++) total += scratch[threadIdx.x * WARP + i];
-            inv[threadIdx.x] = rsqrtf(total / cols + eps);
-        }
-        __syncthreads();
-    }
+    if (norm_w) rows_inv_rms<NX>(cols, nx, x, eps, scratch, inv);
     stage_x_values<BITS, NX>(cols, nx, x, norm_w, inv, xs, xsum, xs_row_floats<BITS>(cols), xsum_row_floats<BITS>(cols));
     __syncthreads();
 }

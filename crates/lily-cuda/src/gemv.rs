@@ -1,0 +1,257 @@
+//! The decode step's dense GEMVs (kernels/gemv.cu): `y[n] = [m0 | m1 | ...] · x[n]` for each of
+//! a step's 1 to [`MAX_ROWS`] rows, one launch for up to four matrices that share their input,
+//! with the input norm or the residual add fused in.
+//!
+//! Two routes, chosen by the matrices' format and width, never by the number of rows, so that a
+//! row gets the same bits in any batch as alone:
+//! - [`GemvRoute::TensorCores`]: `gemv_mma_*` (gemv_mma.cuh), 4-bit codes in groups of a multiple
+//!   of 64 whose staged input fits a block: every matrix of the real model;
+//! - [`GemvRoute::Fma`]: f32 FMAs, `gemv_*` for one row and `gemv_rows_*` for several, which give
+//!   each row the single-row kernel's bits: other formats, group sizes and widths.
+
+use anyhow::{Result, ensure};
+use lily_core::config::ModelConfig;
+
+use crate::gpu::{Gpu, KArg, MAX_ROWS, Shape};
+use crate::mat::{DeviceMat, MatArg, XS_COLS, gemv_shape};
+
+/// What a GEMV launch does with its input and output.
+#[derive(Clone, Copy)]
+pub enum GemvForm {
+    /// `y = W · (RMSNorm(x) · norm)`, x being the residual stream (norm: the device address of
+    /// the norm's weights).
+    Norm(u64, f32),
+    /// `y += W · x`, y being the residual stream.
+    Add,
+}
+
+/// Which kernels compute a format's GEMVs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemvRoute {
+    TensorCores,
+    Fma,
+}
+
+/// Inputs of one slab of the tensor-core GEMVs (gemv_mma.cuh, MMA_SLAB): the unit of a group's
+/// scale, so groups must be whole slabs.
+const MMA_SLAB: usize = 64;
+
+/// The route of matrices of `bits`-bit codes in groups of `group` with `cols` inputs on a device
+/// whose blocks can have `shared_optin` bytes of shared memory.
+pub fn gemv_route(bits: u32, group: usize, cols: usize, shared_optin: usize) -> GemvRoute {
+    if bits == 4
+        && group.is_multiple_of(MMA_SLAB)
+        && cols.is_multiple_of(group)
+        && mma_shared_bytes(cols) <= shared_optin
+    {
+        GemvRoute::TensorCores
+    } else {
+        GemvRoute::Fma
+    }
+}
+
+/// Dynamic shared memory of `gemv_mma_*` for `cols` inputs (gemv_mma.cuh): the warps' partial
+/// sums (two buffers of 8 warps × 32 lanes × 16 bytes), then per slab of 64 inputs its staged x
+/// (2 words × 3 parts × 32 lanes × 16 bytes) and its sums of x for 8 rows, then the norm's
+/// scratch and inverse norms.
+pub fn mma_shared_bytes(cols: usize) -> usize {
+    let slabs = cols / MMA_SLAB;
+    2 * 8 * 32 * 16 + slabs * (2 * 3 * 32 * 16 + MAX_ROWS * 4) + MAX_ROWS * 32 * 4 + MAX_ROWS * 4
+}
+
+/// The bound on its rows a batched FMA GEMV is compiled for (`gemv_rows_*_x{2,4,8}`).
+fn rows_bound(rows: usize) -> usize {
+    rows.next_power_of_two().max(2)
+}
+
+/// Dynamic shared memory of `gemv_rows_*` for `bound` rows of `cols` inputs (kernels/
+/// gemv_rows.cuh): each row's staged x and chunk sums, then its norm scratch and inverse norm.
+pub fn rows_shared_bytes(bits: u32, cols: usize, bound: usize) -> usize {
+    let per = if bits == 32 { 1 } else { 128 / bits as usize };
+    let (xs, xsum) = match bits {
+        32 => (cols, 1),
+        _ => (cols / per * (per + 4), cols / per),
+    };
+    4 * bound * (xs + xsum + 32 + 1)
+}
+
+/// The widest input a batched GEMV of the model stages: the hidden state, the GDN's gated
+/// output or the attention's.
+fn widest_input(c: &ModelConfig) -> usize {
+    c.hidden_size
+        .max(c.gdn_value_dim())
+        .max(c.num_attention_heads * c.head_dim)
+}
+
+/// The rows a step can take for the model's GEMV formats (bits, group): 8 where every format
+/// runs on the tensor cores, else the largest bound whose FMA kernels' shared memory fits a block
+/// (1: no batched step).
+pub fn step_rows(c: &ModelConfig, formats: &[(u32, usize)], shared_optin: usize) -> usize {
+    let widest = widest_input(c);
+    [8, 4, 2]
+        .into_iter()
+        .find(|&n| {
+            formats.iter().all(|&(bits, group)| {
+                gemv_route(bits, group, widest, shared_optin) == GemvRoute::TensorCores
+                    || rows_shared_bytes(bits, widest, n) <= shared_optin
+            })
+        })
+        .unwrap_or(1)
+}
+
+/// The shared memory limits to raise at start: all a block can have (each launch asks for what
+/// its rows and width need).
+pub fn dynamic_shared(shared_optin: usize) -> Vec<(String, u32)> {
+    let limit = shared_optin as u32;
+    let mut raised: Vec<(String, u32)> = ["gemv_mma_norm_b4", "gemv_mma_add_b4"]
+        .into_iter()
+        .map(|name| (name.to_string(), limit))
+        .collect();
+    for bits in [4, 8, 32] {
+        for bound in [2, 4, 8] {
+            for form in ["norm", "add"] {
+                raised.push((format!("gemv_rows_{form}_b{bits}_x{bound}"), limit));
+            }
+        }
+    }
+    raised
+}
+
+/// `y[n] = [m0 | m1 | ...] · x[n]` for each of `rows` rows (x and y row after row) in one of its
+/// forms, one launch for matrices that share their input.
+pub fn gemv(
+    gpu: &Gpu,
+    form: GemvForm,
+    mats: &[&DeviceMat],
+    rows: usize,
+    x: u64,
+    y: u64,
+) -> Result<()> {
+    ensure!(
+        !mats.is_empty() && mats.len() <= 4,
+        "gemv takes 1 to 4 matrices"
+    );
+    let (bits, cols, group) = (mats[0].bits, mats[0].cols, mats[0].group);
+    ensure!(
+        mats.iter()
+            .all(|m| m.bits == bits && m.cols == cols && m.group == group),
+        "matrices launched together must share a format and their input"
+    );
+    ensure!(
+        cols <= XS_COLS,
+        "the CUDA GEMV stages at most {XS_COLS} inputs, not {cols}"
+    );
+    ensure!(
+        (1..=MAX_ROWS).contains(&rows),
+        "a GEMV takes 1 to {MAX_ROWS} rows, not {rows}"
+    );
+    let mut args = [MatArg::default(); 4];
+    for (a, m) in args.iter_mut().zip(mats) {
+        *a = m.arg(gpu);
+    }
+    let mat_rows: Vec<usize> = mats.iter().map(|m| m.rows).collect();
+    let mut kargs: Vec<KArg> = args.iter().map(|&a| KArg::Mat(a)).collect();
+    let shape = gemv_shape(&mat_rows);
+    let with_input = |kargs: &mut Vec<KArg>, name: &str| {
+        kargs.push(KArg::Ptr(x));
+        let name = match form {
+            GemvForm::Add => format!("{name}_add"),
+            GemvForm::Norm(norm, eps) => {
+                kargs.extend([KArg::Ptr(norm), KArg::F32(eps)]);
+                format!("{name}_norm")
+            }
+        };
+        kargs.push(KArg::Ptr(y));
+        name
+    };
+    match gemv_route(bits, group, cols, gpu.shared_optin) {
+        GemvRoute::TensorCores => {
+            kargs.push(KArg::I32(rows as i32));
+            let name = format!("{}_b4", with_input(&mut kargs, "gemv_mma"));
+            let units: usize = mat_rows.iter().map(|r| r.div_ceil(16)).sum();
+            // 8 warps: the kernel splits K over MMA_WARPS.
+            launch_one_wave(gpu, &name, (units, 256), mma_shared_bytes(cols), &kargs)
+        }
+        GemvRoute::Fma if rows == 1 => {
+            let name = format!("{}_b{bits}", with_input(&mut kargs, "gemv"));
+            gpu.launch(&name, shape, &kargs)
+        }
+        GemvRoute::Fma => {
+            let bound = rows_bound(rows);
+            kargs.push(KArg::I32(rows as i32));
+            let name = format!("{}_b{bits}_x{bound}", with_input(&mut kargs, "gemv_rows"));
+            let shared = rows_shared_bytes(bits, cols, bound);
+            // The single-row kernel's block size: a row's norm is reduced in the same order.
+            let blocks = (shape.grid.0 as usize, shape.block);
+            launch_one_wave(gpu, &name, blocks, shared, &kargs)
+        }
+    }
+}
+
+/// Launches `name` on at most `blocks` blocks of `threads` threads, and at most as many as are
+/// resident at once: every block stages all the rows' inputs, so a second wave would stage them
+/// again for nothing; the blocks stride over the units instead.
+fn launch_one_wave(
+    gpu: &Gpu,
+    name: &str,
+    (blocks, threads): (usize, u32),
+    shared: usize,
+    kargs: &[KArg],
+) -> Result<()> {
+    let per_sm = gpu
+        .function(name)?
+        .occupancy_max_active_blocks_per_multiprocessor(threads, shared, None)?;
+    ensure!(
+        per_sm > 0,
+        "{name} needs {shared} bytes of shared memory, more than {} gives a block",
+        gpu.name
+    );
+    let wave = Shape {
+        grid: ((blocks as u32).min(per_sm * gpu.sms).max(1), 1, 1),
+        block: threads,
+    };
+    gpu.launch_shared(name, wave, shared as u32, kargs)
+}
+
+#[cfg(test)]
+mod tests {
+    use lily_core::config::QWEN36_35B_A3B_CONFIG;
+
+    use super::*;
+
+    /// The real model's widest batched input is 4,096 (the GDN's and the attention's outputs).
+    #[test]
+    fn the_rows_a_step_takes_follow_the_route_and_the_shared_memory() {
+        let c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
+        assert_eq!(rows_shared_bytes(4, 4096, 1), 4 * (4608 + 128 + 33));
+        assert_eq!(rows_shared_bytes(32, 4096, 2), 2 * 4 * (4096 + 1 + 33));
+        // 64 slabs of 3,104 bytes, the two 4 KiB sum buffers, 1,056 bytes of norm scratch.
+        assert_eq!(mma_shared_bytes(4096), 8192 + 64 * 3104 + 1056);
+        // MLX 4-bit, groups of 64: the tensor cores at 227 KiB, so 8 rows.
+        assert_eq!(step_rows(&c, &[(4, 64)], 227 * 1024), 8);
+        assert_eq!(step_rows(&c, &[(4, 128)], 227 * 1024), 8);
+        // Groups of 32 and blocks too small for the staged x: the FMA kernels' bounds.
+        assert_eq!(step_rows(&c, &[(4, 32)], 227 * 1024), 8);
+        assert_eq!(step_rows(&c, &[(4, 64)], 100 * 1024), 4);
+        assert_eq!(step_rows(&c, &[(4, 32)], 48 * 1024), 2);
+        assert_eq!(step_rows(&c, &[(4, 64), (32, 4096)], 100 * 1024), 4);
+        assert_eq!(step_rows(&c, &[(32, 4096)], 120 * 1024), 4);
+        assert_eq!(step_rows(&c, &[(4, 64)], 16 * 1024), 1);
+        assert_eq!(rows_bound(3), 4);
+        assert_eq!(rows_bound(2), 2);
+        assert_eq!(rows_bound(8), 8);
+    }
+
+    #[test]
+    fn only_4_bit_codes_in_whole_slabs_that_fit_go_to_the_tensor_cores() {
+        let big = 227 * 1024;
+        assert_eq!(gemv_route(4, 64, 2048, big), GemvRoute::TensorCores);
+        assert_eq!(gemv_route(4, 128, 4096, big), GemvRoute::TensorCores);
+        assert_eq!(gemv_route(4, 32, 2048, big), GemvRoute::Fma);
+        assert_eq!(gemv_route(8, 64, 2048, big), GemvRoute::Fma);
+        assert_eq!(gemv_route(32, 2048, 2048, big), GemvRoute::Fma);
+        // 8,192 inputs stage 392 KiB.
+        assert_eq!(gemv_route(4, 64, 8192, big), GemvRoute::Fma);
+        assert_eq!(gemv_route(4, 64, 4096, 100 * 1024), GemvRoute::Fma);
+    }
+}
