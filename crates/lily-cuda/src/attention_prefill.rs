@@ -4,6 +4,7 @@ use anyhow::{Result, ensure};
 use lily_core::config::ModelConfig;
 
 use crate::gpu::{Gpu, Shape};
+use crate::kernel_args::{AttnPrefill, AttnPrepRows};
 use crate::launch;
 
 /// Cache positions per K or V tile of the flash kernel (FA_KEYS in the kernel file). The tile
@@ -139,9 +140,18 @@ pub fn prep_rows(
     let (t, pos0, ld) = chunk.ints()?;
     let heads = (c.num_attention_heads + c.num_kv_heads) as u32;
     // One warp per (head, token): kernels/heads.cuh, head_norm_rope.
-    launch!(gpu, "attn_prep_rows", (heads, t as u32, 1), 32;
-        chunk.qkv, ld, q_norm, k_norm, pos0, chunk.q, chunk.k_cache, chunk.v_cache,
-        c.rms_norm_eps);
+    let args = AttnPrepRows {
+        qkv: chunk.qkv,
+        ld,
+        q_norm,
+        k_norm,
+        pos0,
+        q_out: chunk.q,
+        k_cache: chunk.k_cache,
+        v_cache: chunk.v_cache,
+        eps: c.rms_norm_eps,
+    };
+    launch!(gpu, "attn_prep_rows", (heads, t as u32, 1), 32, args);
     Ok(())
 }
 
@@ -185,16 +195,16 @@ pub fn attend_with(gpu: &Gpu, c: &ModelConfig, chunk: &AttnChunk, block: AttnBlo
         &block.entry(),
         shape,
         shared as u32,
-        &[
-            chunk.q.into(),
-            chunk.k_cache.into(),
-            chunk.v_cache.into(),
-            pos0.into(),
-            t.into(),
-            chunk.qkv.into(),
-            ld.into(),
-            chunk.out.into(),
-        ],
+        &AttnPrefill {
+            q: chunk.q,
+            k_cache: chunk.k_cache,
+            v_cache: chunk.v_cache,
+            pos0,
+            t,
+            qkv: chunk.qkv,
+            ld,
+            out: chunk.out,
+        },
     )
 }
 

@@ -6,6 +6,7 @@ use anyhow::{Result, ensure};
 use lily_core::config::ModelConfig;
 
 use crate::gpu::{Gpu, Shape};
+use crate::kernel_args::{GdnChunkPrep, GdnChunkScan};
 
 /// Tokens per chunk (GDNC_C in the kernel file).
 const CHUNK: usize = 64;
@@ -97,7 +98,11 @@ pub fn delta_rule(
         "gdn_chunk_prep",
         shape,
         prep_shared as u32,
-        &[prep.into(), (t as i32).into(), scratch.into()],
+        &GdnChunkPrep {
+            prep,
+            t: t as i32,
+            scratch,
+        },
     )?;
     let shape = Shape {
         grid: ((dv / chunk_columns(dv)) as u32, nv as u32, 1),
@@ -107,14 +112,14 @@ pub fn delta_rule(
         "gdn_chunk_scan",
         shape,
         scan_shared as u32,
-        &[
-            conv.into(),
-            prep.into(),
-            scratch.into(),
-            (t as i32).into(),
-            state.into(),
-            out.into(),
-        ],
+        &GdnChunkScan {
+            conv,
+            prep,
+            scratch,
+            t: t as i32,
+            state,
+            out,
+        },
     )
 }
 

@@ -9,6 +9,7 @@ use lily_core::config::ModelConfig;
 
 use crate::gdn_chunked;
 use crate::gpu::Gpu;
+use crate::kernel_args::{GdnConvRows, GdnGatedNormRows, GdnScan, GdnScanPrep};
 use crate::launch;
 
 /// Tokens per conv thread (CONV_TT in the kernel file).
@@ -130,8 +131,15 @@ pub fn conv_rows(
         t.div_ceil(CONV_TOKENS) as u32,
         1,
     );
-    launch!(gpu, "gdn_conv_rows", grid, CONV_THREADS as u32;
-        proj, ld as i32, t as i32, conv_w, window, out);
+    let args = GdnConvRows {
+        proj,
+        ld: ld as i32,
+        t: t as i32,
+        conv_w,
+        window,
+        out,
+    };
+    launch!(gpu, "gdn_conv_rows", grid, CONV_THREADS as u32, args);
     Ok(())
 }
 
@@ -166,8 +174,16 @@ pub fn scan(
     if route == GdnPrefillRoute::Chunked {
         gdn_chunked::fits(c, gpu.shared_optin)?;
     }
-    launch!(gpu, "gdn_scan_prep", (t as u32, 1, 1), PREP_THREADS;
-        conv, proj, ld as i32, t as i32, a_log, dt_bias, prep);
+    let args = GdnScanPrep {
+        conv,
+        proj,
+        ld: ld as i32,
+        t: t as i32,
+        a_log,
+        dt_bias,
+        prep,
+    };
+    launch!(gpu, "gdn_scan_prep", (t as u32, 1, 1), PREP_THREADS, args);
     if route == GdnPrefillRoute::Chunked {
         let scratch = prep + 4 * prep_floats(c, t).next_multiple_of(4) as u64;
         return gdn_chunked::delta_rule(gpu, c, conv, prep, scratch, t, state, out);
@@ -175,8 +191,14 @@ pub fn scan(
     let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
     let columns_per_block = SCAN_WARPS * 32 / scan_lanes_per_column(c.linear_key_head_dim);
     let grid = (dv.div_ceil(columns_per_block) as u32, nv as u32, 1);
-    launch!(gpu, "gdn_scan", grid, (SCAN_WARPS * 32) as u32;
-        conv, prep, t as i32, state, out);
+    let args = GdnScan {
+        conv,
+        prep,
+        t: t as i32,
+        state,
+        out,
+    };
+    launch!(gpu, "gdn_scan", grid, (SCAN_WARPS * 32) as u32, args);
     Ok(())
 }
 
@@ -200,8 +222,21 @@ pub fn gated_norm_rows(
     }
     let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
     let block = (dv.div_ceil(32) * 32).min(1024) as u32;
-    launch!(gpu, "gdn_gated_norm_rows", (nv as u32, t as u32, 1), block;
-        o, proj, ld as i32, norm, y, eps);
+    let args = GdnGatedNormRows {
+        o,
+        proj,
+        ld: ld as i32,
+        w: norm,
+        y,
+        eps,
+    };
+    launch!(
+        gpu,
+        "gdn_gated_norm_rows",
+        (nv as u32, t as u32, 1),
+        block,
+        args
+    );
     Ok(())
 }
 

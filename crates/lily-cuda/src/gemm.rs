@@ -6,7 +6,8 @@
 use anyhow::{Result, ensure};
 
 use crate::gemm_wgmma::{self, GemmPath, WGMMA_DENSE, WGMMA_GROUPED_SHARED};
-use crate::gpu::{Gpu, KArg, Shape, ptr};
+use crate::gpu::{Gpu, Shape, ptr};
+use crate::kernel_args::{Gemm, GemmGrouped, GemmReduce};
 use crate::mat::DeviceMat;
 use crate::moe_prefill::{MoeTile, TileMap};
 
@@ -197,15 +198,15 @@ pub fn gemm(
         row_tiles as u32,
         splits as u32,
     );
-    let args: [KArg; 7] = [
-        warg.into(),
-        x.into(),
-        (m as i32).into(),
-        out.into(),
-        (ld_out as i32).into(),
-        (col_out as i32).into(),
-        (k_split as i32).into(),
-    ];
+    let args = Gemm {
+        w: warg,
+        x,
+        m: m as i32,
+        y: out,
+        ldy: ld_out as i32,
+        col0: col_out as i32,
+        k_split: k_split as i32,
+    };
     let shape = Shape {
         grid,
         block: GEMM_THREADS,
@@ -213,15 +214,15 @@ pub fn gemm(
     gpu.launch_shared(&name, shape, tiling.shared, &args)?;
     if splits > 1 {
         let outputs = m * n;
-        let args: [KArg; 7] = [
-            out.into(),
-            (splits as i32).into(),
-            (m as i32).into(),
-            (n as i32).into(),
-            y.into(),
-            (ldy as i32).into(),
-            (col0 as i32).into(),
-        ];
+        let args = GemmReduce {
+            part: out,
+            splits: splits as i32,
+            m: m as i32,
+            n: n as i32,
+            y,
+            ldy: ldy as i32,
+            col0: col0 as i32,
+        };
         let shape = Shape {
             grid: (outputs.div_ceil(REDUCE_THREADS as usize) as u32, 1, 1),
             block: REDUCE_THREADS,
@@ -280,15 +281,15 @@ pub fn gemm_grouped(
         )
     };
     let grid = (n.div_ceil(GEMM_GROUPED_BN) as u32, max_tiles as u32, 1);
-    let args: [KArg; 7] = [
-        warg.into(),
-        (n as i32).into(),
-        x.into(),
-        gather.into(),
-        map.tiles.into(),
-        map.num_tiles.into(),
-        y.into(),
-    ];
+    let args = GemmGrouped {
+        w: warg,
+        n: n as i32,
+        x,
+        gather,
+        tiles: map.tiles,
+        num_tiles: map.num_tiles,
+        y,
+    };
     let shape = Shape {
         grid,
         block: GEMM_THREADS,

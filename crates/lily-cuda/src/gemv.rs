@@ -12,7 +12,8 @@
 use anyhow::{Result, ensure};
 use lily_core::config::ModelConfig;
 
-use crate::gpu::{Gpu, KArg, MAX_ROWS, Shape};
+use crate::gpu::{Gpu, MAX_ROWS, Shape};
+use crate::kernel_args::{GemvAdd, GemvNorm, GemvRowsAdd, GemvRowsNorm, KernelArgs};
 use crate::mat::{DeviceMat, MatArg, XS_COLS, gemv_shape};
 
 /// What a GEMV launch does with its input and output.
@@ -150,40 +151,57 @@ pub fn gemv(
         *a = m.arg(gpu);
     }
     let mat_rows: Vec<usize> = mats.iter().map(|m| m.rows).collect();
-    let mut kargs: Vec<KArg> = args.iter().map(|&a| KArg::Mat(a)).collect();
     let shape = gemv_shape(&mat_rows);
-    let with_input = |kargs: &mut Vec<KArg>, name: &str| {
-        kargs.push(KArg::Ptr(x));
-        let name = match form {
-            GemvForm::Add => format!("{name}_add"),
-            GemvForm::Norm(norm, eps) => {
-                kargs.extend([KArg::Ptr(norm), KArg::F32(eps)]);
-                format!("{name}_norm")
+    // The kernels of several rows (the tensor cores' for any number): `{prefix}_{form}{suffix}`.
+    let rows_launch = |prefix: &str, suffix: &str, blocks: (usize, u32), shared: usize| {
+        let (nx, mats) = (rows as i32, args);
+        match form {
+            GemvForm::Add => {
+                let name = format!("{prefix}_add{suffix}");
+                launch_one_wave(gpu, &name, blocks, shared, &GemvRowsAdd { mats, nx, x, y })
             }
-        };
-        kargs.push(KArg::Ptr(y));
-        name
+            GemvForm::Norm(norm_w, eps) => {
+                let name = format!("{prefix}_norm{suffix}");
+                let a = GemvRowsNorm {
+                    mats,
+                    nx,
+                    hidden: x,
+                    norm_w,
+                    eps,
+                    y,
+                };
+                launch_one_wave(gpu, &name, blocks, shared, &a)
+            }
+        }
     };
     match gemv_route(bits, group, cols, gpu.shared_optin) {
         GemvRoute::TensorCores => {
-            kargs.push(KArg::I32(rows as i32));
-            let name = format!("{}_b4", with_input(&mut kargs, "gemv_mma"));
             let units: usize = mat_rows.iter().map(|r| r.div_ceil(16)).sum();
             // 8 warps: the kernel splits K over MMA_WARPS.
-            launch_one_wave(gpu, &name, (units, 256), mma_shared_bytes(cols), &kargs)
+            rows_launch("gemv_mma", "_b4", (units, 256), mma_shared_bytes(cols))
         }
-        GemvRoute::Fma if rows == 1 => {
-            let name = format!("{}_b{bits}", with_input(&mut kargs, "gemv"));
-            gpu.launch(&name, shape, &kargs)
-        }
+        GemvRoute::Fma if rows == 1 => match form {
+            GemvForm::Add => {
+                let a = GemvAdd { mats: args, x, y };
+                gpu.launch(&format!("gemv_add_b{bits}"), shape, &a)
+            }
+            GemvForm::Norm(norm_w, eps) => {
+                let a = GemvNorm {
+                    mats: args,
+                    hidden: x,
+                    norm_w,
+                    eps,
+                    y,
+                };
+                gpu.launch(&format!("gemv_norm_b{bits}"), shape, &a)
+            }
+        },
         GemvRoute::Fma => {
             let bound = rows_bound(rows);
-            kargs.push(KArg::I32(rows as i32));
-            let name = format!("{}_b{bits}_x{bound}", with_input(&mut kargs, "gemv_rows"));
             let shared = rows_shared_bytes(bits, cols, bound);
             // The single-row kernel's block size: a row's norm is reduced in the same order.
             let blocks = (shape.grid.0 as usize, shape.block);
-            launch_one_wave(gpu, &name, blocks, shared, &kargs)
+            rows_launch("gemv_rows", &format!("_b{bits}_x{bound}"), blocks, shared)
         }
     }
 }
@@ -196,7 +214,7 @@ fn launch_one_wave(
     name: &str,
     (blocks, threads): (usize, u32),
     shared: usize,
-    kargs: &[KArg],
+    args: &impl KernelArgs,
 ) -> Result<()> {
     let per_sm = gpu
         .function(name)?
@@ -210,7 +228,7 @@ fn launch_one_wave(
         grid: ((blocks as u32).min(per_sm * gpu.sms).max(1), 1, 1),
         block: threads,
     };
-    gpu.launch_shared(name, wave, shared as u32, kargs)
+    gpu.launch_shared(name, wave, shared as u32, args)
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use lily_core::config::ModelConfig;
 
 use crate::compile::{KERNEL_FILES, KvPrecision, compile, model_defines};
 use crate::gemm_wgmma::GemmPath;
+use crate::kernel_args::KernelArgs;
 use crate::mat::MatArg;
 use crate::options::CudaOptions;
 
@@ -255,37 +256,6 @@ pub enum KArg {
     Ints(RowInts),
 }
 
-impl From<u64> for KArg {
-    fn from(v: u64) -> Self {
-        KArg::Ptr(v)
-    }
-}
-impl From<i32> for KArg {
-    fn from(v: i32) -> Self {
-        KArg::I32(v)
-    }
-}
-impl From<f32> for KArg {
-    fn from(v: f32) -> Self {
-        KArg::F32(v)
-    }
-}
-impl From<MatArg> for KArg {
-    fn from(v: MatArg) -> Self {
-        KArg::Mat(v)
-    }
-}
-impl From<RowPtrs> for KArg {
-    fn from(v: RowPtrs) -> Self {
-        KArg::Rows(v)
-    }
-}
-impl From<RowInts> for KArg {
-    fn from(v: RowInts) -> Self {
-        KArg::Ints(v)
-    }
-}
-
 /// A launch shape: grid and block dimensions (dynamic shared memory: [`Gpu::launch_shared`]).
 pub struct Shape {
     pub grid: (u32, u32, u32),
@@ -307,8 +277,8 @@ impl Gpu {
         out
     }
 
-    /// Launches kernel `name` on the stream.
-    pub fn launch(&self, name: &str, shape: Shape, args: &[KArg]) -> Result<()> {
+    /// Launches kernel `name` on the stream with its arguments (kernel_args.rs).
+    pub fn launch(&self, name: &str, shape: Shape, args: &impl KernelArgs) -> Result<()> {
         self.launch_shared(name, shape, 0, args)
     }
 
@@ -319,8 +289,9 @@ impl Gpu {
         name: &str,
         shape: Shape,
         shared: u32,
-        args: &[KArg],
+        args: &impl KernelArgs,
     ) -> Result<()> {
+        let args = &args.args();
         let f = self.function(name)?;
         if self.pdl_now.load(Ordering::Relaxed) {
             return self
@@ -344,7 +315,8 @@ impl Gpu {
             };
         }
         // SAFETY: argument types and order follow the kernel signatures in kernels/*.cu (each
-        // launcher in step.rs mirrors one), and every buffer outlives the stream's work.
+        // kernel's struct in kernel_args.rs, which tests/nvrtc.rs holds to the compiled
+        // parameters), and every buffer outlives the stream's work.
         unsafe { builder.launch(cfg) }.map_err(|e| anyhow::anyhow!("kernel {name}: {e:?}"))?;
         Ok(())
     }
@@ -442,10 +414,17 @@ pub enum LaunchKind {
     Cooperative,
 }
 
-/// `launch!(gpu, "name", grid, block; args...)`: converts each argument to a [`KArg`].
+/// `launch!(gpu, "name", grid, block, Args { .. })`: launches with a kernel's argument struct.
 #[macro_export]
 macro_rules! launch {
-    ($gpu:expr, $name:expr, $grid:expr, $block:expr; $($arg:expr),* $(,)?) => {
-        $gpu.launch($name, $crate::gpu::Shape { grid: $grid, block: $block }, &[$($crate::gpu::KArg::from($arg)),*])?
+    ($gpu:expr, $name:expr, $grid:expr, $block:expr, $args:expr) => {
+        $gpu.launch(
+            $name,
+            $crate::gpu::Shape {
+                grid: $grid,
+                block: $block,
+            },
+            &$args,
+        )?
     };
 }

@@ -15,6 +15,7 @@ pub mod gemm;
 pub mod gemm_wgmma;
 pub mod gemv;
 pub mod gpu;
+pub mod kernel_args;
 pub mod mat;
 pub mod moe_prefill;
 pub mod options;

@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 
 use crate::gemm_wgmma::GemmPath;
 use crate::gpu::Gpu;
+use crate::kernel_args::{MoeCombine, MoeSort, MoeSwiglu, MoeTopkRows};
 use crate::launch;
 
 /// Token rows a `moe_topk_rows` block routes: one warp each.
@@ -96,8 +97,13 @@ pub fn topk_rows(gpu: &Gpu, logits: u64, t: usize, ids: u64, weights: u64) -> Re
     }
     let blocks = t.div_ceil(TOPK_ROWS_PER_BLOCK) as u32;
     let block = (TOPK_ROWS_PER_BLOCK * 32) as u32;
-    launch!(gpu, "moe_topk_rows", (blocks, 1, 1), block;
-        logits, int(t, "tokens")?, ids, weights);
+    let args = MoeTopkRows {
+        logits,
+        t: int(t, "tokens")?,
+        ids,
+        weights,
+    };
+    launch!(gpu, "moe_topk_rows", (blocks, 1, 1), block, args);
     Ok(())
 }
 
@@ -114,8 +120,16 @@ pub fn sort(
 ) -> Result<()> {
     let tile_rows = int(map.height.rows(), "tile rows")?;
     // Even with no pairs the kernel runs, so that num_tiles says 0.
-    launch!(gpu, "moe_sort", (1, 1, 1), SORT_THREADS;
-        ids, int(pairs, "routed pairs")?, tile_rows, gather, slot_of, map.tiles, map.num_tiles);
+    let args = MoeSort {
+        ids,
+        pairs: int(pairs, "routed pairs")?,
+        tile_rows,
+        gather,
+        slot_of,
+        tiles: map.tiles,
+        num_tiles: map.num_tiles,
+    };
+    launch!(gpu, "moe_sort", (1, 1, 1), SORT_THREADS, args);
     Ok(())
 }
 
@@ -125,8 +139,19 @@ pub fn swiglu(gpu: &Gpu, gate: u64, up: u64, n: usize, act: u64) -> Result<()> {
         return Ok(());
     }
     let blocks = n.div_ceil(ELEMENTWISE_BLOCK).min(SWIGLU_MAX_BLOCKS) as u32;
-    launch!(gpu, "moe_swiglu", (blocks, 1, 1), ELEMENTWISE_BLOCK as u32;
-        gate, up, int(n, "elements")?, act);
+    let args = MoeSwiglu {
+        gate,
+        up,
+        n: int(n, "elements")?,
+        act,
+    };
+    launch!(
+        gpu,
+        "moe_swiglu",
+        (blocks, 1, 1),
+        ELEMENTWISE_BLOCK as u32,
+        args
+    );
     Ok(())
 }
 
@@ -149,8 +174,16 @@ pub fn combine(
         return Ok(());
     }
     let blocks = int(t, "tokens")? as u32;
-    launch!(gpu, "moe_combine", (blocks, 1, 1), COMBINE_BLOCK;
-        down, slot_of, weights, logits, shared, int(h, "hidden width")?, out);
+    let args = MoeCombine {
+        down,
+        slot_of,
+        weights,
+        logits,
+        shared,
+        h: int(h, "hidden width")?,
+        out,
+    };
+    launch!(gpu, "moe_combine", (blocks, 1, 1), COMBINE_BLOCK, args);
     Ok(())
 }
 

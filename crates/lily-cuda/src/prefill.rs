@@ -12,6 +12,7 @@ use lily_core::config::ModelConfig;
 use crate::attention_prefill::{self, AttnChunk};
 use crate::gdn_prefill::GdnPrefillRoute;
 use crate::gpu::{Gpu, ptr};
+use crate::kernel_args::{AddRmsNorm, Embed};
 use crate::launch;
 use crate::moe_prefill::{MoeTile, TileMap};
 use crate::state::{CudaState, LayerState};
@@ -182,13 +183,25 @@ pub fn encode_chunk(
     let (gdn_w, attn_w) = proj_widths(c);
 
     let name = format!("embed_b{}", w.embed.bits);
-    launch!(gpu, &name, (rows, 1, 1), 256; w.embed.arg(gpu), ptr(&s.tokens, &gpu.stream), p(&s.hidden));
+    let args = Embed {
+        table: w.embed.arg(gpu),
+        tokens: ptr(&s.tokens, &gpu.stream),
+        out: p(&s.hidden),
+    };
+    launch!(gpu, &name, (rows, 1, 1), 256, args);
     mark("embed")?;
 
     let mut delta = 0u64;
     for (layer, ls) in w.layers.iter().zip(&state.layers) {
-        launch!(gpu, "add_rms_norm", (rows, 1, 1), norm_block;
-            p(&s.hidden), delta, p(&layer.input_norm), p(&s.x), h as i32, eps);
+        let args = AddRmsNorm {
+            hidden: p(&s.hidden),
+            delta,
+            scale: p(&layer.input_norm),
+            out: p(&s.x),
+            n: h as i32,
+            eps,
+        };
+        launch!(gpu, "add_rms_norm", (rows, 1, 1), norm_block, args);
         mark("rms norm")?;
         match (&layer.mixer, ls) {
             (DeviceMixer::GatedDeltaNet(g), LayerState::GatedDeltaNet { window, recurrent }) => {
@@ -276,8 +289,15 @@ pub fn encode_chunk(
             }
             _ => unreachable!("states are built from the same config as the weights"),
         }
-        launch!(gpu, "add_rms_norm", (rows, 1, 1), norm_block;
-            p(&s.hidden), p(&s.mix_out), p(&layer.post_norm), p(&s.x), h as i32, eps);
+        let args = AddRmsNorm {
+            hidden: p(&s.hidden),
+            delta: p(&s.mix_out),
+            scale: p(&layer.post_norm),
+            out: p(&s.x),
+            n: h as i32,
+            eps,
+        };
+        launch!(gpu, "add_rms_norm", (rows, 1, 1), norm_block, args);
         mark("rms norm")?;
         encode_moe(gpu, c, layer, s, t, &mut mark)?;
         delta = p(&s.moe_out);
@@ -285,8 +305,15 @@ pub fn encode_chunk(
     // The final norm, for the rows whose logits are wanted.
     let (first, n) = if all_rows { (0, t) } else { (t - 1, 1) };
     let at = |b: &CudaSlice<f32>| p(b) + (first * h * 4) as u64;
-    launch!(gpu, "add_rms_norm", (n as u32, 1, 1), norm_block;
-        at(&s.hidden), at(&s.moe_out), p(&w.final_norm), at(&s.x), h as i32, eps);
+    let args = AddRmsNorm {
+        hidden: at(&s.hidden),
+        delta: at(&s.moe_out),
+        scale: p(&w.final_norm),
+        out: at(&s.x),
+        n: h as i32,
+        eps,
+    };
+    launch!(gpu, "add_rms_norm", (n as u32, 1, 1), norm_block, args);
     mark("rms norm")?;
     Ok(at(&s.x))
 }

@@ -17,7 +17,11 @@ use lily_core::config::ModelConfig;
 
 use crate::compile::MAX_ATTN_SPLITS;
 use crate::gemv::{GemvForm, gemv};
-use crate::gpu::{Gpu, KArg, MAX_ROWS, RowInts, RowPtrs, ptr};
+use crate::gpu::{Gpu, MAX_ROWS, RowInts, RowPtrs, ptr};
+use crate::kernel_args::{
+    ArgmaxFinal, ArgmaxPartial, AttnCombine, AttnPrep, AttnSplit, EmbedRows, GdnConv, GdnGatedNorm,
+    GdnStep, MoeDown, MoeGateUp, MoeRoute,
+};
 use crate::launch;
 use crate::mat::{XS_COLS, staged_shape, wave_shape};
 use crate::state::{CudaState, LayerState};
@@ -228,22 +232,18 @@ fn experts(
     let units = m.router.rows.div_ceil(ROUTE_ROWS) + m.shared_gate.rows.div_ceil(ROUTE_ROWS);
     let mut shape = staged_shape(units);
     shape.grid.1 = b;
-    let (r, sg) = (m.router.arg(gpu), m.shared_gate.arg(gpu));
-    gpu.launch(
-        &name,
-        shape,
-        &[
-            KArg::Mat(r),
-            KArg::Mat(sg),
-            KArg::Ptr(p(&s.hidden)),
-            KArg::Ptr(post_norm),
-            KArg::F32(eps),
-            KArg::Ptr(p(&s.router_logits)),
-            KArg::Ptr(ids),
-            KArg::Ptr(p(&s.weights)),
-            KArg::Ptr(done),
-        ],
-    )?;
+    let route = MoeRoute {
+        router: m.router.arg(gpu),
+        sh_gate: m.shared_gate.arg(gpu),
+        hidden: p(&s.hidden),
+        norm_w: post_norm,
+        eps,
+        logits: p(&s.router_logits),
+        ids,
+        weights: p(&s.weights),
+        done,
+    };
+    gpu.launch(&name, shape, &route)?;
     let bits = m.gate.bits;
     ensure!(
         [&m.up, &m.down, &m.shared[0], &m.shared[1], &m.shared[2]]
@@ -254,53 +254,40 @@ fn experts(
     // One (gate, up) row pair per warp and unit (moe.cu, PAIRS), eight warps a block, one wave
     // over all the rows (three blocks an SM on the H200: __launch_bounds__(256, 3)).
     let pairs = c.experts_per_token * inter + shared;
-    let (g, u, sg, su) = (
-        m.gate.arg(gpu),
-        m.up.arg(gpu),
-        m.shared[0].arg(gpu),
-        m.shared[1].arg(gpu),
-    );
     let name = format!("moe_gate_up_b{bits}");
     let wave = gpu.resident_blocks_256(&name)?.div_ceil(b);
     let mut shape = wave_shape(pairs, 8, wave);
     shape.grid.1 = b;
-    gpu.launch(
-        &name,
-        shape,
-        &[
-            KArg::Mat(g),
-            KArg::Mat(u),
-            KArg::Mat(sg),
-            KArg::Mat(su),
-            KArg::I32(inter as i32),
-            KArg::Ptr(ids),
-            KArg::Ptr(p(&s.hidden)),
-            KArg::Ptr(post_norm),
-            KArg::F32(eps),
-            KArg::Ptr(p(&s.act)),
-        ],
-    )?;
+    let gate_up = MoeGateUp {
+        gate: m.gate.arg(gpu),
+        up: m.up.arg(gpu),
+        sh_gate: m.shared[0].arg(gpu),
+        sh_up: m.shared[1].arg(gpu),
+        inter: inter as i32,
+        ids,
+        hidden: p(&s.hidden),
+        norm_w: post_norm,
+        eps,
+        act: p(&s.act),
+    };
+    gpu.launch(&name, shape, &gate_up)?;
     // DOWN_ROWS (moe.cu) output rows per warp and unit, eight warps a block.
     let name = format!("moe_down_b{bits}");
-    let (d, sd) = (m.down.arg(gpu), m.shared[2].arg(gpu));
     let wave = gpu.resident_blocks_256(&name)?.div_ceil(b);
     let mut shape = wave_shape(h.div_ceil(DOWN_ROWS), 8, wave);
     shape.grid.1 = b;
-    gpu.launch(
-        &name,
-        shape,
-        &[
-            KArg::Mat(d),
-            KArg::Mat(sd),
-            KArg::I32(inter as i32),
-            KArg::I32(h as i32),
-            KArg::Ptr(ids),
-            KArg::Ptr(p(&s.weights)),
-            KArg::Ptr(p(&s.router_logits)),
-            KArg::Ptr(p(&s.act)),
-            KArg::Ptr(p(&s.hidden)),
-        ],
-    )
+    let down = MoeDown {
+        down: m.down.arg(gpu),
+        sh_down: m.shared[2].arg(gpu),
+        inter: inter as i32,
+        hidden: h as i32,
+        ids,
+        weights: p(&s.weights),
+        logits: p(&s.router_logits),
+        act: p(&s.act),
+        residual: p(&s.hidden),
+    };
+    gpu.launch(&name, shape, &down)
 }
 
 /// Enqueues one whole decode step for `rows` (1 to [`MAX_ROWS`] sequences, each weight read
@@ -329,9 +316,13 @@ pub fn encode_step(
     let rows = Rows::of(gpu, step_rows);
     let (n, b) = (rows.n, rows.n as u32);
 
-    let embed = w.embed.arg(gpu);
     let name = format!("embed_rows_b{}", w.embed.bits);
-    launch!(gpu, &name, (b, 1, 1), 256; embed, rows.token, p(&s.hidden));
+    let args = EmbedRows {
+        table: w.embed.arg(gpu),
+        tokens: rows.token,
+        out: p(&s.hidden),
+    };
+    launch!(gpu, &name, (b, 1, 1), 256, args);
     mark("embed")?;
 
     // No norm launches: the GEMVs that read the residual stream normalise it as they stage it,
@@ -358,14 +349,50 @@ pub fn encode_step(
                     p(&s.proj),
                 )?;
                 let conv_dim = c.gdn_conv_dim();
-                launch!(gpu, "gdn_conv", (conv_dim.div_ceil(256) as u32, b, 1), 256;
-                    p(&s.proj), p(conv), window, p(&s.conv_out));
+                let args = GdnConv {
+                    proj: p(&s.proj),
+                    conv_w: p(conv),
+                    window,
+                    out: p(&s.conv_out),
+                };
+                launch!(
+                    gpu,
+                    "gdn_conv",
+                    (conv_dim.div_ceil(256) as u32, b, 1),
+                    256,
+                    args
+                );
                 let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
                 let cols = dv.min(32);
-                launch!(gpu, "gdn_step", (nv as u32, dv.div_ceil(cols) as u32, b), (cols * 4) as u32;
-                    p(&s.conv_out), p(&s.proj), p(a_log), p(dt_bias), recurrent, p(&s.gdn_o));
-                launch!(gpu, "gdn_gated_norm", (nv as u32, b, 1), round_up_warp(dv);
-                    p(&s.gdn_o), p(&s.proj), p(norm), p(&s.gdn_y), eps);
+                let args = GdnStep {
+                    conv: p(&s.conv_out),
+                    proj: p(&s.proj),
+                    a_log: p(a_log),
+                    dt_bias: p(dt_bias),
+                    state: recurrent,
+                    out: p(&s.gdn_o),
+                };
+                launch!(
+                    gpu,
+                    "gdn_step",
+                    (nv as u32, dv.div_ceil(cols) as u32, b),
+                    (cols * 4) as u32,
+                    args
+                );
+                let args = GdnGatedNorm {
+                    o: p(&s.gdn_o),
+                    proj: p(&s.proj),
+                    w: p(norm),
+                    y: p(&s.gdn_y),
+                    eps,
+                };
+                launch!(
+                    gpu,
+                    "gdn_gated_norm",
+                    (nv as u32, b, 1),
+                    round_up_warp(dv),
+                    args
+                );
                 mark("gated deltanet")?;
                 gemv(
                     gpu,
@@ -396,18 +423,47 @@ pub fn encode_step(
                 mark("mixer input gemv")?;
                 let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
                 // One warp per head (head_norm_rope).
-                launch!(gpu, "attn_prep", ((nh + nkv) as u32, b, 1), 32;
-                    p(&s.proj), p(q_norm), p(k_norm), rows.pos, p(&s.q), k, v, eps);
+                let args = AttnPrep {
+                    qkv: p(&s.proj),
+                    q_norm: p(q_norm),
+                    k_norm: p(k_norm),
+                    pos: rows.pos,
+                    q_out: p(&s.q),
+                    k_cache: k,
+                    v_cache: v,
+                    eps,
+                };
+                launch!(gpu, "attn_prep", ((nh + nkv) as u32, b, 1), 32, args);
                 let splits = step_rows
                     .iter()
                     .map(|r| r.state.attn_splits)
                     .max()
                     .unwrap_or(1);
                 // 128 threads: attn_split is written for four warps (AS_WARPS).
-                launch!(gpu, "attn_split", (nkv as u32, splits as u32, b), 128;
-                    p(&s.q), k, v, rows.pos, rows.splits, p(&s.part_ml), p(&s.part_acc));
-                launch!(gpu, "attn_combine", (nh as u32, b, 1), round_up_warp(hd);
-                    p(&s.part_ml), p(&s.part_acc), rows.splits, p(&s.proj), p(&s.attn_out));
+                let args = AttnSplit {
+                    q: p(&s.q),
+                    k_cache: k,
+                    v_cache: v,
+                    pos: rows.pos,
+                    nsplit: rows.splits,
+                    part_ml: p(&s.part_ml),
+                    part_acc: p(&s.part_acc),
+                };
+                launch!(gpu, "attn_split", (nkv as u32, splits as u32, b), 128, args);
+                let args = AttnCombine {
+                    part_ml: p(&s.part_ml),
+                    part_acc: p(&s.part_acc),
+                    nsplit: rows.splits,
+                    qkv: p(&s.proj),
+                    out: p(&s.attn_out),
+                };
+                launch!(
+                    gpu,
+                    "attn_combine",
+                    (nh as u32, b, 1),
+                    round_up_warp(hd),
+                    args
+                );
                 mark("attention")?;
                 gemv(
                     gpu,
@@ -483,11 +539,23 @@ fn argmax_rows(gpu: &Gpu, s: &Scratch, rows: &Rows) -> Result<()> {
         &rows.choices.n[..rows.n]
     );
     let b = rows.n as u32;
-    launch!(gpu, "argmax_partial", (ARGMAX_BLOCKS, b, 1), 256;
-        p(&s.logits), vocab as i32, rows.choices, p(&s.arg_v), ptr(&s.arg_i, &gpu.stream));
-    launch!(gpu, "argmax_final", (b, 1, 1), 32;
-        p(&s.arg_v), ptr(&s.arg_i, &gpu.stream), rows.choices, rows.token, rows.pos,
-        ptr(&s.chosen, &gpu.stream));
+    let partial = ArgmaxPartial {
+        logits: p(&s.logits),
+        stride: vocab as i32,
+        choices: rows.choices,
+        part_v: p(&s.arg_v),
+        part_i: ptr(&s.arg_i, &gpu.stream),
+    };
+    launch!(gpu, "argmax_partial", (ARGMAX_BLOCKS, b, 1), 256, partial);
+    let last = ArgmaxFinal {
+        part_v: p(&s.arg_v),
+        part_i: ptr(&s.arg_i, &gpu.stream),
+        choices: rows.choices,
+        token: rows.token,
+        pos: rows.pos,
+        chosen: ptr(&s.chosen, &gpu.stream),
+    };
+    launch!(gpu, "argmax_final", (b, 1, 1), 32, last);
     Ok(())
 }
 

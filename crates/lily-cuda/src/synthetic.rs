@@ -14,6 +14,7 @@ use lily_core::synthetic::{QuantStream, SyntheticSource};
 use lily_core::weights::offset_norm;
 
 use crate::gpu::Gpu;
+use crate::kernel_args::SyntheticQuant;
 use crate::launch;
 use crate::mat::DeviceMat;
 use crate::weights::WeightSource;
@@ -40,9 +41,18 @@ pub fn generate(gpu: &Gpu, stream: &QuantStream, rows: usize, cols: usize) -> Re
         i32::try_from(n).with_context(|| format!("a {rows}x{cols} matrix is too large to generate"))
     };
     // Keys are u64 kernel arguments, passed as the 64-bit `Ptr` kind.
-    launch!(gpu, "synthetic_quant", (blocks, 1, 1), THREADS as u32;
-        a.w, a.scales, a.biases, count(words)?, count(rows * cols / group)?,
-        stream.code_key, stream.scale_key, stream.scale, stream.bits as i32);
+    let args = SyntheticQuant {
+        w: a.w,
+        scales: a.scales,
+        biases: a.biases,
+        words: count(words)?,
+        groups: count(rows * cols / group)?,
+        code_key: stream.code_key,
+        scale_key: stream.scale_key,
+        c: stream.scale,
+        bits: stream.bits as i32,
+    };
+    launch!(gpu, "synthetic_quant", (blocks, 1, 1), THREADS as u32, args);
     Ok(m)
 }
 

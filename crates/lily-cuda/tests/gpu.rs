@@ -15,7 +15,8 @@ use lily_core::weights::{Linear, ModelWeights};
 use lily_cpu::CpuBackend;
 use lily_cuda::CudaBackend;
 use lily_cuda::KvPrecision;
-use lily_cuda::gpu::{Gpu, KArg, RowInts, RowPtrs, Shape, ptr};
+use lily_cuda::gpu::{Gpu, RowInts, RowPtrs, Shape, ptr};
+use lily_cuda::kernel_args::{AttnCombine, AttnSplit, GemvAdd};
 use lily_cuda::mat::{DeviceMat, MatArg, gemv_shape};
 use support::{NEEDS_GPU, dense_of, fixture, greedy, random_linear, rel_diff};
 
@@ -309,28 +310,34 @@ fn run_attention(
     let part_ml = gpu.zeros::<f32>(nkv * splits * (nh / nkv) * 2).unwrap();
     let part_acc = gpu.zeros::<f32>(nkv * splits * (nh / nkv) * hd).unwrap();
     let out = gpu.zeros::<f32>(nh * hd).unwrap();
-    let p = |b: &cudarc::driver::CudaSlice<f32>| KArg::Ptr(ptr(b, &gpu.stream));
+    let p = |b: &cudarc::driver::CudaSlice<f32>| ptr(b, &gpu.stream);
     let split_shape = Shape {
         grid: (nkv as u32, splits as u32, 1),
         block: 128,
     };
     // One row of a step: the sequence's cache, position and split count.
-    let splits_arg = KArg::Ints(RowInts::of([splits as i32]));
-    let args = [
-        p(&dq),
-        KArg::Rows(RowPtrs::of([k])),
-        KArg::Rows(RowPtrs::of([v])),
-        KArg::Rows(RowPtrs::of([ptr(&pos, &gpu.stream)])),
-        splits_arg,
-        p(&part_ml),
-        p(&part_acc),
-    ];
+    let nsplit = RowInts::of([splits as i32]);
+    let args = AttnSplit {
+        q: p(&dq),
+        k_cache: RowPtrs::of([k]),
+        v_cache: RowPtrs::of([v]),
+        pos: RowPtrs::of([ptr(&pos, &gpu.stream)]),
+        nsplit,
+        part_ml: p(&part_ml),
+        part_acc: p(&part_acc),
+    };
     gpu.launch("attn_split", split_shape, &args).unwrap();
     let combine_shape = Shape {
         grid: (nh as u32, 1, 1),
         block: hd.div_ceil(32) as u32 * 32,
     };
-    let args = [p(&part_ml), p(&part_acc), splits_arg, p(&dqkv), p(&out)];
+    let args = AttnCombine {
+        part_ml: p(&part_ml),
+        part_acc: p(&part_acc),
+        nsplit,
+        qkv: p(&dqkv),
+        out: p(&out),
+    };
     gpu.launch("attn_combine", combine_shape, &args).unwrap();
     gpu.download(&out).unwrap()
 }
@@ -406,21 +413,17 @@ fn gemv_matches_dequantise_then_multiply() {
             let dx = gpu.upload(&x).unwrap();
             let total: usize = shapes.iter().sum();
             let dy = gpu.zeros::<f32>(total).unwrap();
-            let args: Vec<MatArg> = dev.iter().map(|m| m.arg(&gpu)).collect();
-            let shape = gemv_shape(&shapes);
-            gpu.launch(
-                &format!("gemv_b{bits}"),
-                shape,
-                &[
-                    KArg::Mat(args[0]),
-                    KArg::Mat(args[1]),
-                    KArg::Mat(args[2]),
-                    KArg::Mat(args[3]),
-                    KArg::Ptr(ptr(&dx, &gpu.stream)),
-                    KArg::Ptr(ptr(&dy, &gpu.stream)),
-                ],
-            )
-            .unwrap();
+            let mut mats_arg = [MatArg::default(); 4];
+            for (a, m) in mats_arg.iter_mut().zip(&dev) {
+                *a = m.arg(&gpu);
+            }
+            let args = GemvAdd {
+                mats: mats_arg,
+                x: ptr(&dx, &gpu.stream),
+                y: ptr(&dy, &gpu.stream),
+            };
+            gpu.launch(&format!("gemv_b{bits}"), gemv_shape(&shapes), &args)
+                .unwrap();
             let y = gpu.download(&dy).unwrap();
             let mut want = Vec::new();
             for m in &mats {

@@ -14,7 +14,8 @@ use lily_core::synthetic::synthetic_config;
 use lily_core::weights::Linear;
 use lily_cuda::KvPrecision;
 use lily_cuda::gemv::{GemvForm, GemvRoute, gemv, gemv_route, rows_shared_bytes};
-use lily_cuda::gpu::{Gpu, KArg, Shape, ptr};
+use lily_cuda::gpu::{Gpu, Shape, ptr};
+use lily_cuda::kernel_args::{GemvAdd, GemvNorm, GemvRowsAdd, GemvRowsNorm};
 use lily_cuda::mat::{DeviceMat, MatArg, gemv_shape};
 use support::{dense_of, random_linear, random_linear_grouped, rel_diff};
 
@@ -26,7 +27,7 @@ fn upload(
     cols: usize,
     shapes: &[usize],
     seed: u64,
-) -> (Vec<Linear>, Vec<DeviceMat>, [KArg; 4]) {
+) -> (Vec<Linear>, Vec<DeviceMat>, [MatArg; 4]) {
     let mats: Vec<Linear> = shapes
         .iter()
         .enumerate()
@@ -40,7 +41,7 @@ fn upload(
     for (a, m) in args.iter_mut().zip(&dev) {
         *a = m.arg(gpu);
     }
-    (mats, dev, args.map(KArg::Mat))
+    (mats, dev, args)
 }
 
 #[test]
@@ -67,22 +68,24 @@ fn fused_norm_and_residual_gemvs_match_the_cpu() {
                 gpu.zeros::<f32>(total).unwrap(),
                 gpu.upload(&start).unwrap(),
             );
-            let p = |b| KArg::Ptr(b);
-            let mut norm_args = mats_args.to_vec();
-            norm_args.extend([
-                p(ptr(&dh, &gpu.stream)),
-                p(ptr(&dn, &gpu.stream)),
-                KArg::F32(eps),
-                p(ptr(&dy_norm, &gpu.stream)),
-            ]);
+            let norm_args = GemvNorm {
+                mats: mats_args,
+                hidden: ptr(&dh, &gpu.stream),
+                norm_w: ptr(&dn, &gpu.stream),
+                eps,
+                y: ptr(&dy_norm, &gpu.stream),
+            };
             gpu.launch(
                 &format!("gemv_norm_b{bits}"),
                 gemv_shape(&shapes),
                 &norm_args,
             )
             .unwrap();
-            let mut add_args = mats_args.to_vec();
-            add_args.extend([p(ptr(&dh, &gpu.stream)), p(ptr(&dy_add, &gpu.stream))]);
+            let add_args = GemvAdd {
+                mats: mats_args,
+                x: ptr(&dh, &gpu.stream),
+                y: ptr(&dy_add, &gpu.stream),
+            };
             gpu.launch(&format!("gemv_add_b{bits}"), gemv_shape(&shapes), &add_args)
                 .unwrap();
             let (y_norm, y_add) = (
@@ -139,7 +142,6 @@ fn batched_gemvs_give_each_row_its_single_row_bits() {
             let total: usize = shapes.iter().sum();
             let norm_w: Vec<f32> = (0..cols).map(|i| 1.0 + uniform_at(22, i as u64)).collect();
             let dn = gpu.upload(&norm_w).unwrap();
-            let p = |b: u64| KArg::Ptr(b);
             for nx in [2usize, 3, 5, 7, 8] {
                 let bound = nx.next_power_of_two();
                 let x: Vec<f32> = (0..nx * cols)
@@ -158,22 +160,22 @@ fn batched_gemvs_give_each_row_its_single_row_bits() {
                         grid: (blocks, 1, 1),
                         block: single.block,
                     };
-                    let mut a = mats_args.to_vec();
-                    a.extend([
-                        KArg::I32(nx as i32),
-                        p(ptr(&dx, &gpu.stream)),
-                        p(ptr(&dn, &gpu.stream)),
-                        KArg::F32(eps),
-                        p(ptr(&y_norm, &gpu.stream)),
-                    ]);
+                    let a = GemvRowsNorm {
+                        mats: mats_args,
+                        nx: nx as i32,
+                        hidden: ptr(&dx, &gpu.stream),
+                        norm_w: ptr(&dn, &gpu.stream),
+                        eps,
+                        y: ptr(&y_norm, &gpu.stream),
+                    };
                     let name = format!("gemv_rows_norm_b{bits}_x{bound}");
                     gpu.launch_shared(&name, shape(), shared, &a).unwrap();
-                    let mut a = mats_args.to_vec();
-                    a.extend([
-                        KArg::I32(nx as i32),
-                        p(ptr(&dx, &gpu.stream)),
-                        p(ptr(&y_add, &gpu.stream)),
-                    ]);
+                    let a = GemvRowsAdd {
+                        mats: mats_args,
+                        nx: nx as i32,
+                        x: ptr(&dx, &gpu.stream),
+                        y: ptr(&y_add, &gpu.stream),
+                    };
                     let name = format!("gemv_rows_add_b{bits}_x{bound}");
                     gpu.launch_shared(&name, shape(), shared, &a).unwrap();
                     let (got_norm, got_add) = (
@@ -184,17 +186,20 @@ fn batched_gemvs_give_each_row_its_single_row_bits() {
                         let xr = gpu.upload(&x[n * cols..(n + 1) * cols]).unwrap();
                         let yn = gpu.zeros::<f32>(total).unwrap();
                         let ya = gpu.upload(&start[n * total..(n + 1) * total]).unwrap();
-                        let mut a = mats_args.to_vec();
-                        a.extend([
-                            p(ptr(&xr, &gpu.stream)),
-                            p(ptr(&dn, &gpu.stream)),
-                            KArg::F32(eps),
-                            p(ptr(&yn, &gpu.stream)),
-                        ]);
+                        let a = GemvNorm {
+                            mats: mats_args,
+                            hidden: ptr(&xr, &gpu.stream),
+                            norm_w: ptr(&dn, &gpu.stream),
+                            eps,
+                            y: ptr(&yn, &gpu.stream),
+                        };
                         gpu.launch(&format!("gemv_norm_b{bits}"), gemv_shape(&shapes), &a)
                             .unwrap();
-                        let mut a = mats_args.to_vec();
-                        a.extend([p(ptr(&xr, &gpu.stream)), p(ptr(&ya, &gpu.stream))]);
+                        let a = GemvAdd {
+                            mats: mats_args,
+                            x: ptr(&xr, &gpu.stream),
+                            y: ptr(&ya, &gpu.stream),
+                        };
                         gpu.launch(&format!("gemv_add_b{bits}"), gemv_shape(&shapes), &a)
                             .unwrap();
                         let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();

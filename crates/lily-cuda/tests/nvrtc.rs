@@ -8,6 +8,9 @@ use std::path::Path;
 use lily_core::config::ModelConfig;
 use lily_core::synthetic::synthetic_config;
 use lily_cuda::compile::{KERNEL_FILES, KvPrecision, compile_all};
+use lily_cuda::gpu::{RowInts, RowPtrs};
+use lily_cuda::kernel_args::{ArgKind, entry_kinds};
+use lily_cuda::mat::MatArg;
 
 const ARCHS: [&str; 4] = ["sm_80", "sm_86", "sm_89", "sm_90"];
 
@@ -70,10 +73,79 @@ fn every_kernel_compiles_for_every_architecture() {
                         );
                     }
                 }
+                // Parameter kinds do not depend on the model or the cache precision.
+                if name == "qwen3.6-35b-a3b" && *arch == "sm_90" && kv == KvPrecision::Bf16 {
+                    let texts: Vec<String> = compiled.iter().map(|(_, _, p)| p.to_src()).collect();
+                    every_argument_struct_matches_its_kernel(&texts);
+                }
             }
         }
     }
     let _ = std::fs::remove_dir_all(cache);
+}
+
+/// Each entry point's parameters in PTX: `.param .u64`, `.u32` / `.s32`, `.f32`, or a struct as
+/// `.b8 name[size]`.
+fn ptx_params(text: &str, entry: &str) -> Option<Vec<ArgKind>> {
+    let start = text.find(&format!(".entry {entry}("))?;
+    let list = &text[start..start + text[start..].find(')')?];
+    let struct_kind = |size: usize| {
+        if size == std::mem::size_of::<MatArg>() {
+            ArgKind::Mat
+        } else if size == std::mem::size_of::<RowPtrs>() {
+            ArgKind::Rows
+        } else if size == std::mem::size_of::<RowInts>() {
+            ArgKind::Ints
+        } else {
+            panic!("{entry}: a {size}-byte struct parameter no launch passes")
+        }
+    };
+    let kinds = list
+        .split(".param")
+        .skip(1)
+        .map(|p| {
+            if p.contains(".u64") {
+                ArgKind::U64
+            } else if p.contains(".u32") || p.contains(".s32") {
+                ArgKind::I32
+            } else if p.contains(".f32") {
+                ArgKind::F32
+            } else {
+                let size = p[p.find('[').expect("a struct size") + 1..p.find(']').expect("]")]
+                    .parse()
+                    .expect("a size");
+                struct_kind(size)
+            }
+        })
+        .collect();
+    Some(kinds)
+}
+
+/// Each kernel's argument struct (kernel_args.rs) has the kinds of the compiled parameters, in
+/// order, and every entry point that takes its arguments one by one has a struct: a field added,
+/// dropped or swapped on one side shows here, without a GPU.
+fn every_argument_struct_matches_its_kernel(texts: &[String]) {
+    let structs = entry_kinds();
+    for (entry, kinds) in &structs {
+        let compiled = texts
+            .iter()
+            .find_map(|t| ptx_params(t, entry))
+            .unwrap_or_else(|| panic!("no kernel {entry} for its argument struct"));
+        assert_eq!(
+            &compiled, kinds,
+            "{entry}: the struct's kinds against the kernel's"
+        );
+    }
+    for entry in KERNEL_FILES.iter().flat_map(|f| f.entries) {
+        // The pick kernels take one PickArgs, checked by size below.
+        if entry.starts_with("pick_") {
+            continue;
+        }
+        assert!(
+            structs.iter().any(|(e, _)| e == entry),
+            "kernel {entry} has no argument struct in kernel_args.rs"
+        );
+    }
 }
 
 /// The persistent decode step compiles for every architecture, model shape and weight format

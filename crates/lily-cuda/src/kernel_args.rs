@@ -1,0 +1,247 @@
+//! Every kernel's arguments as a struct (kernels/*.cu): one field per parameter, in the
+//! signature's order, so that a launch names what it passes instead of listing it by position.
+//! `tests/nvrtc.rs` holds each struct's parameter kinds to the compiled entry points' (PTX) and
+//! checks that every entry point has a struct ([`entry_kinds`]).
+
+use crate::gpu::{KArg, RowInts, RowPtrs};
+use crate::mat::MatArg;
+
+/// What a kernel parameter is, as PTX declares it: a 64-bit word (pointers and u64), a 32-bit
+/// integer, an f32, or a struct by value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ArgKind {
+    U64,
+    I32,
+    F32,
+    Mat,
+    Rows,
+    Ints,
+}
+
+/// A field type of a kernel's arguments.
+pub trait ArgType: Copy {
+    fn kinds(out: &mut Vec<ArgKind>);
+    fn push(self, out: &mut Vec<KArg>);
+}
+
+macro_rules! arg_type {
+    ($ty:ty, $kind:ident, $karg:ident) => {
+        impl ArgType for $ty {
+            fn kinds(out: &mut Vec<ArgKind>) {
+                out.push(ArgKind::$kind);
+            }
+            fn push(self, out: &mut Vec<KArg>) {
+                out.push(KArg::$karg(self));
+            }
+        }
+    };
+}
+arg_type!(u64, U64, Ptr);
+arg_type!(i32, I32, I32);
+arg_type!(f32, F32, F32);
+arg_type!(MatArg, Mat, Mat);
+arg_type!(RowPtrs, Rows, Rows);
+arg_type!(RowInts, Ints, Ints);
+
+/// The four matrices of a GEMV launch (`Mat m0, Mat m1, Mat m2, Mat m3`), unused ones empty.
+impl ArgType for [MatArg; 4] {
+    fn kinds(out: &mut Vec<ArgKind>) {
+        out.extend([ArgKind::Mat; 4]);
+    }
+    fn push(self, out: &mut Vec<KArg>) {
+        out.extend(self.map(KArg::Mat));
+    }
+}
+
+/// A kernel's arguments.
+pub trait KernelArgs {
+    /// The parameter kinds in order.
+    fn kinds() -> Vec<ArgKind>;
+    /// The arguments in order.
+    fn args(&self) -> Vec<KArg>;
+}
+
+macro_rules! kernel_args {
+    ($($(#[$meta:meta])* $name:ident { $($field:ident: $ty:ty),* $(,)? })*) => {
+        $(
+            $(#[$meta])*
+            #[derive(Clone, Copy)]
+            pub struct $name {
+                $(pub $field: $ty),*
+            }
+            impl KernelArgs for $name {
+                fn kinds() -> Vec<ArgKind> {
+                    let mut out = Vec::new();
+                    $(<$ty as ArgType>::kinds(&mut out);)*
+                    out
+                }
+                fn args(&self) -> Vec<KArg> {
+                    let mut out = Vec::new();
+                    $(self.$field.push(&mut out);)*
+                    out
+                }
+            }
+        )*
+    };
+}
+
+kernel_args! {
+    // ---- The decode step (step.rs, gemv.rs) ----
+    /// `embed_rows_b*`: each row's token from its slot.
+    EmbedRows { table: MatArg, tokens: RowPtrs, out: u64 }
+    /// `gemv_norm_b*`.
+    GemvNorm { mats: [MatArg; 4], hidden: u64, norm_w: u64, eps: f32, y: u64 }
+    /// `gemv_add_b*` (and `gemv_b*`).
+    GemvAdd { mats: [MatArg; 4], x: u64, y: u64 }
+    /// `gemv_rows_norm_b*_x*` and `gemv_mma_norm_b4`.
+    GemvRowsNorm { mats: [MatArg; 4], nx: i32, hidden: u64, norm_w: u64, eps: f32, y: u64 }
+    /// `gemv_rows_add_b*_x*` and `gemv_mma_add_b4`.
+    GemvRowsAdd { mats: [MatArg; 4], nx: i32, x: u64, y: u64 }
+    GdnConv { proj: u64, conv_w: u64, window: RowPtrs, out: u64 }
+    GdnStep { conv: u64, proj: u64, a_log: u64, dt_bias: u64, state: RowPtrs, out: u64 }
+    GdnGatedNorm { o: u64, proj: u64, w: u64, y: u64, eps: f32 }
+    AttnPrep {
+        qkv: u64, q_norm: u64, k_norm: u64, pos: RowPtrs, q_out: u64, k_cache: RowPtrs,
+        v_cache: RowPtrs, eps: f32,
+    }
+    AttnSplit {
+        q: u64, k_cache: RowPtrs, v_cache: RowPtrs, pos: RowPtrs, nsplit: RowInts, part_ml: u64,
+        part_acc: u64,
+    }
+    AttnCombine { part_ml: u64, part_acc: u64, nsplit: RowInts, qkv: u64, out: u64 }
+    /// `moe_route_b*`.
+    MoeRoute {
+        router: MatArg, sh_gate: MatArg, hidden: u64, norm_w: u64, eps: f32, logits: u64,
+        ids: u64, weights: u64, done: u64,
+    }
+    /// `moe_gate_up_b*`.
+    MoeGateUp {
+        gate: MatArg, up: MatArg, sh_gate: MatArg, sh_up: MatArg, inter: i32, ids: u64,
+        hidden: u64, norm_w: u64, eps: f32, act: u64,
+    }
+    /// `moe_down_b*`.
+    MoeDown {
+        down: MatArg, sh_down: MatArg, inter: i32, hidden: i32, ids: u64, weights: u64,
+        logits: u64, act: u64, residual: u64,
+    }
+    ArgmaxPartial { logits: u64, stride: i32, choices: RowInts, part_v: u64, part_i: u64 }
+    ArgmaxFinal {
+        part_v: u64, part_i: u64, choices: RowInts, token: RowPtrs, pos: RowPtrs, chosen: u64,
+    }
+
+    // ---- Prefill (prefill.rs and its stages) ----
+    /// `embed_b*`: the rows of a chunk's tokens.
+    Embed { table: MatArg, tokens: u64, out: u64 }
+    AddRmsNorm { hidden: u64, delta: u64, scale: u64, out: u64, n: i32, eps: f32 }
+    AttnPrepRows {
+        qkv: u64, ld: i32, q_norm: u64, k_norm: u64, pos0: i32, q_out: u64, k_cache: u64,
+        v_cache: u64, eps: f32,
+    }
+    /// `attn_prefill_r*_s*`.
+    AttnPrefill {
+        q: u64, k_cache: u64, v_cache: u64, pos0: i32, t: i32, qkv: u64, ld: i32, out: u64,
+    }
+    GdnConvRows { proj: u64, ld: i32, t: i32, conv_w: u64, window: u64, out: u64 }
+    GdnScanPrep {
+        conv: u64, proj: u64, ld: i32, t: i32, a_log: u64, dt_bias: u64, prep: u64,
+    }
+    GdnScan { conv: u64, prep: u64, t: i32, state: u64, out: u64 }
+    GdnChunkPrep { prep: u64, t: i32, scratch: u64 }
+    GdnChunkScan { conv: u64, prep: u64, scratch: u64, t: i32, state: u64, out: u64 }
+    GdnGatedNormRows { o: u64, proj: u64, ld: i32, w: u64, y: u64, eps: f32 }
+    /// `gemm_b*` and `gemm_wgmma_b4`.
+    Gemm { w: MatArg, x: u64, m: i32, y: u64, ldy: i32, col0: i32, k_split: i32 }
+    GemmReduce { part: u64, splits: i32, m: i32, n: i32, y: u64, ldy: i32, col0: i32 }
+    /// `gemm_grouped*_b*` and `gemm_wgmma_grouped64_b4`.
+    GemmGrouped {
+        w: MatArg, n: i32, x: u64, gather: u64, tiles: u64, num_tiles: u64, y: u64,
+    }
+    MoeTopkRows { logits: u64, t: i32, ids: u64, weights: u64 }
+    MoeSort {
+        ids: u64, pairs: i32, tile_rows: i32, gather: u64, slot_of: u64, tiles: u64,
+        num_tiles: u64,
+    }
+    MoeSwiglu { gate: u64, up: u64, n: i32, act: u64 }
+    MoeCombine {
+        down: u64, slot_of: u64, weights: u64, logits: u64, shared: u64, h: i32, out: u64,
+    }
+
+    // ---- Synthetic weights made on the device (synthetic.rs) ----
+    SyntheticQuant {
+        w: u64, scales: u64, biases: u64, words: i32, groups: i32, code_key: u64, scale_key: u64,
+        c: f32, bits: i32,
+    }
+}
+
+/// Every entry point of [`crate::compile::KERNEL_FILES`] that takes its arguments one by one,
+/// with its parameter kinds. The pick kernels take one `PickArgs` struct (pick.rs) and are not
+/// listed.
+pub fn entry_kinds() -> Vec<(String, Vec<ArgKind>)> {
+    fn each<A: KernelArgs>(names: impl IntoIterator<Item = String>) -> Vec<(String, Vec<ArgKind>)> {
+        names.into_iter().map(|n| (n, A::kinds())).collect()
+    }
+    let bits = |prefix: &str| [4, 8, 32].map(|b| format!("{prefix}_b{b}"));
+    let rows = |form: &str| {
+        [4, 8, 32]
+            .into_iter()
+            .flat_map(move |b| [2, 4, 8].map(|x| format!("gemv_rows_{form}_b{b}_x{x}")))
+            .collect::<Vec<_>>()
+    };
+    let one = |name: &str| [name.to_string()];
+    let mut all = Vec::new();
+    all.extend(each::<EmbedRows>(bits("embed_rows")));
+    all.extend(each::<Embed>(bits("embed")));
+    all.extend(each::<GemvNorm>(bits("gemv_norm")));
+    all.extend(each::<GemvAdd>(
+        bits("gemv_add").into_iter().chain(bits("gemv")),
+    ));
+    all.extend(each::<GemvRowsNorm>(
+        rows("norm").into_iter().chain(one("gemv_mma_norm_b4")),
+    ));
+    all.extend(each::<GemvRowsAdd>(
+        rows("add").into_iter().chain(one("gemv_mma_add_b4")),
+    ));
+    all.extend(each::<GdnConv>(one("gdn_conv")));
+    all.extend(each::<GdnStep>(one("gdn_step")));
+    all.extend(each::<GdnGatedNorm>(one("gdn_gated_norm")));
+    all.extend(each::<AttnPrep>(one("attn_prep")));
+    all.extend(each::<AttnSplit>(one("attn_split")));
+    all.extend(each::<AttnCombine>(one("attn_combine")));
+    all.extend(each::<MoeRoute>(bits("moe_route")));
+    all.extend(each::<MoeGateUp>(bits("moe_gate_up")));
+    all.extend(each::<MoeDown>(bits("moe_down")));
+    all.extend(each::<ArgmaxPartial>(one("argmax_partial")));
+    all.extend(each::<ArgmaxFinal>(one("argmax_final")));
+    all.extend(each::<AddRmsNorm>(one("add_rms_norm")));
+    all.extend(each::<AttnPrepRows>(one("attn_prep_rows")));
+    all.extend(each::<AttnPrefill>(
+        [
+            "attn_prefill_r128_s4",
+            "attn_prefill_r128_s2",
+            "attn_prefill_r64_s2",
+        ]
+        .map(String::from),
+    ));
+    all.extend(each::<GdnConvRows>(one("gdn_conv_rows")));
+    all.extend(each::<GdnScanPrep>(one("gdn_scan_prep")));
+    all.extend(each::<GdnScan>(one("gdn_scan")));
+    all.extend(each::<GdnChunkPrep>(one("gdn_chunk_prep")));
+    all.extend(each::<GdnChunkScan>(one("gdn_chunk_scan")));
+    all.extend(each::<GdnGatedNormRows>(one("gdn_gated_norm_rows")));
+    all.extend(each::<Gemm>(
+        bits("gemm").into_iter().chain(one("gemm_wgmma_b4")),
+    ));
+    all.extend(each::<GemmReduce>(one("gemm_reduce")));
+    all.extend(each::<GemmGrouped>(
+        bits("gemm_grouped16")
+            .into_iter()
+            .chain(bits("gemm_grouped64"))
+            .chain(one("gemm_wgmma_grouped64_b4")),
+    ));
+    all.extend(each::<MoeTopkRows>(one("moe_topk_rows")));
+    all.extend(each::<MoeSort>(one("moe_sort")));
+    all.extend(each::<MoeSwiglu>(one("moe_swiglu")));
+    all.extend(each::<MoeCombine>(one("moe_combine")));
+    all.extend(each::<SyntheticQuant>(one("synthetic_quant")));
+    all
+}
