@@ -143,7 +143,7 @@ impl<'a> Choice<'a> {
                 self.sampler.sample_drawn(&masked, draw)
             }
         };
-        let choosable = self.sampler.vocab_limit().unwrap_or(logits.len());
+        let choosable = self.sampler.choosable(logits.len());
         Pick {
             token,
             logprobs: self

@@ -82,6 +82,12 @@ impl Sampler {
         self.vocab_limit
     }
 
+    /// How many of a row of `n` logits a choice ranges over: all, or the first `vocab_limit`
+    /// (at least one).
+    pub fn choosable(&self, n: usize) -> usize {
+        self.vocab_limit.map_or(n, |l| l.clamp(1, n))
+    }
+
     /// Chooses the next token, and counts it for the penalties.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let draw = self.draw();
@@ -129,9 +135,7 @@ impl Sampler {
     /// candidates with the same f32 arithmetic): the best `top_k` by logit (ties by id), their
     /// softmax at the temperature, min-p, then top-p, each in that order, then the draw.
     fn choose(&self, logits: &[f32], draw: f32) -> u32 {
-        let n = self
-            .vocab_limit
-            .map_or(logits.len(), |l| l.min(logits.len()));
+        let n = self.choosable(logits.len());
         let logits = &logits[..n];
         if self.params.is_greedy() {
             return argmax(logits);
@@ -231,6 +235,18 @@ mod tests {
     fn greedy_takes_the_first_maximum() {
         let mut s = Sampler::new(SamplingParams::greedy());
         assert_eq!(s.sample(&[0.0, 3.0, -1.0, 3.0]), 1);
+    }
+
+    #[test]
+    fn the_choosable_ids_are_the_limit_within_the_row() {
+        let s = |limit: Option<usize>| {
+            let s = Sampler::new(SamplingParams::greedy());
+            limit.map_or(s.clone(), |l| s.with_vocab_limit(l))
+        };
+        assert_eq!(s(None).choosable(10), 10);
+        assert_eq!(s(Some(4)).choosable(10), 4);
+        assert_eq!(s(Some(40)).choosable(10), 10);
+        assert_eq!(s(Some(0)).choosable(10), 1);
     }
 
     #[test]

@@ -35,7 +35,6 @@ use cudarc::driver::{CudaGraph, CudaSlice};
 use lily_core::backend::{Backend, DecodeRow, LogitRows};
 use lily_core::choice::{Choice, Pick};
 use lily_core::config::ModelConfig;
-use lily_core::sampling::Sampler;
 use lily_core::weights::ModelWeights;
 
 pub use compile::KvPrecision;
@@ -240,12 +239,6 @@ impl CudaBackend {
         graph?.context("graph capture produced no graph")
     }
 
-    /// The tokens a choice ranges over for `sampler`: the vocabulary, or its first `limit`.
-    fn choosable(&self, sampler: &Sampler) -> usize {
-        let vocab = self.config.vocab_size;
-        sampler.vocab_limit().map_or(vocab, |l| l.clamp(1, vocab))
-    }
-
     /// Makes `choice` from the logits the step or prefill left in the decode scratch, on the
     /// device, unless it is a plain argmax, which the step has made already (`greedy_done`) or
     /// which is made here.
@@ -258,7 +251,7 @@ impl CudaBackend {
     ) -> Result<Pick> {
         let pick = if choice.is_raw_greedy() {
             if !greedy_done {
-                let choices = self.choosable(choice.sampler);
+                let choices = choice.sampler.choosable(self.config.vocab_size);
                 step::device_argmax(&self.gpu, &buffers.decode, state, choices)?;
             }
             Pick {
@@ -529,7 +522,12 @@ impl CudaBackend {
         }
         let key: Vec<(u64, usize)> = rows
             .iter()
-            .map(|r| (r.state.id, self.choosable(r.choice.sampler)))
+            .map(|r| {
+                (
+                    r.state.id,
+                    r.choice.sampler.choosable(self.config.vocab_size),
+                )
+            })
             .collect();
         if buffers.batch.as_ref().is_none_or(|b| b.rows != key) {
             buffers.batch = None;
@@ -749,7 +747,7 @@ impl Backend for CudaBackend {
         // kernels replace the token it wrote.
         let greedy = choice
             .is_raw_greedy()
-            .then(|| self.choosable(choice.sampler));
+            .then(|| choice.sampler.choosable(self.config.vocab_size));
         self.step(state, &buffers.decode, greedy)?;
         self.choose(&mut buffers, state, choice, true)
     }

@@ -137,10 +137,7 @@ impl PickScratch {
             "a row of logits holds {vocab} values"
         );
         let st = &gpu.stream;
-        let choosable = choice
-            .sampler
-            .vocab_limit()
-            .map_or(vocab, |l| l.clamp(1, vocab));
+        let choosable = choice.sampler.choosable(vocab);
         let draw = choice.sampler.draw();
         if !self.fits {
             return self.finish_on_host(gpu, logits, token_slot, choice, draw);
