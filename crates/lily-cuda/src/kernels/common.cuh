@@ -150,7 +150,7 @@ struct Mat {
     int group;
 };
 
-// A batched decode step's per-sequence buffers and counts (step.rs, RowPtrs and RowInts): row
+// A batched decode step's per-sequence buffers and counts (gpu.rs, RowPtrs and RowInts): row
 // r's at [r]. The step's activations lie row after row instead ([row][width], one buffer).
 #define MAX_ROWS 8
 struct RowPtrs {

@@ -36,7 +36,7 @@
 // flight.
 #define MMA_SPW 4
 
-// Shared memory (dynamic; step.rs's mma_shared_bytes computes the same size): the warps' partial
+// Shared memory (dynamic; gemv.rs's mma_shared_bytes computes the same size): the warps' partial
 // sums (two buffers), staged x, each slab's sum of x per row, norm scratch and inverse norms.
 __device__ __forceinline__ int mma_red_float4s() { return 2 * MMA_WARPS * WARP; }
 
@@ -107,9 +107,8 @@ __device__ __forceinline__ Mat mat_of(const Mat (&ms)[4], int which) {
 }
 
 // One lane's weights of a pass: per slab, the 16 codes of its rows g and g + 8 and their groups'
-// scales and biases.
-// scale and bias hold two slabs' bf16 values a word (slab 2j in the low half), as they lie in
-// memory: half the registers of one a slab.
+// scales and biases. scale and bias hold two slabs' bf16 values a word (slab 2j in the low half),
+// as they lie in memory: half the registers of one a slab.
 struct MmaLoad {
     uint2 q[MMA_SPW][2];
     u32 scale[MMA_SPW / 2][2], bias[MMA_SPW / 2][2];

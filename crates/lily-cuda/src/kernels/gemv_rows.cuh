@@ -7,7 +7,7 @@
 // which registers and which part of shared memory hold them. So a sequence decodes the same
 // tokens in a batch as alone.
 //
-// Shared memory (dynamic; step.rs, rows_shared_bytes, computes the same size): NX staged rows of
+// Shared memory (dynamic; gemv.rs, rows_shared_bytes, computes the same size): NX staged rows of
 // xs_row_floats(cols) floats, NX rows of chunk sums, then NX × 32 floats of norm scratch and NX
 // inverse norms.
 
