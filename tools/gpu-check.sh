@@ -21,14 +21,32 @@ if [ "$step" = all ] || [ "$step" = persistent ]; then
   LILY_DECODE=persistent .gpu/test-gpu --include-ignored --nocapture --test-threads 1 2>&1 \
     | tee "$out/gpu-tests-persistent.log"
 fi
+if [ "$step" = peer-start ]; then
+  # llama.cpp's build and GGUF (~6 min on the CPUs) in a session of their own, so that they go on
+  # after this command returns while the machine stays up: start it first, run the tests, then
+  # `peer`, which waits for it. /tmp/peer/ready marks the end.
+  if [ ! -e /tmp/peer/started ]; then
+    mkdir -p /tmp/peer && touch /tmp/peer/started
+    setsid bash -c 'bash .gpu/peer/peer.sh build > /tmp/peer/build.txt 2>&1 &&
+      bash .gpu/peer/peer.sh gguf > /tmp/peer/gguf.txt 2>&1; touch /tmp/peer/ready' \
+      > /dev/null 2>&1 < /dev/null &
+  fi
+fi
 if [ "$step" = peer ]; then
-  # llama.cpp beside us (../shared/peer copied to .gpu/peer): build and write its GGUF (~6 min on
-  # the CPUs), then its GPU figures into $out for `bench` (run that after this, same machine).
-  bash .gpu/peer/peer.sh build && bash .gpu/peer/peer.sh gguf && OUT=$out bash .gpu/peer/peer.sh gpu
+  # llama.cpp beside us (../shared/peer copied to .gpu/peer): build and write its GGUF, or wait
+  # for `peer-start`'s, then its GPU figures into $out for `bench` (run that after this, same
+  # machine).
+  if [ -e /tmp/peer/started ]; then
+    for _ in $(seq 1 120); do [ -e /tmp/peer/ready ] && break; sleep 5; done
+  else
+    bash .gpu/peer/peer.sh build && bash .gpu/peer/peer.sh gguf
+  fi
+  # Under /tmp/peer too: a later command on the same machine (its own $OUT) benches beside it.
+  OUT=/tmp/peer/out bash .gpu/peer/peer.sh gpu && cp /tmp/peer/out/llama-*.json "$out/"
 fi
 if [ "$step" = all ] || [ "$step" = bench ]; then
   peer=()
-  [ -f "$out/llama-tg.json" ] && peer=(--peer "$out/llama-pp.json,$out/llama-tg.json")
+  [ -f /tmp/peer/out/llama-tg.json ] && peer=(--peer /tmp/peer/out/llama-pp.json,/tmp/peer/out/llama-tg.json)
   .gpu/lily bench --model synthetic:qwen3.6-35b-a3b --device cuda --prompt-lens 256 \
     --contexts "${CONTEXTS:-256,1024,4096}" "${peer[@]}" --json "$out/bench-cuda.json" 2>&1 | tee "$out/bench-cuda.md"
 fi
