@@ -1,7 +1,8 @@
 //! Every kernel's arguments as a struct (kernels/*.cu): one field per parameter, in the
 //! signature's order, so that a launch names what it passes instead of listing it by position.
 //! `tests/nvrtc.rs` holds each struct's parameter kinds to the compiled entry points' (PTX) and
-//! checks that every entry point has a struct ([`entry_kinds`]).
+//! checks that every entry point has a struct ([`entry_kinds`]); a test below holds the fields'
+//! names to the kernels' parameter names in kernels/*.cu.
 
 use crate::gpu::{KArg, RowInts, RowPtrs};
 use crate::mat::MatArg;
@@ -22,6 +23,10 @@ pub enum ArgKind {
 pub trait ArgType: Copy {
     fn kinds(out: &mut Vec<ArgKind>);
     fn push(self, out: &mut Vec<KArg>);
+    /// The kernel parameter names a field named `field` stands for: itself, one parameter.
+    fn names(field: &str, out: &mut Vec<String>) {
+        out.push(field.to_string());
+    }
 }
 
 macro_rules! arg_type {
@@ -51,12 +56,17 @@ impl ArgType for [MatArg; 4] {
     fn push(self, out: &mut Vec<KArg>) {
         out.extend(self.map(KArg::Mat));
     }
+    fn names(_: &str, out: &mut Vec<String>) {
+        out.extend((0..4).map(|i| format!("m{i}")));
+    }
 }
 
 /// A kernel's arguments.
 pub trait KernelArgs {
     /// The parameter kinds in order.
     fn kinds() -> Vec<ArgKind>;
+    /// The parameter names in order (the fields' names; `mats` stands for `m0` to `m3`).
+    fn names() -> Vec<String>;
     /// The arguments in order.
     fn args(&self) -> Vec<KArg>;
 }
@@ -73,6 +83,11 @@ macro_rules! kernel_args {
                 fn kinds() -> Vec<ArgKind> {
                     let mut out = Vec::new();
                     $(<$ty as ArgType>::kinds(&mut out);)*
+                    out
+                }
+                fn names() -> Vec<String> {
+                    let mut out = Vec::new();
+                    $(<$ty as ArgType>::names(stringify!($field), &mut out);)*
                     out
                 }
                 fn args(&self) -> Vec<KArg> {
@@ -177,8 +192,27 @@ kernel_args! {
 /// with its parameter kinds. The pick kernels take one `PickArgs` struct (pick.rs) and are not
 /// listed.
 pub fn entry_kinds() -> Vec<(String, Vec<ArgKind>)> {
-    fn each<A: KernelArgs>(names: impl IntoIterator<Item = String>) -> Vec<(String, Vec<ArgKind>)> {
-        names.into_iter().map(|n| (n, A::kinds())).collect()
+    entries().into_iter().map(|e| (e.name, e.kinds)).collect()
+}
+
+/// An entry point and its argument struct's parameters.
+pub struct Entry {
+    pub name: String,
+    pub kinds: Vec<ArgKind>,
+    pub names: Vec<String>,
+}
+
+/// The entry points of [`entry_kinds`] with their structs' parameter names too.
+pub fn entries() -> Vec<Entry> {
+    fn each<A: KernelArgs>(names: impl IntoIterator<Item = String>) -> Vec<Entry> {
+        names
+            .into_iter()
+            .map(|name| Entry {
+                name,
+                kinds: A::kinds(),
+                names: A::names(),
+            })
+            .collect()
     }
     let bits = |prefix: &str| [4, 8, 32].map(|b| format!("{prefix}_b{b}"));
     let rows = |form: &str| {
@@ -244,4 +278,92 @@ pub fn entry_kinds() -> Vec<(String, Vec<ArgKind>)> {
     all.extend(each::<MoeCombine>(one("moe_combine")));
     all.extend(each::<SyntheticQuant>(one("synthetic_quant")));
     all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compile::KERNEL_FILES;
+
+    /// The entry points a kernel file declares: each name's pattern (a macro's `##PARAM` pieces
+    /// stand for what the macro is given) and its parameter names.
+    fn signatures(source: &str) -> Vec<(String, Vec<String>)> {
+        let text = source.replace("\\\n", "\n");
+        let mut out = Vec::new();
+        for piece in text.split("__global__").skip(1) {
+            let mut rest = piece
+                .trim_start()
+                .strip_prefix("void")
+                .expect("void")
+                .trim_start();
+            if let Some(bounds) = rest.strip_prefix("__launch_bounds__") {
+                rest = bounds[bounds.find(')').expect("bounds") + 1..].trim_start();
+            }
+            let (open, close) = (rest.find('(').expect("("), rest.find(')').expect(")"));
+            let params = rest[open + 1..close]
+                .split(',')
+                .filter(|p| !p.trim().is_empty())
+                .map(|p| {
+                    let last = p.trim().rsplit(|c: char| c.is_whitespace() || c == '*');
+                    last.into_iter().next().expect("a name").to_string()
+                })
+                .collect();
+            out.push((rest[..open].trim().to_string(), params));
+        }
+        out
+    }
+
+    /// Whether `entry` is what a macro makes of `pattern` (`gemv_rows_norm_b##BITS##_x##NX` ⊃
+    /// `gemv_rows_norm_b4_x8`): literal pieces match themselves, upper-case pieces any letters
+    /// or digits.
+    fn instance(pieces: &[&str], entry: &str) -> bool {
+        let Some((first, rest)) = pieces.split_first() else {
+            return entry.is_empty();
+        };
+        let param = first.chars().all(|c| c.is_ascii_uppercase() || c == '_');
+        if !param {
+            return entry
+                .strip_prefix(first)
+                .is_some_and(|tail| instance(rest, tail));
+        }
+        (1..=entry.len())
+            .take_while(|&n| entry[..n].chars().all(|c| c.is_ascii_alphanumeric()))
+            .any(|n| instance(rest, &entry[n..]))
+    }
+
+    /// Each struct's fields are named as its kernels' parameters, in order (the NVRTC test checks
+    /// their kinds; two fields of one kind swapped show only here).
+    #[test]
+    fn every_struct_names_its_kernels_parameters_in_order() {
+        let declared: Vec<(String, Vec<String>)> = KERNEL_FILES
+            .iter()
+            .flat_map(|f| signatures(f.source))
+            .collect();
+        for e in entries() {
+            let matching: Vec<&Vec<String>> = declared
+                .iter()
+                .filter(|(pattern, _)| instance(&pattern.split("##").collect::<Vec<_>>(), &e.name))
+                .map(|(_, params)| params)
+                .collect();
+            assert_eq!(matching.len(), 1, "{}: one declaration", e.name);
+            assert_eq!(matching[0], &e.names, "{}", e.name);
+        }
+    }
+
+    #[test]
+    fn a_macros_name_pattern_matches_its_instances_only() {
+        let p = |s: &'static str| s.split("##").collect::<Vec<_>>();
+        assert!(instance(
+            &p("gemv_rows_norm_b##BITS##_x##NX"),
+            "gemv_rows_norm_b32_x8"
+        ));
+        assert!(instance(
+            &p("attn_prefill_r##ROWS##_s##SLOTS"),
+            "attn_prefill_r128_s4"
+        ));
+        assert!(!instance(&p("gemv_b##BITS"), "gemv_norm_b4"));
+        assert!(!instance(&p("gemm_b##BITS"), "gemm_wgmma_b4"));
+        assert!(instance(&p("gdn_conv"), "gdn_conv"));
+        assert!(!instance(&p("gdn_conv"), "gdn_conv_rows"));
+    }
 }
