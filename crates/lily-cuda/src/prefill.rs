@@ -180,6 +180,20 @@ pub fn encode_chunk(
     let (h, eps) = (c.hidden_size, c.rms_norm_eps);
     let rows = t as u32;
     let norm_block = (h.div_ceil(32) * 32).min(1024) as u32;
+    // out = RMSNorm(hidden += delta) · scale for `rows` rows (delta 0: none).
+    let add_rms_norm = |rows: u32, hidden: u64, delta: u64, scale: u64, out: u64| -> Result<()> {
+        let n = h as i32;
+        let args = AddRmsNorm {
+            hidden,
+            delta,
+            scale,
+            out,
+            n,
+            eps,
+        };
+        launch!(gpu, "add_rms_norm", (rows, 1, 1), norm_block, args);
+        Ok(())
+    };
     let (gdn_w, attn_w) = proj_widths(c);
 
     let name = format!("embed_b{}", w.embed.bits);
@@ -193,15 +207,7 @@ pub fn encode_chunk(
 
     let mut delta = 0u64;
     for (layer, ls) in w.layers.iter().zip(&state.layers) {
-        let args = AddRmsNorm {
-            hidden: p(&s.hidden),
-            delta,
-            scale: p(&layer.input_norm),
-            out: p(&s.x),
-            n: h as i32,
-            eps,
-        };
-        launch!(gpu, "add_rms_norm", (rows, 1, 1), norm_block, args);
+        add_rms_norm(rows, p(&s.hidden), delta, p(&layer.input_norm), p(&s.x))?;
         mark("rms norm")?;
         match (&layer.mixer, ls) {
             (DeviceMixer::GatedDeltaNet(g), LayerState::GatedDeltaNet { window, recurrent }) => {
@@ -289,15 +295,13 @@ pub fn encode_chunk(
             }
             _ => unreachable!("states are built from the same config as the weights"),
         }
-        let args = AddRmsNorm {
-            hidden: p(&s.hidden),
-            delta: p(&s.mix_out),
-            scale: p(&layer.post_norm),
-            out: p(&s.x),
-            n: h as i32,
-            eps,
-        };
-        launch!(gpu, "add_rms_norm", (rows, 1, 1), norm_block, args);
+        add_rms_norm(
+            rows,
+            p(&s.hidden),
+            p(&s.mix_out),
+            p(&layer.post_norm),
+            p(&s.x),
+        )?;
         mark("rms norm")?;
         encode_moe(gpu, c, layer, s, t, &mut mark)?;
         delta = p(&s.moe_out);
@@ -305,15 +309,13 @@ pub fn encode_chunk(
     // The final norm, for the rows whose logits are wanted.
     let (first, n) = if all_rows { (0, t) } else { (t - 1, 1) };
     let at = |b: &CudaSlice<f32>| p(b) + (first * h * 4) as u64;
-    let args = AddRmsNorm {
-        hidden: at(&s.hidden),
-        delta: at(&s.moe_out),
-        scale: p(&w.final_norm),
-        out: at(&s.x),
-        n: h as i32,
-        eps,
-    };
-    launch!(gpu, "add_rms_norm", (n as u32, 1, 1), norm_block, args);
+    add_rms_norm(
+        n as u32,
+        at(&s.hidden),
+        at(&s.moe_out),
+        p(&w.final_norm),
+        at(&s.x),
+    )?;
     mark("rms norm")?;
     Ok(at(&s.x))
 }
