@@ -123,7 +123,7 @@ kernel_args! {
         q: u64, k_cache: RowPtrs, v_cache: RowPtrs, pos: RowPtrs, nsplit: RowInts, part_ml: u64,
         part_acc: u64,
     }
-    AttnCombine { part_ml: u64, part_acc: u64, nsplit: RowInts, qkv: u64, out: u64 }
+    AttnCombine { part_ml: u64, part_acc: u64, pos: RowPtrs, nsplit: RowInts, qkv: u64, out: u64 }
     /// `moe_route_b*`.
     MoeRoute {
         router: MatArg, sh_gate: MatArg, hidden: u64, norm_w: u64, eps: f32, logits: u64,

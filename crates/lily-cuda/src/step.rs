@@ -453,6 +453,7 @@ pub fn encode_step(
                 let args = AttnCombine {
                     part_ml: p(&s.part_ml),
                     part_acc: p(&s.part_acc),
+                    pos: rows.pos,
                     nsplit: rows.splits,
                     qkv: p(&s.proj),
                     out: p(&s.attn_out),

@@ -232,9 +232,10 @@ fn each_part_alone_matches_the_cpu() {
 }
 
 /// Decode attention alone (attn_split, then attn_combine) at production head shapes against a
-/// direct softmax over the same cache: empty splits, ragged splits, and splits long enough that
-/// every warp streams many batches. The bf16 cache holds bf16-rounded values, so both precisions
-/// compare against exactly the keys and values the kernel reads.
+/// direct softmax over the same cache: fewer live splits than the grid has (short contexts),
+/// ragged splits, and splits long enough that every warp streams many batches. The bf16 cache
+/// holds bf16-rounded values, so both precisions compare against exactly the keys and values the
+/// kernel reads.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn decode_attention_matches_a_direct_softmax() {
@@ -253,7 +254,11 @@ fn decode_attention_matches_a_direct_softmax() {
         let gpu = Gpu::new(&config, kv).expect(NEEDS_GPU);
         for (len, splits) in [
             (1usize, 64usize),
+            // Around a live split's 64 positions (attn_live_splits): 1, 1, 2 and 3 live splits.
+            (63, 64),
+            (64, 64),
             (65, 64),
+            (129, 64),
             (300, 274),
             (700, 3),
             (20_000, 80),
@@ -334,6 +339,7 @@ fn run_attention(
     let args = AttnCombine {
         part_ml: p(&part_ml),
         part_acc: p(&part_acc),
+        pos: RowPtrs::of([ptr(&pos, &gpu.stream)]),
         nsplit,
         qkv: p(&dqkv),
         out: p(&out),

@@ -29,26 +29,28 @@ extern "C" __global__ void attn_prep(const float* qkv, const float* q_norm, cons
 }
 
 // One block per (KV head, split of the context); a row's split count (chosen per sequence from
-// its longest context) is at most the grid's y size, and the blocks past it have nothing to do.
+// its longest context) is at most the grid's y size, the splits its current length keeps live
+// (attn_live_splits) fewer still, and the blocks past them have nothing to do.
 extern "C" __global__ void __launch_bounds__(4 * WARP)
 attn_split(const float* q, RowPtrs k_cache, RowPtrs v_cache, RowPtrs pos, RowInts nsplit, float* part_ml,
            float* part_acc) {
     pdl_wait();
     __shared__ AsSmem<4> sm;
-    const int row = blockIdx.z, splits = nsplit.n[row];
+    const int row = blockIdx.z, len = *(const int*)pos.p[row] + 1, splits = attn_live_splits(len, nsplit.n[row]);
     if ((int)blockIdx.y >= splits) return;
     attn_split_block<4>(q + (row * NH + blockIdx.x * GROUP) * HD, (const kv_t*)k_cache.p[row],
-                        (const kv_t*)v_cache.p[row], *(const int*)pos.p[row] + 1, blockIdx.x, blockIdx.y, splits,
+                        (const kv_t*)v_cache.p[row], len, blockIdx.x, blockIdx.y, splits,
                         part_ml + row * ATTN_PARTS * 2, part_acc + row * ATTN_PARTS * HD, sm);
 }
 
 // Merges the splits of each query head and applies the sigmoid output gate: block h, thread d.
-extern "C" __global__ void attn_combine(const float* part_ml, const float* part_acc, RowInts nsplit,
+extern "C" __global__ void attn_combine(const float* part_ml, const float* part_acc, RowPtrs pos, RowInts nsplit,
                                         const float* qkv, float* out) {
     pdl_wait();
     int h = blockIdx.x, d = threadIdx.x, row = blockIdx.y;
     if (d >= HD) return;
+    const int splits = attn_live_splits(*(const int*)pos.p[row] + 1, nsplit.n[row]);
     out[(row * NH + h) * HD + d] = attn_combine_one(h, d, part_ml + row * ATTN_PARTS * 2,
-                                                    part_acc + row * ATTN_PARTS * HD, nsplit.n[row],
+                                                    part_acc + row * ATTN_PARTS * HD, splits,
                                                     qkv + row * ATTN_PROJ);
 }

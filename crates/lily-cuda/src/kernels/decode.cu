@@ -285,15 +285,8 @@ __device__ void gemv_any(const DecArgs& A, const GemvOp& op, int bits, GemvSmem&
 #endif
 }
 
-// Positions a split takes at least (8 a warp): at short contexts a split's fixed cost (its
-// queries' norm and RoPE, the ring's first requests) outweighs its positions, and every split
-// more is one more partial for the combine to read.
-#define DEC_SPLIT_POSITIONS 64
-
 // Splits a KV head's `len` positions take: one block each, at most every block.
-__device__ __forceinline__ int attn_nsplit(int len, int nblk) {
-    return min(max(nblk / NKV, 1), (len + DEC_SPLIT_POSITIONS - 1) / DEC_SPLIT_POSITIONS);
-}
+__device__ __forceinline__ int attn_nsplit(int len, int nblk) { return attn_live_splits(len, max(nblk / NKV, 1)); }
 
 // One (KV head, split) item a block: the group's queries normalised and rotated into shared
 // memory by every item of the group (a few KB from L2), the new key and value written into the
