@@ -23,29 +23,33 @@ __device__ void route_topk(const float* logits, int lane, int* ids, float* weigh
         sum += e < NE ? p[i] : 0.f;
     }
     sum = warp_sum(sum);
+    // A probability as a key: its bits + 1 (the order of non-negative floats), 0 for a taken or
+    // absent expert. Each round is then two single-instruction warp reductions (the largest key,
+    // then the lowest id holding it) instead of five rounds of two shuffles and compares.
+    u32 key[ROUTE_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; i++) key[i] = lane + i * WARP < NE ? __float_as_uint(p[i]) + 1u : 0u;
     // Unrolled so that chosen[] and chosen_id[] stay in registers.
     float chosen[TOPK];
     int chosen_id[TOPK];
 #pragma unroll
     for (int k = 0; k < TOPK; k++) {
-        float v = -1.f; int id = NE;
+        u32 v = 0u, id = NE;
 #pragma unroll
         for (int i = 0; i < ROUTE_PER_LANE; i++)
-            if (p[i] > v) { v = p[i]; id = lane + i * WARP; }
-        for (int o = WARP / 2; o > 0; o >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, v, o);
-            int oi = __shfl_xor_sync(0xffffffffu, id, o);
-            if (ov > v || (ov == v && oi < id)) { v = ov; id = oi; }
-        }
-        // Only NaN probabilities (a diverged model) leave no candidate; an id of NE would send
-        // moe_sort's shared-memory counters and the decode expert reads out of bounds, so take a valid one and let the NaN
-        // weights carry the failure to the output.
-        if (id >= NE) id = k;
-        chosen[k] = v / sum;
-        chosen_id[k] = id;
+            if (key[i] > v) { v = key[i]; id = lane + i * WARP; }
+        const u32 best = __reduce_max_sync(0xffffffffu, v);
+        u32 at = __reduce_min_sync(0xffffffffu, v == best ? id : (u32)NE);
+        // Only a warp with no keys left (fewer experts than TOPK) finds none; an id of NE would
+        // send moe_sort's shared-memory counters and the decode expert reads out of bounds, so
+        // take a valid one. NaN probabilities (a diverged model) are chosen like any other and
+        // carry the failure to the output through their weights.
+        if (best == 0u) at = k;
+        chosen[k] = best == 0u ? 0.f : __uint_as_float(best - 1u) / sum;
+        chosen_id[k] = (int)at;
 #pragma unroll
         for (int i = 0; i < ROUTE_PER_LANE; i++)
-            if (lane + i * WARP == id) p[i] = -2.f;
+            if (lane + i * WARP == (int)at) key[i] = 0u;
     }
     if (lane == 0) {
         float total = 0.f;
