@@ -43,7 +43,7 @@ pub fn gemv_route(bits: u32, group: usize, cols: usize, shared_optin: usize) -> 
     if bits == 4
         && group.is_multiple_of(MMA_SLAB)
         && cols.is_multiple_of(group)
-        && mma_shared_bytes(cols) <= shared_optin
+        && mma_shared_bytes(cols, mma_tiles(MAX_ROWS)) <= shared_optin
     {
         GemvRoute::TensorCores
     } else {
@@ -51,13 +51,22 @@ pub fn gemv_route(bits: u32, group: usize, cols: usize, shared_optin: usize) -> 
     }
 }
 
-/// Dynamic shared memory of `gemv_mma_*` for `cols` inputs (gemv_mma.cuh): the warps' partial
-/// sums (two buffers of 8 warps × 32 lanes × 16 bytes), then per slab of 64 inputs its staged x
-/// (2 words × 3 parts × 32 lanes × 16 bytes) and its sums of x for 8 rows, then the norm's
-/// scratch and inverse norms.
-pub fn mma_shared_bytes(cols: usize) -> usize {
+/// Tiles of 8 x-part columns the tensor-core GEMVs take for `rows` rows (gemv_mma.cuh): one
+/// holds two rows' three parts, three hold a part each of up to eight rows.
+pub fn mma_tiles(rows: usize) -> usize {
+    if rows <= 2 { 1 } else { 3 }
+}
+
+/// Dynamic shared memory of `gemv_mma_*_t{tiles}` for `cols` inputs (gemv_mma.cuh): the warps'
+/// partial sums (two buffers of 8 warps × 32 lanes × 16 bytes), then per slab of 64 inputs its
+/// staged x (2 words × `tiles` × 32 lanes × 16 bytes) and its sums of x for 8 rows, then the
+/// norm's scratch and inverse norms.
+pub fn mma_shared_bytes(cols: usize, tiles: usize) -> usize {
     let slabs = cols / MMA_SLAB;
-    2 * 8 * 32 * 16 + slabs * (2 * 3 * 32 * 16 + MAX_ROWS * 4) + MAX_ROWS * 32 * 4 + MAX_ROWS * 4
+    2 * 8 * 32 * 16
+        + slabs * (2 * tiles * 32 * 16 + MAX_ROWS * 4)
+        + MAX_ROWS * 32 * 4
+        + MAX_ROWS * 4
 }
 
 /// The bound on its rows a batched FMA GEMV is compiled for (`gemv_rows_*_x{2,4,8}`).
@@ -104,9 +113,9 @@ pub fn step_rows(c: &ModelConfig, formats: &[(u32, usize)], shared_optin: usize)
 /// its rows and width need).
 pub fn dynamic_shared(shared_optin: usize) -> Vec<(String, u32)> {
     let limit = shared_optin as u32;
-    let mut raised: Vec<(String, u32)> = ["gemv_mma_norm_b4", "gemv_mma_add_b4"]
+    let mut raised: Vec<(String, u32)> = [1, 3]
         .into_iter()
-        .map(|name| (name.to_string(), limit))
+        .flat_map(|t| ["norm", "add"].map(|form| (format!("gemv_mma_{form}_b4_t{t}"), limit)))
         .collect();
     for bits in [4, 8, 32] {
         for bound in [2, 4, 8] {
@@ -178,7 +187,14 @@ pub fn gemv(
         GemvRoute::TensorCores => {
             let units: usize = mat_rows.iter().map(|r| r.div_ceil(16)).sum();
             // 8 warps: the kernel splits K over MMA_WARPS.
-            rows_launch("gemv_mma", "_b4", (units, 256), mma_shared_bytes(cols))
+            let tiles = mma_tiles(rows);
+            let suffix = format!("_b4_t{tiles}");
+            rows_launch(
+                "gemv_mma",
+                &suffix,
+                (units, 256),
+                mma_shared_bytes(cols, tiles),
+            )
         }
         GemvRoute::Fma if rows == 1 => match form {
             GemvForm::Add => {
@@ -244,7 +260,9 @@ mod tests {
         assert_eq!(rows_shared_bytes(4, 4096, 1), 4 * (4608 + 128 + 33));
         assert_eq!(rows_shared_bytes(32, 4096, 2), 2 * 4 * (4096 + 1 + 33));
         // 64 slabs of 3,104 bytes, the two 4 KiB sum buffers, 1,056 bytes of norm scratch.
-        assert_eq!(mma_shared_bytes(4096), 8192 + 64 * 3104 + 1056);
+        assert_eq!(mma_shared_bytes(4096, 3), 8192 + 64 * 3104 + 1056);
+        assert_eq!(mma_shared_bytes(4096, 1), 8192 + 64 * 1056 + 1056);
+        assert_eq!([1, 2, 3, 5, 8].map(mma_tiles), [1, 1, 3, 3, 3]);
         // MLX 4-bit, groups of 64: the tensor cores at 227 KiB, so 8 rows.
         assert_eq!(step_rows(&c, &[(4, 64)], 227 * 1024), 8);
         assert_eq!(step_rows(&c, &[(4, 128)], 227 * 1024), 8);

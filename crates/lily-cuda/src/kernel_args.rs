@@ -108,9 +108,9 @@ kernel_args! {
     GemvNorm { mats: [MatArg; 4], hidden: u64, norm_w: u64, eps: f32, y: u64 }
     /// `gemv_add_b*` (and `gemv_b*`).
     GemvAdd { mats: [MatArg; 4], x: u64, y: u64 }
-    /// `gemv_rows_norm_b*_x*` and `gemv_mma_norm_b4`.
+    /// `gemv_rows_norm_b*_x*` and `gemv_mma_norm_b4_t*`.
     GemvRowsNorm { mats: [MatArg; 4], nx: i32, hidden: u64, norm_w: u64, eps: f32, y: u64 }
-    /// `gemv_rows_add_b*_x*` and `gemv_mma_add_b4`.
+    /// `gemv_rows_add_b*_x*` and `gemv_mma_add_b4_t*`.
     GemvRowsAdd { mats: [MatArg; 4], nx: i32, x: u64, y: u64 }
     GdnConv { proj: u64, conv_w: u64, window: RowPtrs, out: u64 }
     GdnStep { conv: u64, proj: u64, a_log: u64, dt_bias: u64, state: RowPtrs, out: u64 }
@@ -222,6 +222,7 @@ pub fn entries() -> Vec<Entry> {
             .collect::<Vec<_>>()
     };
     let one = |name: &str| [name.to_string()];
+    let mma = |form: &str| [1, 3].map(|t| format!("gemv_mma_{form}_b4_t{t}"));
     let mut all = Vec::new();
     all.extend(each::<EmbedRows>(bits("embed_rows")));
     all.extend(each::<Embed>(bits("embed")));
@@ -230,10 +231,10 @@ pub fn entries() -> Vec<Entry> {
         bits("gemv_add").into_iter().chain(bits("gemv")),
     ));
     all.extend(each::<GemvRowsNorm>(
-        rows("norm").into_iter().chain(one("gemv_mma_norm_b4")),
+        rows("norm").into_iter().chain(mma("norm")),
     ));
     all.extend(each::<GemvRowsAdd>(
-        rows("add").into_iter().chain(one("gemv_mma_add_b4")),
+        rows("add").into_iter().chain(mma("add")),
     ));
     all.extend(each::<GdnConv>(one("gdn_conv")));
     all.extend(each::<GdnStep>(one("gdn_step")));

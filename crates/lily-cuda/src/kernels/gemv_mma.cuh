@@ -1,6 +1,6 @@
 // Decode GEMVs on the tensor cores (gemv.cu's gemv_mma_* kernels): y[n] = W · x[n] for the rows
 // n < nx ≤ 8 of a step, W 4-bit affine with groups of a multiple of 64. One mma m16n8k16 is 16
-// weight rows × 16 inputs × the 8 rows of x (the n side).
+// weight rows × 16 inputs × 8 columns of x parts (the n side, below).
 //
 // Why: with f32 FMAs every weight costs its dequantisation and one FMA per row, and at 8 rows the
 // batched step was bound by instruction issue (docs/BENCHMARKS.md). An mma does 16 · 16 · 8
@@ -10,25 +10,33 @@
 // hi + mid + lo that sum to it exactly (each part the rounded rest of the ones before: 3 × 8 bits
 // hold its 24-bit significand), so every product code · part is exact in the f32 accumulators and
 // only the sums round, as in any f32 dot product. Per slab of 64 inputs (a group or a part of one)
-// the mma sums Σ code · x over the slab, then acc += scale · that + bias · Σ x, as chunk_sum does.
+// the mma sums Σ code · part over the slab; each part's sum is scaled and accumulated on its own
+// (part += scale · that) and bias · Σ x beside them, and the unit's result is
+// ((lo + mid) + hi) + bias.
 //
-// Each row its own bits. Column n of an mma's result depends only on column n of its B operand, a
-// slab's sums are reduced across warps in a fixed order, and a row's norm and staging are its own:
-// row n gets the same bits whatever the other rows are, and however many. The single-sequence step
-// runs these kernels too, so a sequence decodes the same tokens alone as in any batch.
+// Parts as columns. Up to two rows, the n side of one mma holds both rows' three parts (row n
+// part p at column 3n + p): a sequence alone takes one mma per 16 × 16 codes, where a part per
+// mma with the rows as columns took three, 7 of their 8 columns empty. From three rows on, the
+// kernels keep a part per mma (three tiles), whose lanes then hold all the parts of their rows.
+//
+// Each row its own bits. Column c of an mma's result depends only on column c of its B operand,
+// a row's parts go through the same operations in either layout, a slab's sums are reduced
+// across warps in a fixed order, and a row's norm and staging are its own: row n gets the same
+// bits whatever the other rows are, and however many. The single-sequence step runs these
+// kernels too, so a sequence decodes the same tokens alone as in any batch.
 //
 // Layout. lane = 4·g + t (the mma's group g and thread t in group). In a slab, lane t holds 16
 // consecutive codes of each of its rows, inputs 16t .. 16t + 15 (one 8-byte load; a quad reads a
 // row's 32 bytes of the slab). Which k of the mma a code stands for is free as long as x's fragment
 // uses the same one, so codes stay where the load put them: nibbles q and q + 4 of word wd form the
 // bf16 pair q of mma step 2·wd + q / 2 (a mask-and-or makes 128 + code, a bf16x2 fma subtracts 128
-// exactly). Staged x holds, per slab, word, part and lane, the uint4 of the four pairs of that
+// exactly). Staged x holds, per slab, word, tile and lane, the uint4 of the four pairs of that
 // lane's B fragments, so that a warp's fragment load is 512 contiguous bytes.
 //
 // Work. A block's 8 warps split K: in each pass over a unit of 16 rows, warp w takes MMA_SPW
-// slabs; the partial sums of the warps are added in shared memory, warp 0 first. Every warp holds
-// its next item's weights in registers while it computes the current one (two buffers, used in
-// turn).
+// slabs; at the unit's end each warp gathers its parts into results (mma_combine) and the warps'
+// results are added in shared memory, warp 0 first. Every warp holds its next item's weights in
+// registers while it computes the current one (two buffers, used in turn).
 
 #define MMA_WARPS 8
 #define MMA_SLAB 64
@@ -40,8 +48,20 @@
 // sums (two buffers), staged x, each slab's sum of x per row, norm scratch and inverse norms.
 __device__ __forceinline__ int mma_red_float4s() { return 2 * MMA_WARPS * WARP; }
 
-// The uint4 of slab s, word wd, part p, lane in staged x.
-__device__ __forceinline__ int mma_xf_at(int s, int wd, int p, int lane) { return ((s * 2 + wd) * 3 + p) * WARP + lane; }
+// Where row n's part p of x lies on the mma's n side, in one of two layouts (each row's columns
+// are computed alike in both, so the layout does not change a row's bits):
+// - one tile (TILES == 1, up to 2 rows): packed, row n part p at column 3n + p;
+// - three tiles (TILES == 3, up to 8 rows): part p's tile, column n, as a part per mma.
+template <int TILES>
+__device__ __forceinline__ int mma_tile_of(int n, int p) { return TILES == 1 ? 0 : p; }
+template <int TILES>
+__device__ __forceinline__ int mma_column_of(int n, int p) { return TILES == 1 ? 3 * n + p : n; }
+
+// The uint4 of slab s, word wd, tile, lane in staged x.
+template <int TILES>
+__device__ __forceinline__ int mma_xf_at(int s, int wd, int tile, int lane) {
+    return ((s * 2 + wd) * TILES + tile) * WARP + lane;
+}
 
 // hi, mid, lo (bf16) of a and b, as pairs (a's in the low halves): a = hi + mid + lo exactly.
 __device__ __forceinline__ void split_pair(float a, float b, u32 (&parts)[3]) {
@@ -56,6 +76,7 @@ __device__ __forceinline__ void split_pair(float a, float b, u32 (&parts)[3]) {
 // Stages rows n < nx of x (or RMSNorm(x[n]) · norm_w) as the B fragments of every slab, and the
 // sums of every slab's x (zero for rows ≥ nx). One thread per 8 inputs of a row: two float4 loads,
 // the four pairs (q, q + 4) in three parts, one uint4 a part. Ends with a barrier.
+template <int TILES>
 __device__ void stage_mma_x(int cols, int nx, const float* x, const float* norm_w, float eps, uint4* xf,
                             float* xsum, float* scratch, float* inv) {
     if (norm_w) rows_inv_rms<MAX_ROWS, 2>(cols, nx, x, eps, scratch, inv);
@@ -87,7 +108,8 @@ __device__ void stage_mma_x(int cols, int nx, const float* x, const float* norm_
             for (int q = 0; q < 4; q++) split_pair(v[q], v[q + 4], pairs[q]);
 #pragma unroll
             for (int p = 0; p < 3; p++)
-                xf[mma_xf_at(s, wd, p, 4 * n + t)] = make_uint4(pairs[0][p], pairs[1][p], pairs[2][p], pairs[3][p]);
+                xf[mma_xf_at<TILES>(s, wd, mma_tile_of<TILES>(n, p), 4 * mma_column_of<TILES>(n, p) + t)] =
+                    make_uint4(pairs[0][p], pairs[1][p], pairs[2][p], pairs[3][p]);
             if (o % 8 == 0) xsum[s * MAX_ROWS + n] = sum;
         }
     }
@@ -170,61 +192,98 @@ __device__ __forceinline__ u32 code_pair(u32 v, int q, u32 magic) {
     return fma_bf16x2(biased, 0x3f803f80u, 0xc300c300u);           // · 1 − 128
 }
 
-// acc += this warp's slabs s0 .. of its unit for the lane's accumulators: rows g (acc[0], acc[1]:
-// x rows 2t, 2t + 1) and g + 8 (acc[2], acc[3]). Lanes whose x row g ≥ nx feed zeros.
+// A lane's sums over its unit so far. The C fragment of tile τ holds, for rows g and g + 8, the
+// columns 2t and 2t + 1 of the tile (part[τ][0..1] row g, part[τ][2..3] row g + 8); each column
+// is one part of one x row, scaled slab by slab. bias[2h + i] is bias · Σx of row g + 8h and x
+// row 2t + i, as the kernel's output is laid out.
+template <int TILES>
+struct MmaAcc {
+    float part[TILES][4];
+    float bias[4];
+};
+
+// acc += this warp's slabs s0 .. of its unit. Lanes whose column g of a tile is no row's part feed
+// zeros. A slab's code pairs are made once and serve every tile.
+template <int TILES>
 __device__ __forceinline__ void mma_slabs(const MmaLoad& l, int s0, int slabs, const uint4* xf, const float* xsum,
-                                          int nx, int lane, float (&acc)[4]) {
-    const int t = lane % 4;
-    const bool live = lane / 4 < nx;
+                                          int nx, int lane, MmaAcc<TILES>& acc) {
+    const int g = lane / 4, t = lane % 4;
     u32 magic;
     asm("mov.b32 %0, 0x43004300;" : "=r"(magic));
 #pragma unroll
     for (int i = 0; i < MMA_SPW; i++) {
         const int s = s0 + i;
         if (s >= slabs) break;
-        // One accumulator per part: three chains of 4 mma instead of one of 12.
-        float c3[3][4] = {};
+        float c[TILES][4] = {};
 #pragma unroll
         for (int wd = 0; wd < 2; wd++) {
-            uint4 xv[3];
+            uint4 xv[TILES];
 #pragma unroll
-            for (int p = 0; p < 3; p++) xv[p] = live ? xf[mma_xf_at(s, wd, p, lane)] : make_uint4(0u, 0u, 0u, 0u);
+            for (int tile = 0; tile < TILES; tile++)
+                xv[tile] = g < (TILES == 1 ? 3 * nx : nx) ? xf[mma_xf_at<TILES>(s, wd, tile, lane)]
+                                                           : make_uint4(0u, 0u, 0u, 0u);
             const u32 rg = wd ? l.q[i][0].y : l.q[i][0].x, rh = wd ? l.q[i][1].y : l.q[i][1].x;
 #pragma unroll
             for (int half = 0; half < 2; half++) {
                 const u32 a[4] = {code_pair(rg, 2 * half, magic), code_pair(rh, 2 * half, magic),
                                   code_pair(rg, 2 * half + 1, magic), code_pair(rh, 2 * half + 1, magic)};
 #pragma unroll
-                for (int p = 0; p < 3; p++)
-                    mma_bf16(c3[p], a, half ? xv[p].z : xv[p].x, half ? xv[p].w : xv[p].y);
+                for (int tile = 0; tile < TILES; tile++)
+                    mma_bf16(c[tile], a, half ? xv[tile].z : xv[tile].x, half ? xv[tile].w : xv[tile].y);
             }
         }
-        // The smallest parts first.
-        float c[4];
-#pragma unroll
-        for (int e = 0; e < 4; e++) c[e] = __fadd_rn(__fadd_rn(c3[2][e], c3[1][e]), c3[0][e]);
         const float2 sx = *(const float2*)(xsum + s * MAX_ROWS + 2 * t);
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            // scale · dq + bias · sx, as chunk_sum rounds it.
             const float scale = slab_value(l.scale, i, h), bias = slab_value(l.bias, i, h);
-            acc[2 * h] = __fadd_rn(acc[2 * h], __fmaf_rn(scale, c[2 * h], __fmul_rn(bias, sx.x)));
-            acc[2 * h + 1] = __fadd_rn(acc[2 * h + 1], __fmaf_rn(scale, c[2 * h + 1], __fmul_rn(bias, sx.y)));
+#pragma unroll
+            for (int tile = 0; tile < TILES; tile++)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; e++) acc.part[tile][e] = __fmaf_rn(scale, c[tile][e], acc.part[tile][e]);
+            acc.bias[2 * h] = __fmaf_rn(bias, sx.x, acc.bias[2 * h]);
+            acc.bias[2 * h + 1] = __fmaf_rn(bias, sx.y, acc.bias[2 * h + 1]);
         }
     }
+}
+
+// The lane's four outputs of its warp's sums: for row g + 8h and x row 2t + i, at v[2h + i],
+// ((lo + mid) + hi) + bias. With three tiles the lane holds all three parts of its x rows. With
+// one, x rows 0 and 1 (lane t = 0's) have their parts at columns 0-2 and 3-5, held by lanes
+// t = 0, 1 and 1, 2: four shuffles a matrix row.
+template <int TILES>
+__device__ __forceinline__ void mma_combine(const MmaAcc<TILES>& acc, float (&v)[4]) {
+    float parts[3][4];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int e0 = 2 * h, e1 = 2 * h + 1;
+        if (TILES == 1) {
+            const float even = acc.part[0][e0], odd = acc.part[0][e1];
+            const float c2 = __shfl_down_sync(0xffffffffu, even, 1), c3 = __shfl_down_sync(0xffffffffu, odd, 1);
+            const float c4 = __shfl_down_sync(0xffffffffu, even, 2), c5 = __shfl_down_sync(0xffffffffu, odd, 2);
+            parts[0][e0] = even, parts[1][e0] = odd, parts[2][e0] = c2;
+            parts[0][e1] = c3, parts[1][e1] = c4, parts[2][e1] = c5;
+        } else {
+#pragma unroll
+            for (int p = 0; p < 3; p++) parts[p][e0] = acc.part[p][e0], parts[p][e1] = acc.part[p][e1];
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; e++)
+        v[e] = __fadd_rn(__fadd_rn(__fadd_rn(parts[2][e], parts[1][e]), parts[0][e]), acc.bias[e]);
 }
 
 // y[n · ystride + at] (= or +=) the rows of [m0 | m1 | m2 | m3] · x[n] for n < nx ≤ 8, outputs end
 // to end in each row of y; with norm_w, x[n] is a residual stream and its rows see
 // RMSNorm(x[n]) · norm_w. Every matrix has 4-bit codes, K = m0.cols (a multiple of 64) and groups of
 // a multiple of 64 inputs. Any grid size works; blocks stride over the 16-row units.
+template <int TILES>
 __device__ void gemv_mma(Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* x, const float* norm_w, float eps,
                          float* y, bool add) {
     extern __shared__ __align__(16) float mma_smem[];
     const int cols = m0.cols, slabs = cols / MMA_SLAB, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     float4* red = (float4*)mma_smem;
     uint4* xf = (uint4*)(red + mma_red_float4s());
-    float* xsum = (float*)(xf + mma_xf_at(slabs, 0, 0, 0));
+    float* xsum = (float*)(xf + mma_xf_at<TILES>(slabs, 0, 0, 0));
     float* scratch = xsum + slabs * MAX_ROWS;
     float* inv = scratch + MAX_ROWS * WARP;
     const Mat ms[4] = {m0, m1, m2, m3};
@@ -250,7 +309,7 @@ __device__ void gemv_mma(Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* x,
     auto load = [&](MmaLoad& l, const Item& it) {
         if (it.u < units) mma_load(l, mat_of(ms, it.which), it.r0, s0_of(it), slabs, lane);
     };
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    MmaAcc<TILES> acc = {};
     int buf = 0;
     // Item `it` from cur, with the next item requested into next first (no copy between the two
     // buffers: a register move would wait for the loads it moves).
@@ -260,7 +319,9 @@ __device__ void gemv_mma(Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* x,
         mma_slabs(cur, s0_of(it), slabs, xf, xsum, nx, lane, acc);
         if (it.pass == passes - 1) {
             float4* mine = red + buf * MMA_WARPS * WARP;
-            mine[warp * WARP + lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+            float sum[4];
+            mma_combine(acc, sum);
+            mine[warp * WARP + lane] = make_float4(sum[0], sum[1], sum[2], sum[3]);
             __syncthreads();
             if (warp == 0) {
                 float4 v = mine[lane];
@@ -283,8 +344,7 @@ __device__ void gemv_mma(Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* x,
                 }
             }
             buf ^= 1;
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[e] = 0.f;
+            acc = {};
         }
         it = next;
         advance(next);
@@ -296,7 +356,7 @@ __device__ void gemv_mma(Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* x,
     // The weights depend on no kernel: the first item is requested before the wait.
     load(a, it);
     pdl_wait();
-    stage_mma_x(cols, nx, x, norm_w, eps, xf, xsum, scratch, inv);
+    stage_mma_x<TILES>(cols, nx, x, norm_w, eps, xf, xsum, scratch, inv);
     while (it.u < units) {
         step(a, b);
         if (it.u >= units) break;
