@@ -14,7 +14,12 @@ cd "$(dirname "$0")/.."
 file=${1:?usage: tools/sass.sh KERNEL_FILE [KERNEL]}
 kernel=${2:-}
 model=${MODEL:-qwen3.6-35b-a3b} arch=${ARCH:-sm_90} out=${OUT_DIR:-/tmp/lily-sass}
-tools=${LILY_SASS_TOOLS:-$(mktemp -d)}
+if [ -n "${LILY_SASS_TOOLS:-}" ]; then
+  tools=$LILY_SASS_TOOLS
+else
+  tools=$(mktemp -d)
+  trap 'rm -rf "$tools"' EXIT
+fi
 bin=$tools/nvidia/cu13/bin
 if [ ! -x "$bin/nvdisasm" ] || [ ! -e "$tools/nvidia/cu13/lib/libnvrtc.so.13" ]; then
   python3 -m pip install -q --upgrade --target "$tools" "nvidia-cuda-nvrtc==13.0.*" "nvidia-cuda-nvcc==13.0.*" \
@@ -35,4 +40,3 @@ if [ -n "$kernel" ]; then
   grep -oE '^\s+/\*[0-9a-f]{4}\*/\s+(@!?U?P[T0-9] )?[A-Z][A-Z0-9_]+' "$out/$kernel.sass" | awk '{print $NF}' \
     | sort | uniq -c | sort -rn | awk '{n += $1; printf "%s %s  ", $2, $1} END {print "\ninstructions: " n}'
 fi
-if [ -z "${LILY_SASS_TOOLS:-}" ]; then rm -rf "$tools"; fi
