@@ -31,7 +31,7 @@ pub use options::CpuOptions;
 pub use state::CpuState;
 
 use crate::ops::{add_in_place, rms_norm};
-use crate::profile::{Stage, stage};
+use crate::profile::{Stage, on_pool, stage};
 use crate::state::LayerState;
 
 pub struct CpuBackend {
@@ -114,6 +114,17 @@ impl CpuBackend {
 
     /// The forward pass in the numerics `nx`.
     fn run(
+        &self,
+        state: &mut CpuState,
+        tokens: &[u32],
+        rows: LogitRows,
+        trace: Option<&mut Vec<Vec<f32>>>,
+        nx: Numerics,
+    ) -> Result<Vec<f32>> {
+        on_pool(|| self.run_here(state, tokens, rows, trace, nx))
+    }
+
+    fn run_here(
         &self,
         state: &mut CpuState,
         tokens: &[u32],
