@@ -120,10 +120,9 @@ mod tests {
             7
         });
         assert_eq!(value, 7);
-        let get = |s: Stage| times.iter().find(|(n, _)| *n == s.name()).unwrap().1;
-        assert!(get(Stage::Experts) >= 20.0, "{times:?}");
-        assert!(get(Stage::Router) >= 2.0, "{times:?}");
-        assert_eq!(get(Stage::LmHead), 0.0, "{times:?}");
+        assert!(get_of(&times, Stage::Experts) >= 20.0, "{times:?}");
+        assert!(get_of(&times, Stage::Router) >= 2.0, "{times:?}");
+        assert_eq!(get_of(&times, Stage::LmHead), 0.0, "{times:?}");
         assert_eq!(times.len(), STAGES.len());
     }
 
@@ -147,6 +146,7 @@ mod tests {
         assert!(get_of(&times, Stage::Router) >= 1.0, "{times:?}");
     }
 
+    /// Stage `s`'s milliseconds in a profile.
     fn get_of(times: &[(&'static str, f64)], s: Stage) -> f64 {
         times.iter().find(|(n, _)| *n == s.name()).unwrap().1
     }
