@@ -36,7 +36,8 @@
 // Work. A block's 8 warps split K: in each pass over a unit of 16 rows, warp w takes MMA_SPW
 // slabs; at the unit's end each warp gathers its parts into results (mma_combine) and the warps'
 // results are added in shared memory, warp 0 first. Every warp holds its next item's weights in
-// registers while it computes the current one (two buffers, used in turn).
+// registers while it computes the current one (two buffers, used in turn), requested as soon as
+// the item before it is done with the buffer.
 
 #define MMA_WARPS 8
 #define MMA_SLAB 64
@@ -79,7 +80,9 @@ __device__ __forceinline__ void split_pair(float a, float b, u32 (&parts)[3]) {
 template <int TILES>
 __device__ void stage_mma_x(int cols, int nx, const float* x, const float* norm_w, float eps, uint4* xf,
                             float* xsum, float* scratch, float* inv) {
-    if (norm_w) rows_inv_rms<MAX_ROWS, 2>(cols, nx, x, eps, scratch, inv);
+    // Bounded by the rows the layout holds: the unrolled passes and reductions of rows that cannot
+    // be there were most of a one-sequence launch's instructions.
+    if (norm_w) rows_inv_rms<TILES == 1 ? 2 : MAX_ROWS, 2>(cols, nx, x, eps, scratch, inv);
     const int octets = cols / 8, slabs = cols / MMA_SLAB;
     // Whole warps run every pass: a slab's 8 octets are 8 adjacent threads, which add their sums.
     const int end = (nx * octets + WARP - 1) / WARP * WARP;
@@ -142,14 +145,27 @@ __device__ __forceinline__ float slab_value(const u32 (&w)[MMA_SPW / 2][2], int 
     return __uint_as_float(i % 2 ? v & 0xffff0000u : v << 16);
 }
 
-// Requests slabs s0 .. s0 + MMA_SPW (those below `slabs`) of the 16 rows from r0 of m (a ragged
-// unit's last rows repeat the matrix's last row). With groups of one slab and whole sets of
-// MMA_SPW slabs a row (every matrix of the real model), a row's 4 scales are one 8-byte load and
-// so are its biases: the separate 2-byte loads, 8 lines a warp each, outnumbered the codes'.
-__device__ __forceinline__ void mma_load(MmaLoad& l, const Mat& m, long r0, int s0, int slabs, int lane) {
-    const int g = lane / 4, t = lane % 4;
-    const long groups = m.cols / m.group;
-    const bool packed = m.group == MMA_SLAB && slabs % MMA_SPW == 0;
+// The launch's matrices share their columns and groups (gemv.rs): what follows from them is
+// worked out once a launch, not once an item (a division by the group size cost ~20 instructions).
+struct MmaFormat {
+    int slabs, groups;
+    // Groups of one slab and whole sets of MMA_SPW slabs a row (every matrix of the real model):
+    // a row's 4 scales are one 8-byte load and so are its biases; the separate 2-byte loads, 8
+    // lines a warp each, outnumbered the codes'.
+    bool packed;
+};
+
+__device__ __forceinline__ MmaFormat mma_format(const Mat& m) {
+    const int slabs = m.cols / MMA_SLAB;
+    return MmaFormat{slabs, m.cols / m.group, m.group == MMA_SLAB && slabs % MMA_SPW == 0};
+}
+
+// Requests slabs s0 .. s0 + MMA_SPW (those below f.slabs) of the 16 rows from r0 of m (a ragged
+// unit's last rows repeat the matrix's last row).
+__device__ __forceinline__ void mma_load(MmaLoad& l, const Mat& m, const MmaFormat& f, long r0, int s0, int lane) {
+    const int g = lane / 4, t = lane % 4, slabs = f.slabs;
+    const long groups = f.groups;
+    const bool packed = f.packed;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         const long row = min(r0 + g + 8 * h, (long)m.rows - 1);
@@ -293,30 +309,37 @@ __device__ void gemv_mma(Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* x,
     // The block's work, unit by unit (blockIdx.x, then every gridDim.x-th) and pass by pass.
     // Items advance by counting, never dividing: 64-bit divisions per item cost as much as its
     // mma work.
+    // 32-bit fields (a launch's rows fit): three items live at once, and 64-bit ones spilled.
     struct Item {
-        long u, r0, base;
-        int pass, which;
+        int u, r0, base, pass, which;
     };
     auto at_unit = [&](Item& it, long u) {
-        it.u = u;
+        it.u = (int)min(u, units);
         it.pass = 0;
-        if (u < units) mu.locate(u, it.which, it.r0, it.base);
+        if (u < units) {
+            long r0, base;
+            mu.locate(u, it.which, r0, base);
+            it.r0 = (int)r0;
+            it.base = (int)base;
+        }
     };
     auto advance = [&](Item& it) {
-        if (++it.pass == passes) at_unit(it, it.u + gridDim.x);
+        if (++it.pass == passes) at_unit(it, (long)it.u + gridDim.x);
     };
     auto s0_of = [&](const Item& it) { return it.pass * per_pass + warp * MMA_SPW; };
+    const MmaFormat format = mma_format(m0);
     auto load = [&](MmaLoad& l, const Item& it) {
-        if (it.u < units) mma_load(l, mat_of(ms, it.which), it.r0, s0_of(it), slabs, lane);
+        if (it.u < units) mma_load(l, mat_of(ms, it.which), format, it.r0, s0_of(it), lane);
     };
     MmaAcc<TILES> acc = {};
     int buf = 0;
-    // Item `it` from cur, with the next item requested into next first (no copy between the two
-    // buffers: a register move would wait for the loads it moves).
-    Item it, next;
-    auto step = [&](MmaLoad& cur, MmaLoad& nxt) {
-        load(nxt, next);
+    // Item `it` from cur, which then takes the item after next (`after`): a warp always has the
+    // next item's loads in flight, requested a whole item earlier, and no copy between the two
+    // buffers (a register move would wait for the loads it moves).
+    Item it, next, after;
+    auto step = [&](MmaLoad& cur) {
         mma_slabs(cur, s0_of(it), slabs, xf, xsum, nx, lane, acc);
+        load(cur, after);
         if (it.pass == passes - 1) {
             float4* mine = red + buf * MMA_WARPS * WARP;
             float sum[4];
@@ -347,19 +370,23 @@ __device__ void gemv_mma(Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* x,
             acc = {};
         }
         it = next;
-        advance(next);
+        next = after;
+        advance(after);
     };
     MmaLoad a, b;
     at_unit(it, blockIdx.x);
     next = it;
     advance(next);
-    // The weights depend on no kernel: the first item is requested before the wait.
+    after = next;
+    advance(after);
+    // The weights depend on no kernel: the first two items are requested before the wait.
     load(a, it);
+    load(b, next);
     pdl_wait();
     stage_mma_x<TILES>(cols, nx, x, norm_w, eps, xf, xsum, scratch, inv);
     while (it.u < units) {
-        step(a, b);
+        step(a);
         if (it.u >= units) break;
-        step(b, a);
+        step(b);
     }
 }
