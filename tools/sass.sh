@@ -26,6 +26,8 @@ if [ ! -x "$bin/nvdisasm" ] || [ ! -e "$tools/nvidia/cu13/lib/libnvrtc.so.13" ];
     "nvidia-cuda-cuobjdump==13.*" "nvidia-cuda-nvdisasm==13.*"
 fi
 mkdir -p "$out"
+# PTX of an earlier call for another ARCH would match the glob below too.
+rm -f "$out"/*.ptx
 LD_LIBRARY_PATH="$tools/nvidia/cu13/lib:${LD_LIBRARY_PATH:-}" LILY_KERNEL_CACHE="$out/cache" \
   cargo run -q --release -p lily-cuda --example kernel_ptx -- "$model" "$arch" "$out" > /dev/null
 ptx=$(ls "$out/$file".*.ptx)

@@ -116,6 +116,8 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
             "moe_down_b4",
             "moe_down_b8",
             "moe_down_b32",
+            "moe_down_b4_r1",
+            "moe_down_b8_r1",
         ],
         only_for: None,
     },
@@ -376,13 +378,14 @@ mod tests {
     /// through one of the shared bodies that call it after requesting only weights.
     #[test]
     fn every_kernel_waits_for_its_predecessor() {
-        const WAITING_BODIES: [&str; 6] = [
+        const WAITING_BODIES: [&str; 7] = [
             "gemv_staged<",
             "gemv_rows<",
             "gemv_mma<",
             "route<",
             "gate_up<",
             "down_combine<",
+            "down_row<",
         ];
         for file in &KERNEL_FILES {
             let pieces: Vec<&str> = file.source.split("__global__").skip(1).collect();

@@ -36,6 +36,20 @@ pub enum GemvRoute {
 /// Inputs of one slab of the tensor-core GEMVs (gemv_mma.cuh, MMA_SLAB): the unit of a group's
 /// scale, so groups must be whole slabs.
 const MMA_SLAB: usize = 64;
+/// Slabs a warp takes per pass over a unit (gemv_mma.cuh, MMA_SPW).
+const MMA_SPW: usize = 4;
+/// Most warps a tensor-core GEMV block has (gemv_mma.cuh, MMA_MAX_WARPS).
+const MMA_MAX_WARPS: usize = 16;
+
+/// Warps a block of the tensor-core GEMVs splits K over: 8, or 16 where 8 would need more than one
+/// pass over a unit. A function of K alone, so that a row's sums run in one order in every launch.
+pub fn mma_warps(cols: usize) -> usize {
+    if cols / MMA_SLAB > 8 * MMA_SPW {
+        MMA_MAX_WARPS
+    } else {
+        8
+    }
+}
 
 /// The route of matrices of `bits`-bit codes in groups of `group` with `cols` inputs on a device
 /// whose blocks can have `shared_optin` bytes of shared memory.
@@ -58,12 +72,12 @@ pub fn mma_tiles(rows: usize) -> usize {
 }
 
 /// Dynamic shared memory of `gemv_mma_*_t{tiles}` for `cols` inputs (gemv_mma.cuh): the warps'
-/// partial sums (two buffers of 8 warps × 32 lanes × 16 bytes), then per slab of 64 inputs its
+/// partial sums (two buffers of 16 warps × 32 lanes × 16 bytes), then per slab of 64 inputs its
 /// staged x (2 words × `tiles` × 32 lanes × 16 bytes) and its sums of x for 8 rows, then the
 /// norm's scratch and inverse norms.
 pub fn mma_shared_bytes(cols: usize, tiles: usize) -> usize {
     let slabs = cols / MMA_SLAB;
-    2 * 8 * 32 * 16
+    2 * MMA_MAX_WARPS * 32 * 16
         + slabs * (2 * tiles * 32 * 16 + MAX_ROWS * 4)
         + MAX_ROWS * 32 * 4
         + MAX_ROWS * 4
@@ -186,13 +200,12 @@ pub fn gemv(
     match gemv_route(bits, group, cols, gpu.shared_optin) {
         GemvRoute::TensorCores => {
             let units: usize = mat_rows.iter().map(|r| r.div_ceil(16)).sum();
-            // 8 warps: the kernel splits K over MMA_WARPS.
             let tiles = mma_tiles(rows);
             let suffix = format!("_b4_t{tiles}");
             rows_launch(
                 "gemv_mma",
                 &suffix,
-                (units, 256),
+                (units, 32 * mma_warps(cols) as u32),
                 mma_shared_bytes(cols, tiles),
             )
         }
@@ -259,9 +272,14 @@ mod tests {
         let c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
         assert_eq!(rows_shared_bytes(4, 4096, 1), 4 * (4608 + 128 + 33));
         assert_eq!(rows_shared_bytes(32, 4096, 2), 2 * 4 * (4096 + 1 + 33));
-        // 64 slabs of 3,104 bytes, the two 4 KiB sum buffers, 1,056 bytes of norm scratch.
-        assert_eq!(mma_shared_bytes(4096, 3), 8192 + 64 * 3104 + 1056);
-        assert_eq!(mma_shared_bytes(4096, 1), 8192 + 64 * 1056 + 1056);
+        // 64 slabs of 3,104 bytes, the two 8 KiB sum buffers, 1,056 bytes of norm scratch.
+        assert_eq!(mma_shared_bytes(4096, 3), 16384 + 64 * 3104 + 1056);
+        assert_eq!(mma_shared_bytes(4096, 1), 16384 + 64 * 1056 + 1056);
+        // One pass a unit: 8 warps up to 2,048 inputs, 16 to 4,096 (and passes beyond).
+        assert_eq!(
+            [64, 2048, 2112, 4096, 8192].map(mma_warps),
+            [8, 8, 16, 16, 16]
+        );
         assert_eq!([1, 2, 3, 5, 8].map(mma_tiles), [1, 1, 3, 3, 3]);
         // MLX 4-bit, groups of 64: the tensor cores at 227 KiB, so 8 rows.
         assert_eq!(step_rows(&c, &[(4, 64)], 227 * 1024), 8);

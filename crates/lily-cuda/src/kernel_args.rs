@@ -244,7 +244,11 @@ pub fn entries() -> Vec<Entry> {
     all.extend(each::<AttnCombine>(one("attn_combine")));
     all.extend(each::<MoeRoute>(bits("moe_route")));
     all.extend(each::<MoeGateUp>(bits("moe_gate_up")));
-    all.extend(each::<MoeDown>(bits("moe_down")));
+    all.extend(each::<MoeDown>(
+        bits("moe_down")
+            .into_iter()
+            .chain(["moe_down_b4_r1", "moe_down_b8_r1"].map(String::from)),
+    ));
     all.extend(each::<ArgmaxPartial>(one("argmax_partial")));
     all.extend(each::<ArgmaxFinal>(one("argmax_final")));
     all.extend(each::<AddRmsNorm>(one("add_rms_norm")));

@@ -56,7 +56,8 @@ pub struct Scratch {
 
 /// Rows one warp of the router GEMV in `moe_route_b*` computes (kernels/moe.cu, ROUTE_ROWS).
 const ROUTE_ROWS: usize = 2;
-/// Output rows one warp of `moe_down_b*` computes at a time (kernels/moe.cu, DOWN_ROWS).
+/// Output rows one warp of `moe_down_b*` computes at a time (kernels/moe_decode.cuh, DOWN_ROWS);
+/// `moe_down_b*_r1`, for one sequence, computes one.
 const DOWN_ROWS: usize = 2;
 
 /// Blocks of the first argmax stage (kernels/sample.cu, ARGMAX_BLOCKS).
@@ -271,10 +272,15 @@ fn experts(
         act: p(&s.act),
     };
     gpu.launch(&name, shape, &gate_up)?;
-    // DOWN_ROWS (moe.cu) output rows per warp and unit, eight warps a block.
-    let name = format!("moe_down_b{bits}");
+    // Output rows per warp and unit, eight warps a block: one for one sequence, which would fill
+    // half the GPU with two (kernels/moe_decode.cuh, DOWN_ROWS).
+    let (name, rows_a_warp) = if rows == 1 && bits != 32 {
+        (format!("moe_down_b{bits}_r1"), 1)
+    } else {
+        (format!("moe_down_b{bits}"), DOWN_ROWS)
+    };
     let wave = gpu.resident_blocks_256(&name)?.div_ceil(b);
-    let mut shape = wave_shape(h.div_ceil(DOWN_ROWS), 8, wave);
+    let mut shape = wave_shape(h.div_ceil(rows_a_warp), 8, wave);
     shape.grid.1 = b;
     let down = MoeDown {
         down: m.down.arg(gpu),

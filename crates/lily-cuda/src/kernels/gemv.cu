@@ -43,11 +43,11 @@ GEMV_ROWS_ALL(32)
 // result is its own whatever the others are and whichever layout runs it, so the single-sequence
 // step runs these too.
 #define GEMV_MMA(TILES)                                                                           \
-    extern "C" __global__ void __launch_bounds__(256, 2) gemv_mma_norm_b4_t##TILES(              \
+    extern "C" __global__ void __launch_bounds__(512, 1) gemv_mma_norm_b4_t##TILES(              \
         Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* hidden, const float* norm_w, float eps, float* y) { \
         gemv_mma<TILES>(m0, m1, m2, m3, nx, hidden, norm_w, eps, y, false);                         \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256, 2) gemv_mma_add_b4_t##TILES(               \
+    extern "C" __global__ void __launch_bounds__(512, 1) gemv_mma_add_b4_t##TILES(               \
         Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* x, float* y) {                       \
         gemv_mma<TILES>(m0, m1, m2, m3, nx, x, nullptr, 0.f, y, true);                           \
     }

@@ -33,13 +33,16 @@
 // exactly). Staged x holds, per slab, word, tile and lane, the uint4 of the four pairs of that
 // lane's B fragments, so that a warp's fragment load is 512 contiguous bytes.
 //
-// Work. A block's 8 warps split K: in each pass over a unit of 16 rows, warp w takes MMA_SPW
+// Work. A block's warps split K: in each pass over a unit of 16 rows, warp w takes MMA_SPW
 // slabs; at the unit's end each warp gathers its parts into results (mma_combine) and the warps'
-// results are added in shared memory, warp 0 first. Every warp holds its next item's weights in
-// registers while it computes the current one (two buffers, used in turn), requested as soon as
-// the item before it is done with the buffer.
+// results are added in shared memory, warp 0 first. Blocks have 8 warps, or 16 where 8 would take
+// more than one pass (gemv.rs, mma_warps: a choice by K alone, so a row's sums run in the same
+// order in every launch): at K = 4,096 a 16-row unit was two passes of 8 warps, 128 units for
+// 2,048 outputs, so one block of 8 warps an SM, each waiting out two DRAM latencies in turn.
+// Every warp holds its next item's weights in registers while it computes the current one (two
+// buffers, used in turn), requested as soon as the item before it is done with the buffer.
 
-#define MMA_WARPS 8
+#define MMA_MAX_WARPS 16
 #define MMA_SLAB 64
 // Slabs a warp takes per pass: 4 covers K = 2,048 in one pass with 16 weight loads a lane in
 // flight.
@@ -47,7 +50,7 @@
 
 // Shared memory (dynamic; gemv.rs's mma_shared_bytes computes the same size): the warps' partial
 // sums (two buffers), staged x, each slab's sum of x per row, norm scratch and inverse norms.
-__device__ __forceinline__ int mma_red_float4s() { return 2 * MMA_WARPS * WARP; }
+__device__ __forceinline__ int mma_red_float4s() { return 2 * MMA_MAX_WARPS * WARP; }
 
 // Where row n's part p of x lies on the mma's n side, in one of two layouts (each row's columns
 // are computed alike in both, so the layout does not change a row's bits):
@@ -305,7 +308,7 @@ __device__ void gemv_mma(Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* x,
     const Mat ms[4] = {m0, m1, m2, m3};
     const MatUnits<16, Mat[4]> mu{ms, 4};
     const long units = mu.count(), ystride = (long)m0.rows + m1.rows + m2.rows + m3.rows;
-    const int per_pass = MMA_WARPS * MMA_SPW, passes = (slabs + per_pass - 1) / per_pass;
+    const int warps = blockDim.x / WARP, per_pass = warps * MMA_SPW, passes = (slabs + per_pass - 1) / per_pass;
     // The block's work, unit by unit (blockIdx.x, then every gridDim.x-th) and pass by pass.
     // Items advance by counting, never dividing: 64-bit divisions per item cost as much as its
     // mma work.
@@ -341,7 +344,7 @@ __device__ void gemv_mma(Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* x,
         mma_slabs(cur, s0_of(it), slabs, xf, xsum, nx, lane, acc);
         load(cur, after);
         if (it.pass == passes - 1) {
-            float4* mine = red + buf * MMA_WARPS * WARP;
+            float4* mine = red + buf * MMA_MAX_WARPS * WARP;
             float sum[4];
             mma_combine(acc, sum);
             mine[warp * WARP + lane] = make_float4(sum[0], sum[1], sum[2], sum[3]);
@@ -349,7 +352,7 @@ __device__ void gemv_mma(Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* x,
             if (warp == 0) {
                 float4 v = mine[lane];
 #pragma unroll
-                for (int w = 1; w < MMA_WARPS; w++) {
+                for (int w = 1; w < warps; w++) {
                     const float4 o = mine[w * WARP + lane];
                     v = make_float4(__fadd_rn(v.x, o.x), __fadd_rn(v.y, o.y), __fadd_rn(v.z, o.z), __fadd_rn(v.w, o.w));
                 }

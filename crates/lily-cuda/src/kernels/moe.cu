@@ -29,6 +29,16 @@ __device__ void route(Mat router, Mat sh_gate, const float* hidden, const float*
     if (threadIdx.x == 0) *done = 0;
 }
 
+// The down projection of the step's row blockIdx.y, R output rows a warp.
+template <int BITS, int R>
+__device__ void down_row(Mat down, Mat sh_down, int inter, int hidden, const int* ids, const float* weights,
+                         const float* logits, const float* act, float* residual) {
+    __shared__ DownSmem<BITS> s;
+    down_combine<BITS, R>(down, sh_down, inter, hidden, ids + blockIdx.y * TOPK, weights + blockIdx.y * TOPK,
+                          logits + blockIdx.y * (NE + 1), act + (long)blockIdx.y * (TOPK * inter + sh_down.cols),
+                          residual + (long)blockIdx.y * hidden, s, blockIdx.x, gridDim.x);
+}
+
 // Each launch runs every row of the step: the grid's y is the row, whose hidden state, router
 // logits (NE + 1 a row: the shared gate's last), choice (TOPK ids and weights) and act
 // (TOPK · inter + the shared expert's width) lie at its row of the step's buffers.
@@ -52,11 +62,17 @@ __device__ void route(Mat router, Mat sh_gate, const float* hidden, const float*
     extern "C" __global__ void __launch_bounds__(256) moe_down_b##BITS(                           \
         Mat down, Mat sh_down, int inter, int hidden, const int* ids, const float* weights,       \
         const float* logits, const float* act, float* residual) {                                 \
-        __shared__ DownSmem<BITS> s;                                                              \
-        down_combine<BITS>(down, sh_down, inter, hidden, ids + blockIdx.y * TOPK, weights + blockIdx.y * TOPK,  \
-                           logits + blockIdx.y * (NE + 1), act + (long)blockIdx.y * (TOPK * inter + sh_down.cols), \
-                           residual + (long)blockIdx.y * hidden, s, blockIdx.x, gridDim.x);              \
+        down_row<BITS, DOWN_ROWS>(down, sh_down, inter, hidden, ids, weights, logits, act, residual); \
+    }
+// One sequence's down projection, a row a warp (moe_decode.cuh, DOWN_ROWS).
+#define MOE_DOWN_ONE(BITS)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) moe_down_b##BITS##_r1(                      \
+        Mat down, Mat sh_down, int inter, int hidden, const int* ids, const float* weights,       \
+        const float* logits, const float* act, float* residual) {                                 \
+        down_row<BITS, 1>(down, sh_down, inter, hidden, ids, weights, logits, act, residual);     \
     }
 MOE(4)
 MOE(8)
 MOE(32)
+MOE_DOWN_ONE(4)
+MOE_DOWN_ONE(8)

@@ -83,7 +83,10 @@ __device__ void down_combine_dense(Mat down, Mat sh_down, int inter, int hidden,
 }
 
 // Output rows one warp of moe_down_b4/b8 computes (step.rs, DOWN_ROWS): each staged x chunk
-// serves both.
+// serves both. One sequence takes moe_down_b*_r1 instead, a row a warp: with two, its 2,048
+// outputs were 1,024 units, one block of 8 warps an SM (0.48 of a wave, ~0.57 TB/s); several
+// sequences fill the GPU through the grid's y, where two rows a warp measured 6 % faster. A row's
+// sum is the same expression either way, so it gets the same bits alone as in a batch.
 #define DOWN_ROWS 2
 // Chunks per lane and row whose loads are issued together: 5 covers the 144 chunks of a
 // production output row (8 routed rows of 512 4-bit codes + the shared row, 32 codes a chunk)
@@ -162,12 +165,12 @@ __device__ __forceinline__ void load_down(Batch<BITS, R, NB>& b, const Mat& down
 // its writes are visible. So the routing (read through L2, never a stale L1 line) and the
 // first rows' weights are read before pdl_wait, while moe_gate_up still runs; only act (and the
 // residual stream) wait for it.
-template <int BITS>
+template <int BITS, int R>
 __device__ void down_combine_q(Mat down, Mat sh_down, int inter, int hidden, const int* ids,
                                const float* weights, const float* logits, const float* act,
                                float* residual, float* xs, float* xsum, int* sid, float* segw, int blk,
                                int nblk) {
-    constexpr int PER = 128 / BITS, R = DOWN_ROWS;
+    constexpr int PER = 128 / BITS;
     if (threadIdx.x < TOPK) {
         sid[threadIdx.x] = ldcg_int(ids + threadIdx.x);
         segw[threadIdx.x] = ldcg(weights + threadIdx.x);
@@ -264,7 +267,8 @@ struct DownSmem {
     float segw[TOPK + 1];
 };
 
-template <int BITS>
+// R output rows a warp (quantised weights; DOWN_ROWS unless the launch says otherwise).
+template <int BITS, int R = DOWN_ROWS>
 __device__ void down_combine(Mat down, Mat sh_down, int inter, int hidden, const int* ids,
                              const float* weights, const float* logits, const float* act, float* residual,
                              DownSmem<BITS>& s, int blk, int nblk) {
@@ -272,7 +276,7 @@ __device__ void down_combine(Mat down, Mat sh_down, int inter, int hidden, const
         down_combine_dense(down, sh_down, inter, hidden, ids, weights, logits, act, residual, s.xs, s.xsum,
                            blk, nblk);
     else
-        down_combine_q<BITS>(down, sh_down, inter, hidden, ids, weights, logits, act, residual, s.xs, s.xsum,
+        down_combine_q<BITS, R>(down, sh_down, inter, hidden, ids, weights, logits, act, residual, s.xs, s.xsum,
                              s.sid, s.segw, blk, nblk);
 }
 
