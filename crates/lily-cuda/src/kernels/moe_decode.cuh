@@ -19,9 +19,11 @@ __device__ void gate_up(Mat gate, Mat up, Mat sh_gate, Mat sh_up, int inter, con
     auto rows_of = [&](long u, RowRef (&rows)[2 * PAIRS], int (&xoff)[2 * PAIRS]) {
 #pragma unroll
         for (int i = 0; i < PAIRS; i++) {
-            long p = min(u * PAIRS + i, pairs - 1);
-            if (p < (long)TOPK * inter) {
-                long row = (long)ids[p / inter] * inter + p % inter;
+            // 32-bit (a step's pairs fit): a 64-bit division is a call, with its registers saved.
+            const int p = (int)min(u * PAIRS + i, pairs - 1);
+            if (p < TOPK * inter) {
+                const int slot = p / inter;
+                long row = (long)ids[slot] * inter + (p - slot * inter);
                 rows[2 * i] = row_ref(gate, row, BITS);
                 rows[2 * i + 1] = row_ref(up, row, BITS);
             } else {
