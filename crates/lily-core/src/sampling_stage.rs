@@ -80,6 +80,19 @@ impl SamplingStage {
         Ok(pick)
     }
 
+    /// Feeds `tokens` (a prompt's last chunk) to `state` and picks the token that follows them,
+    /// where the backend keeps the logits.
+    pub fn prefill<B: Backend>(
+        &mut self,
+        backend: &B,
+        state: &mut B::State,
+        tokens: &[u32],
+    ) -> Result<Pick> {
+        let pick = backend.prefill_choose(state, tokens, &mut self.choice()?)?;
+        self.advance(&pick)?;
+        Ok(pick)
+    }
+
     /// Feeds `token` to `state` and picks the one that follows.
     pub fn decode<B: Backend>(
         &mut self,

@@ -21,10 +21,10 @@ use lily_core::logprobs::TokenLogprobs;
 use lily_core::penalties::Penalties;
 use lily_core::rng::mix64;
 use lily_core::sampling::SamplingParams;
-use lily_core::sampling_stage::{BatchEntry, Grammar, decode_batch};
+use lily_core::sampling_stage::{BatchEntry, Grammar, Pick, SamplingStage, decode_batch};
 
 use self::choice::ChoiceRun;
-use self::prefill::PromptFill;
+use self::prefill::{PromptEnd, PromptFill};
 use super::snapshots::SnapshotCache;
 
 #[derive(Clone, Debug)]
@@ -184,7 +184,7 @@ impl<S, K> Sequence<'_, S, K> {
     }
 
     fn is_prefilling(&self) -> bool {
-        matches!(&self.phase, Phase::Prefill(fill) if fill.logits.is_none())
+        matches!(&self.phase, Phase::Prefill(fill) if fill.end.is_none())
     }
 }
 
@@ -320,9 +320,9 @@ impl<B: Backend> Engine<B> {
         if let Some(sequence) = batch.iter_mut().find(|s| s.is_prefilling()) {
             self.advance_prefill(sequence);
         }
-        // A prompt whose logits came whole from a snapshot starts at once.
+        // A prompt that is all in starts its choices (one whose logits a snapshot kept, at once).
         for sequence in batch.iter_mut() {
-            if matches!(&sequence.phase, Phase::Prefill(fill) if fill.logits.is_some()) {
+            if matches!(&sequence.phase, Phase::Prefill(fill) if fill.end.is_some()) {
                 self.start_choices(sequence);
             }
         }
@@ -355,13 +355,14 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// The prompt is in: says so, then starts the first choice with the prompt's logits.
+    /// The prompt is in: says so, then starts the first choice, from the token chosen with the
+    /// prompt's last chunk or from the prompt's logits.
     fn start_choices<K: Sink>(&mut self, sequence: &mut Sequence<'_, B::State, K>) {
         let Phase::Prefill(fill) = std::mem::replace(&mut sequence.phase, Phase::Ended(Ok(())))
         else {
             return;
         };
-        let Some(logits) = fill.logits else {
+        let Some(end) = fill.end else {
             return;
         };
         let started = EngineEvent::Started {
@@ -372,10 +373,37 @@ impl<B: Backend> Engine<B> {
         if sequence.sink.emit(started).is_break() {
             return;
         }
-        let result = self.next_choice(sequence, Some((fill.state, logits)));
+        let result = match end {
+            PromptEnd::Logits(logits) => self.next_choice(sequence, Some((fill.state, logits))),
+            PromptEnd::Picked(stage, pick) => self.start_picked(sequence, fill.state, *stage, pick),
+        };
         if let Err(e) = result {
             sequence.phase = Phase::Ended(Err(e));
         }
+    }
+
+    /// Starts the sole choice from the first token its stage chose with the prompt's last chunk.
+    fn start_picked<K: Sink>(
+        &mut self,
+        sequence: &mut Sequence<'_, B::State, K>,
+        state: B::State,
+        stage: SamplingStage,
+        pick: Pick,
+    ) -> Result<()> {
+        let room = self.max_seq - sequence.job.prompt.len();
+        let mut choice = ChoiceRun::with_stage(&sequence.job, 0, state, sequence.text, room, stage);
+        match choice.accept(pick, &self.stop_ids, &mut sequence.sink) {
+            None => {
+                sequence.phase = Phase::Decode {
+                    choice: Box::new(choice),
+                    prompt: None,
+                }
+            }
+            Some(finish) => {
+                self.end_choice(sequence, choice, finish)?;
+            }
+        }
+        Ok(())
     }
 
     /// Starts the choice after those in the outcome from `prompt` (its state and logits), and

@@ -1,7 +1,8 @@
 //! One choice of a generation, token by token: the sampling stage that picks its tokens, the
 //! text stream that turns them into text and watches for stop strings, and the tokens so far.
-//! The engine feeds it one [`Pick`] per step (the first from the prompt's logits, the others
-//! from batched decode steps) and learns from [`ChoiceRun::accept`] when it has ended.
+//! The engine feeds it one [`Pick`] per step (the first chosen with the prompt's last chunk, or
+//! from the prompt's logits on the host; the others from batched decode steps) and learns from
+//! [`ChoiceRun::accept`] when it has ended.
 
 use std::ops::ControlFlow;
 
@@ -40,29 +41,48 @@ impl<'t, S> ChoiceRun<'t, S> {
         text: &'t TextModel,
         room: usize,
     ) -> Result<Self> {
-        let tokenizer = &text.tokenizer;
+        let stage = Self::stage(job, index, text)?;
+        Ok(Self::with_stage(job, index, state, text, room, stage))
+    }
+
+    /// Choice `index`'s sampling stage: its seed, the vocabulary limit, the penalties over the
+    /// prompt, the grammar from its start. Made before the choice itself where the prompt's last
+    /// chunk chooses the first token.
+    pub fn stage(job: &GenerationJob, index: usize, text: &TextModel) -> Result<SamplingStage> {
         let sampling = SamplingParams {
             seed: choice_seed(job.sampling.seed, index),
             ..job.sampling.clone()
         };
         let sampler = Sampler::new(sampling)
-            .with_vocab_limit(tokenizer.decodable_len())
+            .with_vocab_limit(text.tokenizer.decodable_len())
             .with_penalties(job.penalties.clone(), &job.prompt);
         let mut stage = SamplingStage::new(sampler, job.logprobs);
         if let Some(grammar) = &job.grammar {
             stage = stage.with_constraint(grammar.start()?);
         }
-        Ok(ChoiceRun {
+        Ok(stage)
+    }
+
+    /// Choice `index` of `job` with `stage` (from [`ChoiceRun::stage`]).
+    pub fn with_stage(
+        job: &GenerationJob,
+        index: usize,
+        state: S,
+        text: &'t TextModel,
+        room: usize,
+        stage: SamplingStage,
+    ) -> Self {
+        ChoiceRun {
             index,
             state,
             stage,
-            text: TextStream::new(tokenizer, &job.stop),
+            text: TextStream::new(&text.tokenizer, &job.stop),
             pending: Vec::new(),
             tokens: Vec::new(),
             max_tokens: job.max_tokens.min(room),
             next: 0,
             ended_turn: false,
-        })
+        }
     }
 
     /// Whether the choice may not produce a single token (`max_tokens` 0 scores the prompt).

@@ -3,12 +3,17 @@
 //! snapshot the prompt extends, keeps a snapshot where the conversation before the generation
 //! prompt ends and one after the whole prompt, and with `prompt_logprobs` scores every prompt
 //! token from an empty state instead.
+//!
+//! A generation of one choice chooses its first token with the prompt's last chunk, where the
+//! logits are (`Backend::prefill_choose`: on a GPU only the pick comes back, as in `lily
+//! generate`); several choices share the prompt's logits on the host, each picking its own.
 
 use anyhow::Result;
 use lily_core::backend::{Backend, LogitRows};
 use lily_core::logprobs::{TokenLogprobs, token_logprobs};
-use lily_core::sampling_stage::MAX_TOP_LOGPROBS;
+use lily_core::sampling_stage::{MAX_TOP_LOGPROBS, Pick, SamplingStage};
 
+use super::choice::ChoiceRun;
 use super::{Engine, GenerationJob};
 
 /// Rows of logits a prompt scored for its log-probabilities is fed in: each row is a whole
@@ -21,11 +26,23 @@ pub(super) struct PromptFill<S> {
     pub done: usize,
     /// Of those, the ones that came from a snapshot.
     pub cached: usize,
-    /// The logits after the whole prompt, once it is in.
-    pub logits: Option<Vec<f32>>,
+    /// The sole choice's stage, which chooses its first token with the last chunk; `None` where
+    /// the prompt's logits come to the host anyway (several choices, a scored prompt, a snapshot
+    /// that kept them) or no token is to be generated.
+    stage: Option<Box<SamplingStage>>,
+    /// What the prompt leaves its choices, once it is all in.
+    pub end: Option<PromptEnd>,
     /// `Some(k)`: every prompt token after the first is scored with its `k` most likely.
     scored: Option<usize>,
     pub prompt_logprobs: Vec<TokenLogprobs>,
+}
+
+/// How a prompt's choices begin.
+pub(super) enum PromptEnd {
+    /// The logits after the prompt, on the host: each choice picks its first token from them.
+    Logits(Vec<f32>),
+    /// The sole choice's stage and the first token it chose with the prompt's last chunk.
+    Picked(Box<SamplingStage>, Pick),
 }
 
 impl<B: Backend> Engine<B> {
@@ -37,19 +54,29 @@ impl<B: Backend> Engine<B> {
             Some(_) => None,
             None => self.snapshots.longest_prefix(prompt),
         };
-        let (state, cached, logits) = match hit {
+        let (state, cached, end) = match hit {
             Some(hit) => {
                 let whole = hit.tokens.len() == prompt.len();
                 let logits = if whole { hit.logits.clone() } else { None };
-                (self.backend.fork(&hit.state)?, hit.tokens.len(), logits)
+                let end = logits.map(PromptEnd::Logits);
+                (self.backend.fork(&hit.state)?, hit.tokens.len(), end)
             }
             None => (self.backend.new_state(self.max_seq)?, 0, None),
+        };
+        // `check` keeps the prompt shorter than the context.
+        let room = self.max_seq.saturating_sub(prompt.len());
+        let sole = job.n <= 1 && scored.is_none() && end.is_none();
+        let stage = if sole && job.max_tokens.min(room) > 0 {
+            Some(Box::new(ChoiceRun::<B::State>::stage(job, 0, &self.text)?))
+        } else {
+            None
         };
         let fill = PromptFill {
             state,
             done: cached,
             cached,
-            logits,
+            stage,
+            end,
             scored,
             prompt_logprobs: Vec::new(),
         };
@@ -78,16 +105,28 @@ impl<B: Backend> Engine<B> {
             if let Some(b) = boundary {
                 end = b;
             }
-            let logits =
-                self.backend
-                    .prefill(&mut fill.state, &prompt[start..end], LogitRows::Last)?;
+            let (chunk, last) = (&prompt[start..end], end == prompt.len());
+            let stage = if last { fill.stage.take() } else { None };
+            let logits = match stage {
+                Some(mut stage) => {
+                    let pick = stage.prefill(&self.backend, &mut fill.state, chunk)?;
+                    fill.end = Some(PromptEnd::Picked(stage, pick));
+                    None
+                }
+                None => Some(
+                    self.backend
+                        .prefill(&mut fill.state, chunk, LogitRows::Last)?,
+                ),
+            };
             (fill.done, budget) = (end, budget - (end - start));
             if boundary.is_some() {
                 self.keep_snapshot(&prompt[..end], &fill.state, None)?;
             }
-            if end == prompt.len() {
-                self.keep_snapshot(prompt, &fill.state, Some(&logits))?;
-                fill.logits = Some(logits);
+            if last {
+                self.keep_snapshot(prompt, &fill.state, logits.as_ref())?;
+                if let Some(logits) = logits {
+                    fill.end = Some(PromptEnd::Logits(logits));
+                }
             }
         }
         Ok(())
@@ -120,7 +159,7 @@ impl<B: Backend> Engine<B> {
         if end == prompt.len() {
             let last = rows[rows.len().saturating_sub(vocab)..].to_vec();
             self.keep_snapshot(prompt, &fill.state, Some(&last))?;
-            fill.logits = Some(last);
+            fill.end = Some(PromptEnd::Logits(last));
         }
         Ok(())
     }

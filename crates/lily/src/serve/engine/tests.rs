@@ -92,13 +92,14 @@ fn a_second_turn_reuses_the_first_and_matches_a_cold_run() {
     let first_job = job(&first, 6, SamplingParams::greedy());
     let (turn1, reply) = run(&mut warm, &first_job);
     assert_eq!(turn1.cached_tokens, 0);
-    // Two snapshots, each an f32 KV cache of its tokens plus the fixed recurrent state; the one
-    // after the whole prompt also keeps its logits. (A reply cut by max_tokens adds none.)
+    // Two snapshots, each an f32 KV cache of its tokens plus the fixed recurrent state, and no
+    // logits: a single choice chose its first token with the prompt's last chunk. (A reply cut
+    // by max_tokens adds none.)
     let c = warm.backend.config();
     let fixed = c.conv_state_bytes(4) + c.recurrent_state_bytes();
     let boundary = first_job.turn_boundary.unwrap();
     let kv = c.kv_bytes_per_token(4) * (boundary + first_job.prompt.len()) as u64;
-    let expected = kv + 2 * fixed + c.vocab_size as u64 * 4;
+    let expected = kv + 2 * fixed;
     assert_eq!(turn1.finish(), Finish::Length);
     assert_eq!(warm.snapshot_usage(), (2, expected as usize));
     let second = [
@@ -118,11 +119,24 @@ fn a_second_turn_reuses_the_first_and_matches_a_cold_run() {
     let mut cold = engine(0);
     let (cold2, cold_text) = run(&mut cold, &second_job);
     assert_eq!(cold2.cached_tokens, 0);
-    assert_eq!((turn2.tokens(), text2), (cold2.tokens(), cold_text));
+    assert_eq!((turn2.tokens(), &text2), (cold2.tokens(), &cold_text));
 
-    // The same prompt again starts from the snapshot taken after it, logits included.
-    let (again, _) = run(&mut warm, &second_job);
-    assert_eq!(again.cached_tokens, second_job.prompt.len());
+    // The same prompt again: the snapshot after it kept no logits to choose from, so it starts
+    // at the conversation before its generation prompt, and gives the same tokens.
+    let (again, text_again) = run(&mut warm, &second_job);
+    assert_eq!(again.cached_tokens, second_job.turn_boundary.unwrap());
+    assert_eq!((again.tokens(), &text_again), (cold2.tokens(), &cold_text));
+
+    // Several choices share the prompt's logits on the host, and the snapshot keeps them: the
+    // same prompt asked for again then needs no prefill at all.
+    let two = GenerationJob {
+        n: 2,
+        ..second_job.clone()
+    };
+    run(&mut warm, &two);
+    let (whole, _) = run(&mut warm, &second_job);
+    assert_eq!(whole.cached_tokens, second_job.prompt.len());
+    assert_eq!(whole.tokens(), cold2.tokens());
 }
 
 #[test]
@@ -336,4 +350,112 @@ fn logit_bias_reaches_the_sampler_on_the_greedy_path() {
     let (outcome, text) = run(&mut engine, &forced);
     assert_eq!(outcome.tokens(), [9419; 6]);
     assert_eq!(text, "Hello".repeat(6));
+}
+
+/// The engine's backend, counting how each prompt's last chunk went in: chosen where the logits
+/// are (`prefill_choose`), or with its logits sent to the host (`prefill`).
+struct Counting {
+    inner: AnyBackend,
+    chosen: std::sync::atomic::AtomicUsize,
+    logits: std::sync::atomic::AtomicUsize,
+}
+
+impl Backend for Counting {
+    type State = <AnyBackend as Backend>::State;
+
+    fn config(&self) -> &lily_core::config::ModelConfig {
+        self.inner.config()
+    }
+    fn device_name(&self) -> String {
+        self.inner.device_name()
+    }
+    fn max_prefill_chunk(&self) -> usize {
+        self.inner.max_prefill_chunk()
+    }
+    fn new_state(&self, max_seq: usize) -> Result<Self::State> {
+        self.inner.new_state(max_seq)
+    }
+    fn state_len(&self, state: &Self::State) -> usize {
+        self.inner.state_len(state)
+    }
+    fn fork(&self, state: &Self::State) -> Result<Self::State> {
+        self.inner.fork(state)
+    }
+    fn state_bytes(&self, state: &Self::State) -> usize {
+        self.inner.state_bytes(state)
+    }
+    fn prefill(
+        &self,
+        state: &mut Self::State,
+        tokens: &[u32],
+        rows: LogitRows,
+    ) -> Result<Vec<f32>> {
+        self.logits
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.prefill(state, tokens, rows)
+    }
+    fn prefill_choose(
+        &self,
+        state: &mut Self::State,
+        tokens: &[u32],
+        choice: &mut lily_core::choice::Choice<'_>,
+    ) -> Result<lily_core::choice::Pick> {
+        self.chosen
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.prefill_choose(state, tokens, choice)
+    }
+    fn decode_batch(
+        &self,
+        rows: &mut [lily_core::backend::DecodeRow<'_, Self::State>],
+    ) -> Result<Vec<lily_core::choice::Pick>> {
+        self.inner.decode_batch(rows)
+    }
+}
+
+#[test]
+fn one_choice_is_chosen_with_the_prompts_last_chunk_and_several_share_host_logits() {
+    let counting = Counting {
+        inner: load_with("synthetic:tiny", Device::Cpu, false).unwrap(),
+        chosen: 0.into(),
+        logits: 0.into(),
+    };
+    // No snapshots: every prompt goes in whole, in one chunk.
+    let mut engine = Engine::new(counting, text_model(), 4096, 0).unwrap();
+    let counts = |e: &Engine<Counting>| {
+        let load =
+            |a: &std::sync::atomic::AtomicUsize| a.load(std::sync::atomic::Ordering::Relaxed);
+        (load(&e.backend.chosen), load(&e.backend.logits))
+    };
+    let messages = [json!({"role": "user", "content": "Name a colour."})];
+    // Without a turn boundary, which would put the prompt in as two chunks.
+    let one = GenerationJob {
+        turn_boundary: None,
+        ..job(&messages, 5, sampled(3))
+    };
+    let quiet = |_: EngineEvent| ControlFlow::Continue(());
+    let sole = engine.run(&one, quiet, || false).unwrap();
+    assert_eq!(counts(&engine), (1, 0));
+
+    // Two choices: one prefill whose logits both pick from on the host, none made with the chunk.
+    // The first choice has the sole one's seed, so it takes the same tokens by the other route.
+    let two = GenerationJob {
+        n: 2,
+        ..one.clone()
+    };
+    let both = engine.run(&two, quiet, || false).unwrap();
+    assert_eq!(counts(&engine), (1, 1));
+    assert_eq!(sole.tokens().len(), 5);
+    assert_eq!(both.tokens(), sole.tokens());
+    // A scored prompt brings its logits back too; no token to generate needs no choice.
+    let scored = GenerationJob {
+        prompt_logprobs: Some(2),
+        ..one.clone()
+    };
+    engine.run(&scored, quiet, || false).unwrap();
+    let none = GenerationJob {
+        max_tokens: 0,
+        ..one
+    };
+    engine.run(&none, quiet, || false).unwrap();
+    assert_eq!(counts(&engine), (1, 3));
 }
