@@ -12,6 +12,9 @@ use crate::config::ModelConfig;
 /// Which rows of logits a prefill returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LogitRows {
+    /// None: a prompt's chunk before its last, or one whose choice the backend makes
+    /// (`prefill_choose`); skips the lm_head and the copy of a vocabulary-wide row.
+    None,
     /// Only the last position (what generation needs; skips the lm_head elsewhere).
     Last,
     /// Every position (teacher-forced scoring).
@@ -56,8 +59,8 @@ pub trait Backend: Send + Sync {
         (kv + c.conv_state_bytes(4) + c.recurrent_state_bytes()) as usize
     }
 
-    /// Appends `tokens` to the sequence and returns logits, row-major `[rows, vocab]`.
-    /// On error the state is unchanged.
+    /// Appends `tokens` to the sequence and returns logits, row-major `[rows, vocab]` (empty
+    /// for [`LogitRows::None`]). On error the state is unchanged.
     fn prefill(&self, state: &mut Self::State, tokens: &[u32], rows: LogitRows)
     -> Result<Vec<f32>>;
 

@@ -44,9 +44,10 @@ pub fn prefill<B: Backend>(
         match rows {
             LogitRows::All => out.extend(backend.prefill(state, piece, LogitRows::All)?),
             LogitRows::Last if last => out = backend.prefill(state, piece, LogitRows::Last)?,
-            // Earlier chunks of a generation prompt need no logits at all, but every backend
-            // returns at least the last row; it is dropped.
-            LogitRows::Last => drop(backend.prefill(state, piece, LogitRows::Last)?),
+            // Earlier chunks of a generation prompt need no logits at all.
+            LogitRows::Last | LogitRows::None => {
+                backend.prefill(state, piece, LogitRows::None)?;
+            }
         }
     }
     Ok(out)
@@ -64,7 +65,7 @@ pub fn prefill_choose<B: Backend>(
     let chunk = backend.max_prefill_chunk().max(1);
     let split = (tokens.len() - 1) / chunk * chunk;
     if split > 0 {
-        prefill(backend, state, &tokens[..split], LogitRows::Last)?;
+        prefill(backend, state, &tokens[..split], LogitRows::None)?;
     }
     backend.prefill_choose(state, &tokens[split..], choice)
 }

@@ -184,6 +184,7 @@ impl CpuBackend {
         let (first, count) = match rows {
             LogitRows::All => (0, n),
             LogitRows::Last => (n - 1, 1),
+            LogitRows::None => return Ok(Vec::new()),
         };
         let last = &hidden[first * h..(first + count) * h];
         Ok(stage(Stage::LmHead, || self.lm_head(last, count, nx)))

@@ -208,3 +208,25 @@ fn a_batch_with_a_full_sequence_is_refused_and_changes_no_state() {
         backend.decode(&mut fresh, 7).unwrap()
     );
 }
+
+/// A chunk that asks for no logits leaves the state where one asking for the last row does: the
+/// next chunk gets the same logits, to the bit.
+#[test]
+fn a_chunk_without_logits_leaves_the_same_state() {
+    let backend = synthetic_tiny();
+    let vocab = backend.config().vocab_size;
+    let prompt: Vec<u32> = (0..23).map(|t| (t * 37 + 5) % vocab as u32).collect();
+    let (head, tail) = prompt.split_at(17);
+    let (mut quiet, mut loud) = (
+        backend.new_state(64).unwrap(),
+        backend.new_state(64).unwrap(),
+    );
+    let none = backend.prefill(&mut quiet, head, LogitRows::None).unwrap();
+    assert!(none.is_empty());
+    assert_eq!(backend.state_len(&quiet), head.len());
+    let last = backend.prefill(&mut loud, head, LogitRows::Last).unwrap();
+    assert_eq!(last.len(), vocab);
+    let after_quiet = backend.prefill(&mut quiet, tail, LogitRows::Last).unwrap();
+    let after_loud = backend.prefill(&mut loud, tail, LogitRows::Last).unwrap();
+    assert_eq!(after_quiet, after_loud);
+}

@@ -468,8 +468,8 @@ impl CudaBackend {
     }
 
     /// Runs `tokens` through the prefill chunks. `All` returns every row's logits; `Last` leaves
-    /// the last row's in the decode scratch's `logits`, on the device. The device position is
-    /// left stale ([`Self::set_position`]).
+    /// the last row's in the decode scratch's `logits`, on the device; `None` computes none. The
+    /// device position is left stale ([`Self::set_position`]).
     fn encode_prompt(
         &self,
         buffers: &mut Buffers,
@@ -496,7 +496,7 @@ impl CudaBackend {
                     gemm::gemm(&self.gpu, &self.weights.lm_head, x, n, y, vocab, 0)?;
                     out.extend(self.gpu.download(&logits)?);
                 }
-            } else if i + 1 == chunks.len() {
+            } else if i + 1 == chunks.len() && rows == LogitRows::Last {
                 let y = ptr(&decode.logits, &self.gpu.stream);
                 gemm::gemm(&self.gpu, &self.weights.lm_head, normed, 1, y, vocab, 0)?;
             }
@@ -704,6 +704,7 @@ impl Backend for CudaBackend {
         match rows {
             LogitRows::All => Ok(all),
             LogitRows::Last => self.first_logits(&buffers.decode),
+            LogitRows::None => Ok(Vec::new()),
         }
     }
 

@@ -242,7 +242,7 @@ pub fn run(args: Args) -> Result<()> {
             let mut states = Vec::with_capacity(batch);
             for _ in 0..batch {
                 let mut state = backend.new_state(ctx + steps + 1)?;
-                prefill(&backend, &mut state, &tokens[..ctx], LogitRows::Last)?;
+                prefill(&backend, &mut state, &tokens[..ctx], LogitRows::None)?;
                 states.push(state);
             }
             let mut rows: Vec<&mut lily_cuda::CudaState> = states
@@ -284,7 +284,7 @@ pub fn run(args: Args) -> Result<()> {
         if let Some(&ctx) = args.contexts.first() {
             let steps = args.decode_steps.min(8);
             let mut state = cpu.new_state(ctx + steps + 1)?;
-            prefill(&**cpu, &mut state, &tokens[..ctx], LogitRows::Last)?;
+            prefill(&**cpu, &mut state, &tokens[..ctx], LogitRows::None)?;
             let (done, stages) = lily_cpu::profile::profiled(|| -> Result<()> {
                 for &t in &tokens[..steps] {
                     cpu.decode(&mut state, t)?;

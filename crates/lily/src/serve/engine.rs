@@ -536,7 +536,7 @@ impl<B: Backend> Engine<B> {
             return Ok(());
         }
         self.backend
-            .prefill(&mut state, &self.turn_end, LogitRows::Last)?;
+            .prefill(&mut state, &self.turn_end, LogitRows::None)?;
         let bytes = self.backend.state_bytes(&state);
         let tokens = [prompt, reply, &self.turn_end].concat();
         self.snapshots.insert(tokens, state, None, bytes);

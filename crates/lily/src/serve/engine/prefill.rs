@@ -113,10 +113,16 @@ impl<B: Backend> Engine<B> {
                     fill.end = Some(PromptEnd::Picked(stage, pick));
                     None
                 }
-                None => Some(
+                None if last => Some(self.backend.prefill(
+                    &mut fill.state,
+                    chunk,
+                    LogitRows::Last,
+                )?),
+                None => {
                     self.backend
-                        .prefill(&mut fill.state, chunk, LogitRows::Last)?,
-                ),
+                        .prefill(&mut fill.state, chunk, LogitRows::None)?;
+                    None
+                }
             };
             (fill.done, budget) = (end, budget - (end - start));
             if boundary.is_some() {

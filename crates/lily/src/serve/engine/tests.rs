@@ -352,8 +352,8 @@ fn logit_bias_reaches_the_sampler_on_the_greedy_path() {
     assert_eq!(text, "Hello".repeat(6));
 }
 
-/// The engine's backend, counting how each prompt's last chunk went in: chosen where the logits
-/// are (`prefill_choose`), or with its logits sent to the host (`prefill`).
+/// The engine's backend, counting the chunks chosen where the logits are (`prefill_choose`) and
+/// those whose logits were sent to the host (`prefill` of any rows but none).
 struct Counting {
     inner: AnyBackend,
     chosen: std::sync::atomic::AtomicUsize,
@@ -390,8 +390,10 @@ impl Backend for Counting {
         tokens: &[u32],
         rows: LogitRows,
     ) -> Result<Vec<f32>> {
-        self.logits
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if rows != LogitRows::None {
+            self.logits
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         self.inner.prefill(state, tokens, rows)
     }
     fn prefill_choose(
@@ -427,11 +429,10 @@ fn one_choice_is_chosen_with_the_prompts_last_chunk_and_several_share_host_logit
         (load(&e.backend.chosen), load(&e.backend.logits))
     };
     let messages = [json!({"role": "user", "content": "Name a colour."})];
-    // Without a turn boundary, which would put the prompt in as two chunks.
-    let one = GenerationJob {
-        turn_boundary: None,
-        ..job(&messages, 5, sampled(3))
-    };
+    // A chat prompt goes in as two chunks, split at its turn boundary: the first asks for no
+    // logits.
+    let one = job(&messages, 5, sampled(3));
+    assert!(one.turn_boundary.is_some());
     let quiet = |_: EngineEvent| ControlFlow::Continue(());
     let sole = engine.run(&one, quiet, || false).unwrap();
     assert_eq!(counts(&engine), (1, 0));
