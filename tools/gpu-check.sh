@@ -82,6 +82,20 @@ if [ "$step" = all ] || [ "$step" = profile ]; then
     --device cuda --tokens 1 --max-tokens 4 --temperature 0 --ignore-eos > "$out/ncu.csv" 2>"$out/ncu.err"
   python3 tools/ncu_summary.py "$out/ncu.csv" | tee "$out/ncu-summary.md"
 fi
+if [ "$step" = ncu-detail ]; then
+  # One launch of each named decode kernel mid-step, with Nsight Compute's occupancy, scheduler,
+  # warp-state, instruction and memory sections (KERNELS: a regex alternation of names).
+  .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cuda --tokens 1 --max-tokens 2 \
+    --temperature 0 --ignore-eos > /dev/null 2>&1
+  ncu --clock-control none --graph-profiling node \
+    --kernel-name "regex:^(${KERNELS:-gemv_mma_norm_b4_t1|gemv_mma_add_b4_t1|moe_route_b8|moe_gate_up_b4|moe_down_b4_r1})$" \
+    --launch-skip "${SKIP:-30}" --launch-count "${COUNT:-5}" --section SpeedOfLight --section Occupancy \
+    --section WarpStateStats --section SchedulerStats --section InstructionStats --section LaunchStats \
+    --section MemoryWorkloadAnalysis .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cuda \
+    --tokens 1 --max-tokens 4 --temperature 0 --ignore-eos > "$out/ncu-detail.txt" 2> "$out/ncu-detail.err"
+  grep -E "^  [a-z_0-9]+ \(|Duration|Executed Instructions  |Registers Per|Achieved Active Warps|Eligible Warps|DRAM Throughput|Grid Size" \
+    "$out/ncu-detail.txt"
+fi
 if [ "$step" = peer-cpu ]; then
   # llama.cpp for the CPU only (~2 min on 16 cores) while its GGUF is written, for `cpu` next.
   bash .gpu/peer/peer.sh >/dev/null 2>&1
