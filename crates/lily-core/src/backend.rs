@@ -12,8 +12,8 @@ use crate::config::ModelConfig;
 /// Which rows of logits a prefill returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LogitRows {
-    /// None: a prompt's chunk before its last, or one whose choice the backend makes
-    /// (`prefill_choose`); skips the lm_head and the copy of a vocabulary-wide row.
+    /// None: a prompt's chunks before its last, whose state is all that is wanted; skips the
+    /// lm_head and the copy of a vocabulary-wide row.
     None,
     /// Only the last position (what generation needs; skips the lm_head elsewhere).
     Last,

@@ -106,33 +106,29 @@ impl<B: Backend> Engine<B> {
                 end = b;
             }
             let (chunk, last) = (&prompt[start..end], end == prompt.len());
-            let stage = if last { fill.stage.take() } else { None };
-            let logits = match stage {
-                Some(mut stage) => {
-                    let pick = stage.prefill(&self.backend, &mut fill.state, chunk)?;
-                    fill.end = Some(PromptEnd::Picked(stage, pick));
-                    None
-                }
-                None if last => Some(self.backend.prefill(
-                    &mut fill.state,
-                    chunk,
-                    LogitRows::Last,
-                )?),
-                None => {
-                    self.backend
-                        .prefill(&mut fill.state, chunk, LogitRows::None)?;
-                    None
-                }
-            };
+            if last && let Some(mut stage) = fill.stage.take() {
+                let pick = stage.prefill(&self.backend, &mut fill.state, chunk)?;
+                fill.end = Some(PromptEnd::Picked(stage, pick));
+            } else if last {
+                let logits = self
+                    .backend
+                    .prefill(&mut fill.state, chunk, LogitRows::Last)?;
+                fill.end = Some(PromptEnd::Logits(logits));
+            } else {
+                self.backend
+                    .prefill(&mut fill.state, chunk, LogitRows::None)?;
+            }
             (fill.done, budget) = (end, budget - (end - start));
             if boundary.is_some() {
                 self.keep_snapshot(&prompt[..end], &fill.state, None)?;
             }
             if last {
-                self.keep_snapshot(prompt, &fill.state, logits.as_ref())?;
-                if let Some(logits) = logits {
-                    fill.end = Some(PromptEnd::Logits(logits));
-                }
+                // A snapshot keeps the logits where the host has them.
+                let logits = match &fill.end {
+                    Some(PromptEnd::Logits(logits)) => Some(logits),
+                    _ => None,
+                };
+                self.keep_snapshot(prompt, &fill.state, logits)?;
             }
         }
         Ok(())
