@@ -7,16 +7,20 @@ Starts the server on a free port, then checks what the CPU-only tests cannot: th
 on the GPU are the same twice (the second from the snapshot of the first turn's prompt), that a
 streamed sampled reply arrives as well-formed chunks ending in [DONE], that two clients at once
 both get their replies, and that bad input gets a clear 4xx without taking the server down.
-Prints each reply and exits non-zero on the first failure.
+Prints each reply and exits non-zero on the first failure. Last, the time to the first streamed
+token of a ~1K-token prompt (issue 18), as this client sees it: a figure, not a check.
 """
 
 import argparse
+import http.client
 import json
+import statistics
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 
@@ -28,6 +32,25 @@ def post(base, path, body, timeout=300):
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+def first_token_seconds(base, body):
+    """Seconds from sending a streamed request to the first chunk that carries generated text."""
+    u = urllib.parse.urlparse(base)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
+    started = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    first = None
+    for raw in response:
+        line = raw.decode().strip()
+        if first is None and line.startswith("data: ") and line != "data: [DONE]":
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            delta = choices[0].get("delta", {})
+            if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+                first = time.perf_counter() - started
+    conn.close()
+    return first
 
 
 def chat(model, text, **extra):
@@ -119,6 +142,17 @@ def main():
         check(400 <= code < 500, f"a prompt past the context gets {code}: {body[:200]}")
         code, _ = post(base, "/v1/chat/completions", greedy)
         check(code == 200, "still serving after the bad requests")
+
+        # Each prompt starts with its own number, so no snapshot of an earlier one is reused.
+        long_prompt = lambda i: f"Request {i}. " + "The quick brown fox jumps over the lazy dog. " * 100
+        code, body = post(base, "/v1/chat/completions", chat(m, long_prompt(0), max_tokens=1, temperature=0))
+        check(code == 200, "a ~1K-token prompt")
+        tokens = usage(body)["prompt_tokens"]
+        times = [first_token_seconds(base, chat(m, long_prompt(i), max_tokens=4, temperature=0, stream=True))
+                 for i in range(1, 8)]
+        check(all(t is not None for t in times), "every streamed long reply carried a token")
+        print(f"time to first token, {tokens}-token prompt, 7 requests: median {statistics.median(times) * 1e3:.1f} ms"
+              f" (min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f})", flush=True)
     finally:
         server.terminate()
         try:

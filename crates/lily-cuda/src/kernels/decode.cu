@@ -402,7 +402,7 @@ __device__ void gdn_recur(const DecArgs& A, const DecLayer& L, const DecLayerSta
     const int col_groups = (DV + GDN_COLS - 1) / GDN_COLS;
     for (int item = blk; item < NV * col_groups; item += nblk)
         gdn_step_cols<DEC_THREADS / GDN_COLS>(item / col_groups, item % col_groups * GDN_COLS, A.conv_out, A.proj,
-                                              L.g.a_log, L.g.dt_bias, S.recurrent, A.gdn_o, sm);
+                                              L.g.a_log, L.g.dt_bias, S.recurrent, A.gdn_o, sm, [] {});
 }
 
 // hidden += the chosen experts' and the shared expert's down projections, weighted.

@@ -17,11 +17,10 @@ extern "C" __global__ void gdn_conv(const float* proj, const float* conv_w, RowP
 // One (value head, GDN_COLS columns) item per block, 4 row groups (GDN_COLS · 4 threads).
 extern "C" __global__ void gdn_step(const float* conv, const float* proj, const float* a_log,
                                     const float* dt_bias, RowPtrs state, float* out) {
-    pdl_wait();
     __shared__ GdnStepSmem<4> sm;
     int row = blockIdx.z;
     gdn_step_cols<4>(blockIdx.x, blockIdx.y * GDN_COLS, conv + row * CONV_DIM, proj + row * GDN_PROJ, a_log,
-                     dt_bias, (float*)state.p[row], out + row * NV * DV, sm);
+                     dt_bias, (float*)state.p[row], out + row * NV * DV, sm, [] { pdl_wait(); });
 }
 
 // Gated RMSNorm per value head: normalise, scale by the plain weight, gate with silu(z).

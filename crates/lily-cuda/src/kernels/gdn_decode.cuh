@@ -32,14 +32,30 @@ struct GdnStepSmem {
 // Each column is held by ROW_GROUPS threads, each with a slice of the rows in registers; S is
 // read and written exactly once. q and k are L2-normalised here (every item of a key head redoes
 // that small work rather than adding a step).
-template <int ROW_GROUPS>
+//
+// The state is read before wait() (pdl_wait in the graph step): it is this layer's own, last
+// written by the previous token's step, never by the kernels just before this one, so its
+// DRAM round trip overlaps them instead of following the q and k norms.
+template <int ROW_GROUPS, class Wait>
 __device__ void gdn_step_cols(int j, int col0, const float* conv, const float* proj, const float* a_log,
-                              const float* dt_bias, float* state, float* out, GdnStepSmem<ROW_GROUPS>& sm) {
+                              const float* dt_bias, float* state, float* out, GdnStepSmem<ROW_GROUPS>& sm,
+                              Wait wait) {
     constexpr int ROWS_PER_THREAD = (DK + ROW_GROUPS - 1) / ROW_GROUPS;
     float* qn = sm.qn;
     float* kn = sm.kn;
     int kh = j / (NV / NK);
     int t = threadIdx.x;
+    int c = t % GDN_COLS, rg = t / GDN_COLS;
+    int col = col0 + c;
+    bool active = rg < ROW_GROUPS && col < DV;
+    float* S = state + (long)j * DK * DV;
+    float s[ROWS_PER_THREAD];
+#pragma unroll
+    for (int e = 0; e < ROWS_PER_THREAD; e++) {
+        int i = rg + e * ROW_GROUPS;
+        s[e] = (active && i < DK) ? S[i * DV + col] : 0.f;
+    }
+    wait();
     // L2 norms of q and k (eps inside the root), q also scaled by 1/sqrt(DK).
     float qv = 0.f, kv = 0.f;
     for (int i = t; i < DK; i += blockDim.x) {
@@ -62,16 +78,10 @@ __device__ void gdn_step_cols(int j, int col0, const float* conv, const float* p
     sp = sp > 20.f ? sp : log1pf(expf(sp));
     float alpha = expf(-expf(a_log[j]) * sp);
 
-    int c = t % GDN_COLS, rg = t / GDN_COLS;
-    int col = col0 + c;
-    bool active = rg < ROW_GROUPS && col < DV;
-    float* S = state + (long)j * DK * DV;
-    float s[ROWS_PER_THREAD];
     float r = 0.f;
 #pragma unroll
     for (int e = 0; e < ROWS_PER_THREAD; e++) {
         int i = rg + e * ROW_GROUPS;
-        s[e] = (active && i < DK) ? S[i * DV + col] : 0.f;
         if (i < DK) r += s[e] * kn[i];
     }
     if (rg < ROW_GROUPS) sm.part[rg][c] = r;
