@@ -15,6 +15,7 @@ pub mod products;
 pub mod profile;
 pub mod quant;
 mod state;
+mod subnormals;
 
 use std::sync::Arc;
 

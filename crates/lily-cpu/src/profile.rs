@@ -79,7 +79,10 @@ pub(crate) fn stage<T>(stage: Stage, f: impl FnOnce() -> T) -> T {
 /// there and back. A decode step is dozens of parallel regions a layer; started from outside the
 /// pool, each is injected into it while the caller sleeps until it ends (two wake-ups a region),
 /// while from a worker the region's tasks go to that worker's own queue and it works on them.
+/// Every CPU forward pass and decode step comes through here, so this is also where the pool's
+/// threads get their floating-point state (subnormals.rs).
 pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    crate::subnormals::flush_on_every_worker();
     if rayon::current_thread_index().is_some() {
         return f();
     }
