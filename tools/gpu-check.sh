@@ -44,6 +44,26 @@ if [ "$step" = peer ]; then
   # Under /tmp/peer too: a later command on the same machine (its own $OUT) benches beside it.
   OUT=/tmp/peer/out bash .gpu/peer/peer.sh gpu && cp /tmp/peer/out/llama-*.json "$out/"
 fi
+if [ "$step" = ab ]; then
+  # A/B in one lease: the test binaries named in TESTS first, then the decode bench of each of
+  # VARIANTS in turn, NAME:BINARY[:VAR=VALUE,...] with BINARY under .gpu/ (a .xz there is unpacked
+  # first), e.g. VARIANTS="base:lily-base: new:lily: base:lily-base: new:lily:". One line each
+  # with its decode tok/s (B = 1 and 8 at each context, in the table's order); JSON into $out.
+  (cd .gpu && for f in *.xz; do [ -e "${f%.xz}" ] || xz -dk "$f"; chmod +x "${f%.xz}"; done) 2>/dev/null
+  for t in ${TESTS:-}; do
+    timeout "${TEST_TIMEOUT:-300}" ".gpu/$t" --include-ignored --nocapture --test-threads 1 > "$out/$t.log" 2>&1
+    echo "== $t rc=$? $(grep -E 'test result' "$out/$t.log")"
+  done
+  i=0
+  for v in ${VARIANTS:?NAME:BINARY[:VAR=VALUE,...] ...}; do
+    i=$((i + 1)); name=${v%%:*}; rest=${v#*:}; bin=${rest%%:*}; vars=${rest#"$bin"}; vars=${vars#:}
+    # shellcheck disable=SC2086
+    env ${vars//,/ } ".gpu/$bin" bench --model synthetic:qwen3.6-35b-a3b --device cuda --prompt-lens 256 \
+      --contexts "${CONTEXTS:-256,4096}" --batch "${BATCH:-1,8}" --runs 3 --json "$out/bench-$i-$name.json" \
+      > "/tmp/bench-$i-$name.txt" 2>&1
+    echo "== $i $name $(grep -E '^\| decode' "/tmp/bench-$i-$name.txt" | awk -F'|' '{printf "%s ", $5}')"
+  done
+fi
 if [ "$step" = all ] || [ "$step" = bench ]; then
   peer=()
   [ -f /tmp/peer/out/llama-tg.json ] && peer=(--peer /tmp/peer/out/llama-pp.json,/tmp/peer/out/llama-tg.json)
