@@ -11,11 +11,11 @@ mod moe;
 mod numerics;
 pub mod ops;
 mod options;
+mod pool;
 pub mod products;
 pub mod profile;
 pub mod quant;
 mod state;
-mod subnormals;
 
 use std::sync::Arc;
 

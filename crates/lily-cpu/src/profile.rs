@@ -75,19 +75,18 @@ pub(crate) fn stage<T>(stage: Stage, f: impl FnOnce() -> T) -> T {
     out
 }
 
-/// Runs `f` on a thread of rayon's pool (at once when this is one), carrying this thread's clock
-/// there and back. A decode step is dozens of parallel regions a layer; started from outside the
-/// pool, each is injected into it while the caller sleeps until it ends (two wake-ups a region),
-/// while from a worker the region's tasks go to that worker's own queue and it works on them.
-/// Every CPU forward pass and decode step comes through here, so this is also where the pool's
-/// threads get their floating-point state (subnormals.rs).
+/// Runs `f` on a thread of the backend's pool (pool.rs; at once when this is one), carrying
+/// this thread's clock there and back. A decode step is dozens of parallel regions a layer;
+/// started from outside the pool, each is injected into it while the caller sleeps until it ends
+/// (two wake-ups a region), while from a worker the region's tasks go to that worker's own queue
+/// and it works on them.
 pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    crate::subnormals::flush_on_every_worker();
-    if rayon::current_thread_index().is_some() {
+    let pool = crate::pool::pool();
+    if pool.current_thread_index().is_some() {
         return f();
     }
     let clock = CLOCK.with(|c| *c.borrow());
-    let (out, clock) = rayon::scope(|_| {
+    let (out, clock) = pool.install(|| {
         let previous = CLOCK.with(|c| c.replace(clock));
         let out = f();
         (out, CLOCK.with(|c| c.replace(previous)))
