@@ -118,7 +118,8 @@ fn int8_inputs_stay_near_mlx_lm_teacher_forced() {
             tokens.len()
         );
         assert!(d_rounded > 10.0 * d_exact, "the int8 path did not round");
-        // Measured: 6.0e-2 and 9.8e-2; 7/9 and 96/100 top tokens (a broken kernel gives noise).
+        // Measured: 6.0e-2 and 1.7e-1; 7/9 and 94/100 top tokens on 2026-12-04 (9.8e-2 and 96/100
+        // on 2026-12-02; a broken kernel gives noise).
         assert!(d_rounded < 0.2, "{d_rounded:e}");
         assert!(
             same_top * 4 >= tokens.len() * 3,
