@@ -18,9 +18,11 @@ extern "C" __global__ void gdn_conv(const float* proj, const float* conv_w, RowP
 extern "C" __global__ void gdn_step(const float* conv, const float* proj, const float* a_log,
                                     const float* dt_bias, RowPtrs state, float* out) {
     __shared__ GdnStepSmem<4> sm;
-    int row = blockIdx.z;
-    gdn_step_cols<4>(blockIdx.x, blockIdx.y * GDN_COLS, conv + row * CONV_DIM, proj + row * GDN_PROJ, a_log,
-                     dt_bias, (float*)state.p[row], out + row * NV * DV, sm, [] { pdl_wait(); });
+    // The recurrent state is this kernel's own from the previous token, so the body reads it
+    // before waiting. `blockIdx.z` is the batch row.
+    gdn_step_cols<4>(blockIdx.x, blockIdx.y * GDN_COLS, conv + blockIdx.z * CONV_DIM, proj + blockIdx.z * GDN_PROJ,
+                     a_log, dt_bias, (float*)state.p[blockIdx.z], out + blockIdx.z * NV * DV, sm,
+                     [] { pdl_wait(); });
 }
 
 // Gated RMSNorm per value head: normalise, scale by the plain weight, gate with silu(z).
