@@ -18,6 +18,7 @@ mod portable;
 
 use std::sync::OnceLock;
 
+use half::bf16;
 use lily_core::quant::QuantMatrix;
 
 use crate::products::{Kernel, Product, Weight, products_with};
@@ -193,19 +194,42 @@ fn dot_rows(isa: Isa, w: &QuantMatrix, row: usize, xs: &[f32], out: &mut [f32]) 
     }
 }
 
-/// Compares `isa` with the portable kernel on small 4- and 8-bit products.
+/// Compares `isa` with the portable kernel on small 4- and 8-bit products, built and run on this
+/// thread alone. It runs inside `detect`'s one-time initialiser, often on a pool worker: any
+/// parallel region there (quantising the test matrix was one) lets the worker, while it waits for
+/// its stolen halves, pick up another job that calls `detect` and block on the initialiser it is
+/// itself running. CI hung so, two tests' first products meeting in the backend's pool.
 fn self_check(isa: Isa) -> Result<(), String> {
     for (rows, cols, bits, group) in [(40, 256, 4, 64), (24, 128, 8, 64), (8, 192, 4, 32)] {
-        let values: Vec<f32> = (0..rows * cols)
-            .map(|i| ((i * 7919 % 1009) as f32 - 504.0) / 504.0)
+        let groups = rows * cols / group;
+        let codes = (0..rows * cols * bits as usize / 32)
+            .map(|i| {
+                (i as u32)
+                    .wrapping_mul(0x9e37_79b9)
+                    .rotate_left(i as u32 % 29)
+            })
             .collect();
-        let w =
-            QuantMatrix::quantize(rows, cols, bits, group, &values).map_err(|e| e.to_string())?;
+        let scales = (0..groups)
+            .map(|g| bf16::from_f32(((g * 37 % 17) as f32 + 1.0) / 64.0))
+            .collect();
+        let biases = (0..groups)
+            .map(|g| bf16::from_f32((g * 11 % 9) as f32 / 8.0 - 0.5))
+            .collect();
+        let w = QuantMatrix::from_parts(rows, cols, bits, group, codes, scales, biases)
+            .map_err(|e| e.to_string())?;
         let x: Vec<f32> = (0..5 * cols)
             .map(|i| ((i % 13) as f32 - 6.0) / 6.0)
             .collect();
-        let want = quant_matmul_with(Isa::Portable, &x, 5, &w);
-        let got = quant_matmul_with(isa, &x, 5, &w);
+        let on_this_thread = |isa: Isa| {
+            let xs = match nibble_order(isa, Weight::Affine(&w)) {
+                true => to_nibble_order(&x),
+                false => x.clone(),
+            };
+            let mut out_t = vec![0f32; rows * 5];
+            product_rows(isa, &w, 0, &xs, 5, &mut out_t);
+            out_t
+        };
+        let (want, got) = (on_this_thread(Isa::Portable), on_this_thread(isa));
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
         let diff = got
             .iter()
