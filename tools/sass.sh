@@ -4,7 +4,7 @@
 # wheels, installed into a scratch folder (or LILY_SASS_TOOLS, to keep them between calls).
 #
 #   tools/sass.sh gemv                    # ptxas -v of every kernel of gemv.cu
-#   tools/sass.sh gemv gemv_mma_norm_b4_t1  # and that kernel's SASS, with its instruction mix
+#   tools/sass.sh gemv gemv_q4_norm_t1  # and that kernel's SASS, with its instruction mix
 #
 # MODEL (default qwen3.6-35b-a3b) and ARCH (default sm_90) pick the compile; SASS goes to
 # $OUT_DIR/<kernel>.sass (default /tmp/lily-sass). Instruction counts are static: a loop body is

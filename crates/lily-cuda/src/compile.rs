@@ -38,7 +38,7 @@ impl KernelFile {
 pub const KERNEL_FILES: [KernelFile; 14] = [
     KernelFile {
         name: "gemv",
-        headers: &[GEMV_STAGED, GEMV_ROWS, GEMV_MMA],
+        headers: &[GEMV_STAGED, GEMV_ROWS, GDN_DECODE, GEMV_IMMA],
         source: include_str!("kernels/gemv.cu"),
         entries: &[
             "gemv_b4",
@@ -68,10 +68,18 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
             "gemv_rows_add_b32_x2",
             "gemv_rows_add_b32_x4",
             "gemv_rows_add_b32_x8",
-            "gemv_mma_norm_b4_t1",
-            "gemv_mma_norm_b4_t3",
-            "gemv_mma_add_b4_t1",
-            "gemv_mma_add_b4_t3",
+            "gemv_q4_norm_t1",
+            "gemv_q4_norm_t2",
+            "gemv_q4_norm_t4",
+            "gemv_q4_add_t1",
+            "gemv_q4_add_t2",
+            "gemv_q4_add_t4",
+            "gemv_q4_gated_t1",
+            "gemv_q4_gated_t2",
+            "gemv_q4_gated_t4",
+            "gemv_q4_gdn_t1",
+            "gemv_q4_gdn_t2",
+            "gemv_q4_gdn_t4",
             "embed_b4",
             "embed_b8",
             "embed_b32",
@@ -104,7 +112,7 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
     },
     KernelFile {
         name: "moe",
-        headers: &[GEMV_STAGED, ROUTE, MOE_DECODE],
+        headers: &[GEMV_STAGED, ROUTE, MOE_DECODE, GEMV_IMMA, MOE_IMMA],
         source: include_str!("kernels/moe.cu"),
         entries: &[
             "moe_route_b4",
@@ -118,6 +126,11 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
             "moe_down_b32",
             "moe_down_b4_r1",
             "moe_down_b8_r1",
+            "moe_route_imma_t1",
+            "moe_route_imma_t2",
+            "moe_route_imma_t4",
+            "moe_gate_up_imma",
+            "moe_down_imma",
         ],
         only_for: None,
     },
@@ -221,7 +234,8 @@ const ATTN_DECODE: &str = include_str!("kernels/attn_decode.cuh");
 const MOE_DECODE: &str = include_str!("kernels/moe_decode.cuh");
 const GEMV_STAGED: &str = include_str!("kernels/gemv_staged.cuh");
 const GEMV_ROWS: &str = include_str!("kernels/gemv_rows.cuh");
-const GEMV_MMA: &str = include_str!("kernels/gemv_mma.cuh");
+const GEMV_IMMA: &str = include_str!("kernels/gemv_imma.cuh");
+const MOE_IMMA: &str = include_str!("kernels/moe_imma.cuh");
 const GEMV_STREAM: &str = include_str!("kernels/gemv_stream.cuh");
 
 /// The persistent decode step. Compiled apart from [`KERNEL_FILES`], once the weights are laid out:
@@ -289,6 +303,7 @@ pub fn model_defines(c: &ModelConfig, kv: KvPrecision) -> Vec<(String, String)> 
         d("NORM_TOPK", (c.norm_topk_prob as u8).to_string()),
         d("KV_F32", ((kv == KvPrecision::F32) as u8).to_string()),
         d("MAX_ATTN_SPLITS", MAX_ATTN_SPLITS.to_string()),
+        d("IMMA_WARPS", crate::gemv::IMMA_WARPS.to_string()),
     ]
 }
 
@@ -379,10 +394,15 @@ mod tests {
     /// to a body that first reads only the kernel's own state (`gdn_step_cols`).
     #[test]
     fn every_kernel_waits_for_its_predecessor() {
-        const WAITING_BODIES: [&str; 7] = [
+        const WAITING_BODIES: [&str; 12] = [
             "gemv_staged<",
             "gemv_rows<",
-            "gemv_mma<",
+            "gemv_imma<",
+            "gemv_imma_gated<",
+            "gemv_imma_gdn_in<",
+            "route_imma<",
+            "gate_up_imma(",
+            "down_imma(",
             "route<",
             "gate_up<",
             "down_combine<",

@@ -108,10 +108,25 @@ kernel_args! {
     GemvNorm { mats: [MatArg; 4], hidden: u64, norm_w: u64, eps: f32, y: u64 }
     /// `gemv_add_b*` (and `gemv_b*`).
     GemvAdd { mats: [MatArg; 4], x: u64, y: u64 }
-    /// `gemv_rows_norm_b*_x*` and `gemv_mma_norm_b4_t*`.
+    /// `gemv_rows_norm_b*_x*`.
     GemvRowsNorm { mats: [MatArg; 4], nx: i32, hidden: u64, norm_w: u64, eps: f32, y: u64 }
-    /// `gemv_rows_add_b*_x*` and `gemv_mma_add_b4_t*`.
+    /// `gemv_rows_add_b*_x*`.
     GemvRowsAdd { mats: [MatArg; 4], nx: i32, x: u64, y: u64 }
+    /// `gemv_q4_norm_t*`.
+    GemvQ4Norm {
+        mats: [MatArg; 4], nx: i32, hidden: u64, norm_w: u64, eps: f32, y: u64, split: i32,
+    }
+    /// `gemv_q4_add_t*`.
+    GemvQ4Add { mats: [MatArg; 4], nx: i32, x: u64, y: u64, split: i32 }
+    /// `gemv_q4_gdn_t*`.
+    GemvQ4Gdn {
+        mats: [MatArg; 4], nx: i32, hidden: u64, norm_w: u64, eps: f32, proj: u64, conv_w: u64,
+        window: RowPtrs, conv: u64, split: i32,
+    }
+    /// `gemv_q4_gated_t*`.
+    GemvQ4Gated {
+        m: MatArg, nx: i32, o: u64, proj: u64, norm_w: u64, eps: f32, y: u64, split: i32,
+    }
     GdnConv { proj: u64, conv_w: u64, window: RowPtrs, out: u64 }
     GdnStep { conv: u64, proj: u64, a_log: u64, dt_bias: u64, state: RowPtrs, out: u64 }
     GdnGatedNorm { o: u64, proj: u64, w: u64, y: u64, eps: f32 }
@@ -133,6 +148,21 @@ kernel_args! {
     MoeGateUp {
         gate: MatArg, up: MatArg, sh_gate: MatArg, sh_up: MatArg, inter: i32, ids: u64,
         hidden: u64, norm_w: u64, eps: f32, act: u64,
+    }
+    /// `moe_route_imma_t*`.
+    MoeRouteImma {
+        router: MatArg, sh_gate: MatArg, nx: i32, hidden: u64, norm_w: u64, eps: f32, logits: u64,
+        ids: u64, weights: u64, done: u64, split: i32,
+    }
+    /// `moe_gate_up_imma`.
+    MoeGateUpImma {
+        gate: MatArg, up: MatArg, sh_gate: MatArg, sh_up: MatArg, inter: i32, ids: u64,
+        weights: u64, logits: u64, hidden: u64, norm_w: u64, eps: f32, act: u64, split: i32,
+    }
+    /// `moe_down_imma`.
+    MoeDownImma {
+        down: MatArg, sh_down: MatArg, inter: i32, hidden: i32, ids: u64, act: u64, residual: u64,
+        split: i32,
     }
     /// `moe_down_b*`.
     MoeDown {
@@ -222,7 +252,7 @@ pub fn entries() -> Vec<Entry> {
             .collect::<Vec<_>>()
     };
     let one = |name: &str| [name.to_string()];
-    let mma = |form: &str| [1, 3].map(|t| format!("gemv_mma_{form}_b4_t{t}"));
+    let q4 = |form: &str| [1, 2, 4].map(|t| format!("gemv_q4_{form}_t{t}"));
     let mut all = Vec::new();
     all.extend(each::<EmbedRows>(bits("embed_rows")));
     all.extend(each::<Embed>(bits("embed")));
@@ -230,12 +260,12 @@ pub fn entries() -> Vec<Entry> {
     all.extend(each::<GemvAdd>(
         bits("gemv_add").into_iter().chain(bits("gemv")),
     ));
-    all.extend(each::<GemvRowsNorm>(
-        rows("norm").into_iter().chain(mma("norm")),
-    ));
-    all.extend(each::<GemvRowsAdd>(
-        rows("add").into_iter().chain(mma("add")),
-    ));
+    all.extend(each::<GemvRowsNorm>(rows("norm")));
+    all.extend(each::<GemvRowsAdd>(rows("add")));
+    all.extend(each::<GemvQ4Norm>(q4("norm")));
+    all.extend(each::<GemvQ4Add>(q4("add")));
+    all.extend(each::<GemvQ4Gated>(q4("gated")));
+    all.extend(each::<GemvQ4Gdn>(q4("gdn")));
     all.extend(each::<GdnConv>(one("gdn_conv")));
     all.extend(each::<GdnStep>(one("gdn_step")));
     all.extend(each::<GdnGatedNorm>(one("gdn_gated_norm")));
@@ -249,6 +279,11 @@ pub fn entries() -> Vec<Entry> {
             .into_iter()
             .chain(["moe_down_b4_r1", "moe_down_b8_r1"].map(String::from)),
     ));
+    all.extend(each::<MoeRouteImma>(
+        [1, 2, 4].map(|t| format!("moe_route_imma_t{t}")),
+    ));
+    all.extend(each::<MoeGateUpImma>(one("moe_gate_up_imma")));
+    all.extend(each::<MoeDownImma>(one("moe_down_imma")));
     all.extend(each::<ArgmaxPartial>(one("argmax_partial")));
     all.extend(each::<ArgmaxFinal>(one("argmax_final")));
     all.extend(each::<AddRmsNorm>(one("add_rms_norm")));

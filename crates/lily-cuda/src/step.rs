@@ -16,11 +16,14 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use lily_core::config::ModelConfig;
 
 use crate::compile::MAX_ATTN_SPLITS;
-use crate::gemv::{GemvForm, gemv};
-use crate::gpu::{Gpu, MAX_ROWS, RowInts, RowPtrs, ptr};
+use crate::gemv::{
+    ConvOutput, GatedInput, GemvForm, GemvRoute, gated_fits, gemv, gemv_gated, gemv_gdn_in,
+    gemv_route, imma_plan, imma_shared_bytes, imma_tiles,
+};
+use crate::gpu::{Gpu, MAX_ROWS, RowInts, RowPtrs, Shape, ptr};
 use crate::kernel_args::{
     ArgmaxFinal, ArgmaxPartial, AttnCombine, AttnPrep, AttnSplit, EmbedRows, GdnConv, GdnGatedNorm,
-    GdnStep, MoeDown, MoeGateUp, MoeRoute,
+    GdnStep, MoeDown, MoeDownImma, MoeGateUp, MoeGateUpImma, MoeRoute, MoeRouteImma,
 };
 use crate::launch;
 use crate::mat::{XS_COLS, staged_shape, wave_shape};
@@ -204,9 +207,124 @@ impl Rows {
     }
 }
 
+/// Whether the MoE block runs on the integer tensor cores (kernels/moe_imma.cuh): every expert
+/// matrix 4-bit and the router and shared gate 8-bit, in groups of 64, with the hidden width and
+/// both intermediate widths whole quads of 256 inputs, and the staged inputs within a block's
+/// shared memory. The real model's layout; others take the FMA kernels.
+pub fn moe_imma_fits(c: &ModelConfig, m: &DeviceMoe, shared_optin: usize) -> bool {
+    let quads = |n: usize| n.is_multiple_of(256);
+    let experts = [
+        &m.gate,
+        &m.up,
+        &m.down,
+        &m.shared[0],
+        &m.shared[1],
+        &m.shared[2],
+    ];
+    experts.iter().all(|x| x.bits == 4 && x.group == 64)
+        && [&m.router, &m.shared_gate]
+            .iter()
+            .all(|x| x.bits == 8 && x.group == 64)
+        && quads(c.hidden_size)
+        && quads(c.moe_intermediate_size)
+        && quads(c.shared_intermediate_size)
+        && imma_shared_bytes(c.hidden_size, imma_tiles(MAX_ROWS)) <= shared_optin
+        && imma_shared_bytes(down_inputs(c), 1) <= shared_optin
+}
+
+/// The inputs of one output row of the down projection: every chosen slot's, then the shared
+/// expert's.
+fn down_inputs(c: &ModelConfig) -> usize {
+    c.experts_per_token * c.moe_intermediate_size + c.shared_intermediate_size
+}
+
+/// A launch of an integer tensor-core kernel over `units` units of `cols` inputs for each of
+/// `grid_y` rows (kernels/gemv_imma.cuh): its plan's split, and its shape.
+fn imma_shape(gpu: &Gpu, units: usize, cols: usize, grid_y: u32) -> (i32, Shape) {
+    let plan = imma_plan(units, cols, gpu.sms as usize);
+    let shape = Shape {
+        grid: (plan.blocks as u32, grid_y, 1),
+        block: 32 * plan.warps as u32,
+    };
+    (plan.split as i32, shape)
+}
+
+/// The MoE block of one layer on the integer tensor cores: the router for every row in one
+/// launch, then gate/up and down each over every row (the grid's y).
+fn experts_imma(
+    gpu: &Gpu,
+    c: &ModelConfig,
+    m: &DeviceMoe,
+    post_norm: u64,
+    s: &Scratch,
+    rows: usize,
+) -> Result<()> {
+    let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
+    let (h, eps, b) = (c.hidden_size, c.rms_norm_eps, rows as u32);
+    let (inter, shared) = (c.moe_intermediate_size, c.shared_intermediate_size);
+    let ids = ptr(&s.ids, &gpu.stream);
+    let units = m.router.rows.div_ceil(16) + m.shared_gate.rows.div_ceil(16);
+    let (split, shape) = imma_shape(gpu, units, h, 1);
+    let tiles = imma_tiles(rows);
+    let route = MoeRouteImma {
+        router: m.router.arg(gpu),
+        sh_gate: m.shared_gate.arg(gpu),
+        nx: rows as i32,
+        hidden: p(&s.hidden),
+        norm_w: post_norm,
+        eps,
+        logits: p(&s.router_logits),
+        ids,
+        weights: p(&s.weights),
+        done: ptr(&s.route_done, &gpu.stream),
+        split,
+    };
+    let bytes = imma_shared_bytes(h, tiles) as u32;
+    gpu.launch_shared(&format!("moe_route_imma_t{tiles}"), shape, bytes, &route)?;
+    // A unit is 8 outputs: 8 rows of gate and the same 8 of up.
+    let units = (c.experts_per_token * inter + shared) / 8;
+    let (split, shape) = imma_shape(gpu, units, h, b);
+    let gate_up = MoeGateUpImma {
+        gate: m.gate.arg(gpu),
+        up: m.up.arg(gpu),
+        sh_gate: m.shared[0].arg(gpu),
+        sh_up: m.shared[1].arg(gpu),
+        inter: inter as i32,
+        ids,
+        weights: p(&s.weights),
+        logits: p(&s.router_logits),
+        hidden: p(&s.hidden),
+        norm_w: post_norm,
+        eps,
+        act: p(&s.act),
+        split,
+    };
+    let bytes = imma_shared_bytes(h, 1) as u32;
+    gpu.launch_shared("moe_gate_up_imma", shape, bytes, &gate_up)?;
+    let cols = down_inputs(c);
+    let (split, shape) = imma_shape(gpu, h / 16, cols, b);
+    let down = MoeDownImma {
+        down: m.down.arg(gpu),
+        sh_down: m.shared[2].arg(gpu),
+        inter: inter as i32,
+        hidden: h as i32,
+        ids,
+        act: p(&s.act),
+        residual: p(&s.hidden),
+        split,
+    };
+    gpu.launch_shared(
+        "moe_down_imma",
+        shape,
+        imma_shared_bytes(cols, 1) as u32,
+        &down,
+    )
+}
+
 /// The MoE block of one layer for every row: router + top-k, then the chosen and shared
 /// experts' gate/up, then their down projections, combined and added into the residual stream.
-/// Three launches, each over every row (the grid's y).
+/// Three launches, each over every row (the grid's y), on the integer tensor cores where the
+/// formats allow ([`moe_imma_fits`]), else on f32 FMAs.
 fn experts(
     gpu: &Gpu,
     c: &ModelConfig,
@@ -215,6 +333,9 @@ fn experts(
     s: &Scratch,
     rows: usize,
 ) -> Result<()> {
+    if moe_imma_fits(c, m, gpu.shared_optin) {
+        return experts_imma(gpu, c, m, post_norm, s, rows);
+    }
     let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
     let (h, eps) = (c.hidden_size, c.rms_norm_eps);
     let (inter, shared) = (c.moe_intermediate_size, c.shared_intermediate_size);
@@ -346,28 +467,34 @@ pub fn encode_step(
                     out_proj,
                 } = g.as_ref();
                 let (window, recurrent) = gdn_rows(step_rows, l, st)?;
-                gemv(
-                    gpu,
-                    input_norm,
-                    &[&proj[0], &proj[1], &proj[2], &proj[3]],
-                    n,
-                    p(&s.hidden),
-                    p(&s.proj),
-                )?;
+                let mats = [&proj[0], &proj[1], &proj[2], &proj[3]];
                 let conv_dim = c.gdn_conv_dim();
-                let args = GdnConv {
-                    proj: p(&s.proj),
-                    conv_w: p(conv),
-                    window,
-                    out: p(&s.conv_out),
-                };
-                launch!(
-                    gpu,
-                    "gdn_conv",
-                    (conv_dim.div_ceil(256) as u32, b, 1),
-                    256,
-                    args
-                );
+                if gemv_route(proj[0].bits, proj[0].group, proj[0].cols, gpu.shared_optin)
+                    == GemvRoute::TensorCores
+                {
+                    let out = ConvOutput {
+                        conv_w: p(conv),
+                        window,
+                        conv: p(&s.conv_out),
+                    };
+                    let input = (p(&s.hidden), p(&layer.input_norm), eps);
+                    gemv_gdn_in(gpu, &mats, n, input, p(&s.proj), out)?;
+                } else {
+                    gemv(gpu, input_norm, &mats, n, p(&s.hidden), p(&s.proj))?;
+                    let args = GdnConv {
+                        proj: p(&s.proj),
+                        conv_w: p(conv),
+                        window,
+                        out: p(&s.conv_out),
+                    };
+                    launch!(
+                        gpu,
+                        "gdn_conv",
+                        (conv_dim.div_ceil(256) as u32, b, 1),
+                        256,
+                        args
+                    );
+                }
                 let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
                 let cols = dv.min(32);
                 let args = GdnStep {
@@ -385,29 +512,42 @@ pub fn encode_step(
                     (cols * 4) as u32,
                     args
                 );
-                let args = GdnGatedNorm {
-                    o: p(&s.gdn_o),
-                    proj: p(&s.proj),
-                    w: p(norm),
-                    y: p(&s.gdn_y),
-                    eps,
-                };
-                launch!(
-                    gpu,
-                    "gdn_gated_norm",
-                    (nv as u32, b, 1),
-                    round_up_warp(dv),
-                    args
-                );
-                mark("gated deltanet")?;
-                gemv(
-                    gpu,
-                    GemvForm::Add,
-                    &[out_proj],
-                    n,
-                    p(&s.gdn_y),
-                    p(&s.hidden),
-                )?;
+                let (o, norm_w) = (p(&s.gdn_o), p(norm));
+                if gated_fits(out_proj, dv, gpu.shared_optin) {
+                    mark("gated deltanet")?;
+                    let proj = p(&s.proj);
+                    let input = GatedInput {
+                        o,
+                        proj,
+                        norm_w,
+                        eps,
+                    };
+                    gemv_gated(gpu, out_proj, n, input, p(&s.hidden))?;
+                } else {
+                    let args = GdnGatedNorm {
+                        o,
+                        proj: p(&s.proj),
+                        w: norm_w,
+                        y: p(&s.gdn_y),
+                        eps,
+                    };
+                    launch!(
+                        gpu,
+                        "gdn_gated_norm",
+                        (nv as u32, b, 1),
+                        round_up_warp(dv),
+                        args
+                    );
+                    mark("gated deltanet")?;
+                    gemv(
+                        gpu,
+                        GemvForm::Add,
+                        &[out_proj],
+                        n,
+                        p(&s.gdn_y),
+                        p(&s.hidden),
+                    )?;
+                }
                 mark("mixer output gemv")?;
             }
             DeviceMixer::Attention(a) => {

@@ -63,7 +63,9 @@ fn decode_matches_the_cpu_on_the_fixtures() {
 }
 
 /// The real model's head structure (GQA group 8, head dim 256, 64 rotary dims, GDN 16/32 heads of
-/// 128, 256 experts top 8) at a small width, so every kernel runs at its production constants.
+/// 128, 256 experts top 8) at a small width, so every kernel runs at its production constants;
+/// expert widths of whole quads of 256 inputs, so that the MoE takes the integer tensor cores as
+/// the real model's does (step.rs, moe_imma_fits).
 fn narrow(layers: &[&str], experts: usize, top_k: usize) -> ModelConfig {
     let mut root: serde_json::Value =
         serde_json::from_str(lily_core::config::QWEN36_35B_A3B_CONFIG).unwrap();
@@ -74,8 +76,8 @@ fn narrow(layers: &[&str], experts: usize, top_k: usize) -> ModelConfig {
     t.insert("vocab_size".into(), 4096.into());
     t.insert("num_experts".into(), experts.into());
     t.insert("num_experts_per_tok".into(), top_k.into());
-    t.insert("moe_intermediate_size".into(), 64.into());
-    t.insert("shared_expert_intermediate_size".into(), 128.into());
+    t.insert("moe_intermediate_size".into(), 256.into());
+    t.insert("shared_expert_intermediate_size".into(), 256.into());
     ModelConfig::from_json(&root.to_string()).unwrap()
 }
 

@@ -3,7 +3,7 @@
 //! into y). Ragged row counts, several matrices per launch, widths that take one and two load
 //! batches per lane, and a row count large enough that every warp strides over several units.
 //! Then the batched step's `gemv_rows_*` (several sequences' rows, each weight read once) against
-//! the single-row kernels, bit for bit, and the tensor-core GEMVs (`gemv_mma_*`, through the
+//! the single-row kernels, bit for bit, and the integer tensor-core GEMVs (`gemv_q4_*`, through the
 //! step's launcher) against the CPU and each row against itself alone. Needs a CUDA GPU
 //! (`--include-ignored` on the H200).
 
@@ -242,11 +242,12 @@ fn launch_gemv(
     gpu.download(&dy).unwrap()
 }
 
-/// The tensor-core GEMVs, the route of 4-bit codes in groups of a multiple of 64: both forms
-/// against the CPU (f64 sums of the dequantised weights), and every row of 2 to 8 bit for bit
-/// what it gets alone. Widths of one slab to two passes (a second pass of 8 of its 32 slabs at
-/// 2,560), groups of 64 and 128, ragged row counts, several matrices a launch, and enough rows
-/// that every block strides over many units.
+/// The integer tensor-core GEMVs, the route of 4-bit codes in groups of a multiple of 64: both
+/// forms against the CPU (f64 sums of the dequantised weights), and every row of 2 to 8 bit for
+/// bit what it gets alone. Widths of one slab to 64 (a quad cut short at 192 and 2,624; K split
+/// over 2 to 8 warps where units are few), groups of 64 and 128, ragged row counts, several
+/// matrices a launch, enough rows that every block strides over many units, and inputs whose
+/// slabs span very different magnitudes (the parts' scale is a slab's own).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tensor_core_gemvs_match_the_cpu_and_give_each_row_its_own_bits() {
@@ -259,6 +260,7 @@ fn tensor_core_gemvs_match_the_cpu_and_give_each_row_its_own_bits() {
         (2048, 64, vec![257, 1, 48]),
         (2048, 128, vec![300]),
         (2560, 64, vec![33]),
+        (2624, 64, vec![700]),
         (4096, 64, vec![2048, 16]),
         (1024, 64, vec![20_001]),
     ] {
@@ -282,8 +284,13 @@ fn tensor_core_gemvs_match_the_cpu_and_give_each_row_its_own_bits() {
         let dn = gpu.upload(&norm_w).unwrap();
         let norm = GemvForm::Norm(ptr(&dn, &gpu.stream), eps);
         for nx in [1usize, 2, 3, 5, 8] {
+            // Each slab of 64 inputs its own magnitude, from 1e-6 to 1e3, so that a part scaled by
+            // the wrong slab's exponent shows.
             let x: Vec<f32> = (0..nx * cols)
-                .map(|i| 3.0 * uniform_at(33 + nx as u64, i as u64))
+                .map(|i| {
+                    let magnitude = 10f32.powi((i / 64 % 10) as i32 - 6);
+                    magnitude * uniform_at(33 + nx as u64, i as u64)
+                })
                 .collect();
             let start: Vec<f32> = (0..nx * total).map(|i| uniform_at(34, i as u64)).collect();
             let y_norm = launch_gemv(&gpu, norm, &refs, nx, &x, &vec![0.0; nx * total]);
@@ -321,8 +328,8 @@ fn tensor_core_gemvs_match_the_cpu_and_give_each_row_its_own_bits() {
                     format!("{cols} cols, group {group}, rows {shapes:?}, {nx} rows, row {n}");
                 // f32 sums of up to 4,096 exact products and a fast-math rsqrt: a few 1e-7 of
                 // the largest output; a wrong slab, pair, part or scale shows at 1e-2 or more.
-                assert!(dn <= 1e-5, "gemv_mma_norm {label}: {dn:e}");
-                assert!(da <= 1e-5, "gemv_mma_add {label}: {da:e}");
+                assert!(dn <= 1e-5, "gemv_q4_norm {label}: {dn:e}");
+                assert!(da <= 1e-5, "gemv_q4_add {label}: {da:e}");
                 if nx > 1 {
                     let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                     let alone_norm = launch_gemv(&gpu, norm, &refs, 1, xr, &vec![0.0; total]);
@@ -331,12 +338,12 @@ fn tensor_core_gemvs_match_the_cpu_and_give_each_row_its_own_bits() {
                     assert_eq!(
                         bits_of(&y_norm[rows.clone()]),
                         bits_of(&alone_norm),
-                        "gemv_mma_norm {label}"
+                        "gemv_q4_norm {label}"
                     );
                     assert_eq!(
                         bits_of(&y_add[rows]),
                         bits_of(&alone_add),
-                        "gemv_mma_add {label}"
+                        "gemv_q4_add {label}"
                     );
                 }
             }

@@ -55,6 +55,11 @@ __device__ __forceinline__ int ldcg_int(const int* p) {
     asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
 }
+__device__ __forceinline__ float2 ldcg2(const float* p) {
+    float2 v;
+    asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "l"(p));
+    return v;
+}
 __device__ __forceinline__ float4 ldcg4(const float* p) {
     float4 v;
     asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
@@ -86,12 +91,14 @@ __device__ __forceinline__ u16 ld_weight16(const u16* p) {
 // before the persistent step existed (the graph step's SASS unchanged by it).
 #if STEP_PERSISTENT
 __device__ __forceinline__ float load_act(const float* p) { return ldcg(p); }
+__device__ __forceinline__ float2 load_act2(const float* p) { return ldcg2(p); }
 __device__ __forceinline__ float4 load_act4(const float* p) { return ldcg4(p); }
 __device__ __forceinline__ int load_act_int(const int* p) { return ldcg_int(p); }
 __device__ __forceinline__ uint4 load_weight4(const void* p) { return ld_weight4(p); }
 __device__ __forceinline__ u16 load_weight16(const u16* p) { return ld_weight16(p); }
 #else
 __device__ __forceinline__ float load_act(const float* p) { return *p; }
+__device__ __forceinline__ float2 load_act2(const float* p) { return *(const float2*)p; }
 __device__ __forceinline__ float4 load_act4(const float* p) { return *(const float4*)p; }
 __device__ __forceinline__ int load_act_int(const int* p) { return *p; }
 __device__ __forceinline__ uint4 load_weight4(const void* p) { return *(const uint4*)p; }
