@@ -38,7 +38,7 @@ impl KernelFile {
 pub const KERNEL_FILES: [KernelFile; 14] = [
     KernelFile {
         name: "gemv",
-        headers: &[GEMV_STAGED, GEMV_ROWS, GDN_DECODE, GEMV_IMMA],
+        headers: &[GEMV_STAGED, GEMV_ROWS, GEMV_MMA, GDN_DECODE, GEMV_IMMA],
         source: include_str!("kernels/gemv.cu"),
         entries: &[
             "gemv_b4",
@@ -68,6 +68,10 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
             "gemv_rows_add_b32_x2",
             "gemv_rows_add_b32_x4",
             "gemv_rows_add_b32_x8",
+            "gemv_mma_norm_b4_t1",
+            "gemv_mma_norm_b4_t3",
+            "gemv_mma_add_b4_t1",
+            "gemv_mma_add_b4_t3",
             "gemv_q4_norm_t1",
             "gemv_q4_norm_t2",
             "gemv_q4_norm_t4",
@@ -234,6 +238,7 @@ const ATTN_DECODE: &str = include_str!("kernels/attn_decode.cuh");
 const MOE_DECODE: &str = include_str!("kernels/moe_decode.cuh");
 const GEMV_STAGED: &str = include_str!("kernels/gemv_staged.cuh");
 const GEMV_ROWS: &str = include_str!("kernels/gemv_rows.cuh");
+const GEMV_MMA: &str = include_str!("kernels/gemv_mma.cuh");
 const GEMV_IMMA: &str = include_str!("kernels/gemv_imma.cuh");
 const MOE_IMMA: &str = include_str!("kernels/moe_imma.cuh");
 const GEMV_STREAM: &str = include_str!("kernels/gemv_stream.cuh");
@@ -303,7 +308,7 @@ pub fn model_defines(c: &ModelConfig, kv: KvPrecision) -> Vec<(String, String)> 
         d("NORM_TOPK", (c.norm_topk_prob as u8).to_string()),
         d("KV_F32", ((kv == KvPrecision::F32) as u8).to_string()),
         d("MAX_ATTN_SPLITS", MAX_ATTN_SPLITS.to_string()),
-        d("IMMA_WARPS", crate::gemv::IMMA_WARPS.to_string()),
+        d("IMMA_WARPS", crate::gemv_imma::IMMA_WARPS.to_string()),
     ]
 }
 
@@ -394,9 +399,10 @@ mod tests {
     /// to a body that first reads only the kernel's own state (`gdn_step_cols`).
     #[test]
     fn every_kernel_waits_for_its_predecessor() {
-        const WAITING_BODIES: [&str; 12] = [
+        const WAITING_BODIES: [&str; 13] = [
             "gemv_staged<",
             "gemv_rows<",
+            "gemv_mma<",
             "gemv_imma<",
             "gemv_imma_gated<",
             "gemv_imma_gdn_in<",

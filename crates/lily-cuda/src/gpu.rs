@@ -35,6 +35,8 @@ pub struct Gpu {
     pdl_now: AtomicBool,
     /// Bytes of shared memory one block may opt in to.
     pub shared_optin: usize,
+    /// Which tensor cores the graph decode step's 4-bit products run on.
+    pub decode_kernels: crate::options::DecodeKernels,
     /// The GDN prefill route the options force, if any ([`crate::gdn_prefill::route_for`]).
     pub gdn_prefill_route: Option<crate::gdn_prefill::GdnPrefillRoute>,
     /// Which kernels run the 4-bit prefill GEMMs ([`Gpu::set_gemm_path`]).
@@ -143,6 +145,7 @@ impl Gpu {
             pdl_now: AtomicBool::new(false),
             shared_optin: optin,
             gemm_partials,
+            decode_kernels: options.decode_kernels,
             gdn_prefill_route: options.gdn_prefill,
             gemm_path,
         })

@@ -108,9 +108,9 @@ kernel_args! {
     GemvNorm { mats: [MatArg; 4], hidden: u64, norm_w: u64, eps: f32, y: u64 }
     /// `gemv_add_b*` (and `gemv_b*`).
     GemvAdd { mats: [MatArg; 4], x: u64, y: u64 }
-    /// `gemv_rows_norm_b*_x*`.
+    /// `gemv_rows_norm_b*_x*` and `gemv_mma_norm_b4_t*`.
     GemvRowsNorm { mats: [MatArg; 4], nx: i32, hidden: u64, norm_w: u64, eps: f32, y: u64 }
-    /// `gemv_rows_add_b*_x*`.
+    /// `gemv_rows_add_b*_x*` and `gemv_mma_add_b4_t*`.
     GemvRowsAdd { mats: [MatArg; 4], nx: i32, x: u64, y: u64 }
     /// `gemv_q4_norm_t*`.
     GemvQ4Norm {
@@ -252,6 +252,7 @@ pub fn entries() -> Vec<Entry> {
             .collect::<Vec<_>>()
     };
     let one = |name: &str| [name.to_string()];
+    let mma = |form: &str| [1, 3].map(|t| format!("gemv_mma_{form}_b4_t{t}"));
     let q4 = |form: &str| [1, 2, 4].map(|t| format!("gemv_q4_{form}_t{t}"));
     let mut all = Vec::new();
     all.extend(each::<EmbedRows>(bits("embed_rows")));
@@ -260,8 +261,12 @@ pub fn entries() -> Vec<Entry> {
     all.extend(each::<GemvAdd>(
         bits("gemv_add").into_iter().chain(bits("gemv")),
     ));
-    all.extend(each::<GemvRowsNorm>(rows("norm")));
-    all.extend(each::<GemvRowsAdd>(rows("add")));
+    all.extend(each::<GemvRowsNorm>(
+        rows("norm").into_iter().chain(mma("norm")),
+    ));
+    all.extend(each::<GemvRowsAdd>(
+        rows("add").into_iter().chain(mma("add")),
+    ));
     all.extend(each::<GemvQ4Norm>(q4("norm")));
     all.extend(each::<GemvQ4Add>(q4("add")));
     all.extend(each::<GemvQ4Gated>(q4("gated")));

@@ -14,6 +14,7 @@ pub mod gdn_prefill;
 pub mod gemm;
 pub mod gemm_wgmma;
 pub mod gemv;
+pub mod gemv_imma;
 pub mod gpu;
 pub mod kernel_args;
 pub mod mat;
@@ -39,7 +40,7 @@ use lily_core::weights::ModelWeights;
 
 pub use compile::KvPrecision;
 pub use gpu::gpu_available;
-pub use options::{CudaOptions, DEFAULT_PREFILL_CHUNK};
+pub use options::{CudaOptions, DEFAULT_PREFILL_CHUNK, DecodeKernels};
 pub use state::CudaState;
 
 use crate::decode::{DecodePath, PersistentStep};
@@ -161,7 +162,12 @@ impl CudaBackend {
             pick: PickScratch::new(&gpu, config.vocab_size)?,
             batch: None,
         });
-        let step_rows = gemv::step_rows(&config, &weights.gemv_formats(), gpu.shared_optin);
+        let step_rows = gemv::step_rows(
+            &config,
+            &weights.gemv_formats(),
+            gpu.shared_optin,
+            gpu.decode_kernels,
+        );
         // Every weight is written before the first step: kernels may read weights ahead of their
         // pdl_wait(), which orders them only after the kernel before them.
         gpu.sync()?;

@@ -9,6 +9,18 @@ use crate::decode::DecodePath;
 use crate::gdn_prefill::GdnPrefillRoute;
 use crate::gemm_wgmma::GemmPath;
 
+/// The kernels of the graph decode step's 4-bit products (gemv.rs, step.rs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeKernels {
+    /// bf16 `mma.sync` with x in three exact bf16 parts (kernels/gemv_mma.cuh) for the dense
+    /// GEMVs, f32 FMAs for the router and the experts: the measured default.
+    Mma,
+    /// The integer tensor cores (kernels/gemv_imma.cuh, moe_imma.cuh): 4-bit codes as u8, x in
+    /// four s8 parts, for the dense GEMVs, the router and the experts, with the Gated DeltaNet's
+    /// conv and gated norm fused into its projections.
+    Imma,
+}
+
 /// Tokens per prefill chunk unless told otherwise. Measured on the H200 (a 4K prompt of the
 /// full-size model): chunks of 1,024, 2,048 and 4,096 tokens gave 12.4K, 15.0K and 16.2K tok/s;
 /// longer chunks fill more of each expert's 64-row GEMM tiles. A 4,096-token chunk's activations
@@ -23,6 +35,8 @@ pub struct CudaOptions {
     pub prefill_chunk: usize,
     /// How a decode step runs (`LILY_DECODE=graph|persistent`).
     pub decode: DecodePath,
+    /// Which tensor cores the graph step's 4-bit products run on (`LILY_DECODE_KERNELS=mma|imma`).
+    pub decode_kernels: DecodeKernels,
     /// Programmatic dependent launch in the graph step, where the GPU has it (`LILY_PDL=0|1`).
     pub pdl: bool,
     /// The kernels of the 4-bit prefill GEMMs; None: the GPU's fastest (`LILY_GEMM=mma|wgmma`).
@@ -39,6 +53,9 @@ impl Default for CudaOptions {
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             // The graph stays the default while it is the faster (docs/BENCHMARKS.md).
             decode: DecodePath::Graph,
+            // The bf16 kernels stay the default until the integer ones are measured on the GPU
+            // in this form (docs/BENCHMARKS.md, 2026-12-05).
+            decode_kernels: DecodeKernels::Mma,
             pdl: true,
             gemm: None,
             gdn_prefill: None,
@@ -73,6 +90,13 @@ impl CudaOptions {
                 "graph" => DecodePath::Graph,
                 "persistent" => DecodePath::Persistent,
                 _ => bail!("LILY_DECODE={v:?}: expected graph or persistent"),
+            };
+        }
+        if let Some(v) = var("LILY_DECODE_KERNELS") {
+            o.decode_kernels = match v.as_str() {
+                "mma" => DecodeKernels::Mma,
+                "imma" => DecodeKernels::Imma,
+                _ => bail!("LILY_DECODE_KERNELS={v:?}: expected mma or imma"),
             };
         }
         if let Some(v) = var("LILY_PDL") {
@@ -132,6 +156,7 @@ mod tests {
             ("LILY_KV_CACHE", "f32"),
             ("LILY_PREFILL_CHUNK", "512"),
             ("LILY_DECODE", "persistent"),
+            ("LILY_DECODE_KERNELS", "imma"),
             ("LILY_PDL", "0"),
             ("LILY_GEMM", "mma"),
             ("LILY_GDN_PREFILL", "scan"),
@@ -141,6 +166,7 @@ mod tests {
             kv: KvPrecision::F32,
             prefill_chunk: 512,
             decode: DecodePath::Persistent,
+            decode_kernels: DecodeKernels::Imma,
             pdl: false,
             gemm: Some(GemmPath::MmaSync),
             gdn_prefill: Some(GdnPrefillRoute::Scan),
@@ -155,6 +181,7 @@ mod tests {
             ("LILY_PREFILL_CHUNK", "0"),
             ("LILY_PREFILL_CHUNK", "many"),
             ("LILY_DECODE", "fast"),
+            ("LILY_DECODE_KERNELS", "wmma"),
             ("LILY_PDL", "yes"),
             ("LILY_GEMM", "cublas"),
             ("LILY_GDN_PREFILL", "wy"),

@@ -16,9 +16,10 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use lily_core::config::ModelConfig;
 
 use crate::compile::MAX_ATTN_SPLITS;
-use crate::gemv::{
-    ConvOutput, GatedInput, GemvForm, GemvRoute, gated_fits, gemv, gemv_gated, gemv_gdn_in,
-    gemv_route, imma_plan, imma_shared_bytes, imma_tiles,
+use crate::gemv::{GemvForm, GemvRoute, gemv, gemv_route};
+use crate::gemv_imma::{
+    ConvOutput, GatedInput, IMMA_SLAB, gemv_gated, gemv_gdn_in, imma_plan, imma_shared_bytes,
+    imma_tiles,
 };
 use crate::gpu::{Gpu, MAX_ROWS, RowInts, RowPtrs, Shape, ptr};
 use crate::kernel_args::{
@@ -26,7 +27,9 @@ use crate::kernel_args::{
     GdnStep, MoeDown, MoeDownImma, MoeGateUp, MoeGateUpImma, MoeRoute, MoeRouteImma,
 };
 use crate::launch;
+use crate::mat::DeviceMat;
 use crate::mat::{XS_COLS, staged_shape, wave_shape};
+use crate::options::DecodeKernels;
 use crate::state::{CudaState, LayerState};
 use crate::weights::{DeviceAttention, DeviceGdn, DeviceMixer, DeviceMoe, DeviceWeights};
 
@@ -207,11 +210,13 @@ impl Rows {
     }
 }
 
-/// Whether the MoE block runs on the integer tensor cores (kernels/moe_imma.cuh): every expert
-/// matrix 4-bit and the router and shared gate 8-bit, in groups of 64, with the hidden width and
-/// both intermediate widths whole quads of 256 inputs, and the staged inputs within a block's
-/// shared memory. The real model's layout; others take the FMA kernels.
-pub fn moe_imma_fits(c: &ModelConfig, m: &DeviceMoe, shared_optin: usize) -> bool {
+/// Whether the MoE block runs on the integer tensor cores (kernels/moe_imma.cuh): with
+/// `DecodeKernels::Imma`, every expert matrix 4-bit and the router and shared gate 8-bit, in
+/// groups of 64, with the hidden width and both intermediate widths whole quads of 256 inputs,
+/// and the staged inputs within a block's shared memory. The real model's layout; others take
+/// the FMA kernels.
+pub fn moe_imma_fits(gpu: &Gpu, c: &ModelConfig, m: &DeviceMoe) -> bool {
+    let shared_optin = gpu.shared_optin;
     let quads = |n: usize| n.is_multiple_of(256);
     let experts = [
         &m.gate,
@@ -221,7 +226,8 @@ pub fn moe_imma_fits(c: &ModelConfig, m: &DeviceMoe, shared_optin: usize) -> boo
         &m.shared[1],
         &m.shared[2],
     ];
-    experts.iter().all(|x| x.bits == 4 && x.group == 64)
+    gpu.decode_kernels == DecodeKernels::Imma
+        && experts.iter().all(|x| x.bits == 4 && x.group == 64)
         && [&m.router, &m.shared_gate]
             .iter()
             .all(|x| x.bits == 8 && x.group == 64)
@@ -333,7 +339,7 @@ fn experts(
     s: &Scratch,
     rows: usize,
 ) -> Result<()> {
-    if moe_imma_fits(c, m, gpu.shared_optin) {
+    if moe_imma_fits(gpu, c, m) {
         return experts_imma(gpu, c, m, post_norm, s, rows);
     }
     let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
@@ -469,9 +475,16 @@ pub fn encode_step(
                 let (window, recurrent) = gdn_rows(step_rows, l, st)?;
                 let mats = [&proj[0], &proj[1], &proj[2], &proj[3]];
                 let conv_dim = c.gdn_conv_dim();
-                if gemv_route(proj[0].bits, proj[0].group, proj[0].cols, gpu.shared_optin)
-                    == GemvRoute::TensorCores
-                {
+                let route = |m: &DeviceMat| {
+                    gemv_route(
+                        m.bits,
+                        m.group,
+                        m.cols,
+                        gpu.shared_optin,
+                        gpu.decode_kernels,
+                    )
+                };
+                if route(&proj[0]) == GemvRoute::Imma {
                     let out = ConvOutput {
                         conv_w: p(conv),
                         window,
@@ -513,7 +526,7 @@ pub fn encode_step(
                     args
                 );
                 let (o, norm_w) = (p(&s.gdn_o), p(norm));
-                if gated_fits(out_proj, dv, gpu.shared_optin) {
+                if route(out_proj) == GemvRoute::Imma && dv.is_multiple_of(IMMA_SLAB) {
                     mark("gated deltanet")?;
                     let proj = p(&s.proj);
                     let input = GatedInput {

@@ -12,11 +12,11 @@ mod support;
 use lily_core::rng::uniform_at;
 use lily_core::synthetic::synthetic_config;
 use lily_core::weights::Linear;
-use lily_cuda::KvPrecision;
 use lily_cuda::gemv::{GemvForm, GemvRoute, gemv, gemv_route, rows_shared_bytes};
 use lily_cuda::gpu::{Gpu, Shape, ptr};
 use lily_cuda::kernel_args::{GemvAdd, GemvNorm, GemvRowsAdd, GemvRowsNorm};
 use lily_cuda::mat::{DeviceMat, MatArg, gemv_shape};
+use lily_cuda::{CudaOptions, DecodeKernels, KvPrecision};
 use support::{dense_of, random_linear, random_linear_grouped, rel_diff};
 
 /// Random matrices of `shapes` rows and `cols` columns in one format, on the host and the device,
@@ -242,9 +242,9 @@ fn launch_gemv(
     gpu.download(&dy).unwrap()
 }
 
-/// The integer tensor-core GEMVs, the route of 4-bit codes in groups of a multiple of 64: both
-/// forms against the CPU (f64 sums of the dequantised weights), and every row of 2 to 8 bit for
-/// bit what it gets alone. Widths of one slab to 64 (a quad cut short at 192 and 2,624; K split
+/// Both tensor-core GEMVs, the routes of 4-bit codes in groups of a multiple of 64 (bf16
+/// `gemv_mma_*` and the integer `gemv_q4_*`): both forms against the CPU (f64 sums of the
+/// dequantised weights), and every row of 2 to 8 bit for bit what it gets alone. Widths of one slab to 64 (a quad cut short at 192 and 2,624; K split
 /// over 2 to 8 warps where units are few), groups of 64 and 128, ragged row counts, several
 /// matrices a launch, enough rows that every block strides over many units, and inputs whose
 /// slabs span very different magnitudes (the parts' scale is a slab's own).
@@ -252,7 +252,21 @@ fn launch_gemv(
 #[ignore = "needs a CUDA GPU"]
 fn tensor_core_gemvs_match_the_cpu_and_give_each_row_its_own_bits() {
     let config = synthetic_config("tiny").unwrap();
-    let gpu = Gpu::new(&config, KvPrecision::F32).expect("needs a CUDA GPU");
+    for (kernels, route) in [
+        (DecodeKernels::Mma, GemvRoute::Mma),
+        (DecodeKernels::Imma, GemvRoute::Imma),
+    ] {
+        let options = CudaOptions {
+            kv: KvPrecision::F32,
+            decode_kernels: kernels,
+            ..CudaOptions::default()
+        };
+        let gpu = Gpu::with_options(&config, &options).expect("needs a CUDA GPU");
+        tensor_core_gemvs_on(&gpu, route);
+    }
+}
+
+fn tensor_core_gemvs_on(gpu: &Gpu, route: GemvRoute) {
     let eps = 1e-6f32;
     for (cols, group, shapes) in [
         (64usize, 64usize, vec![1usize, 7, 33]),
@@ -265,8 +279,8 @@ fn tensor_core_gemvs_match_the_cpu_and_give_each_row_its_own_bits() {
         (1024, 64, vec![20_001]),
     ] {
         assert_eq!(
-            gemv_route(4, group, cols, gpu.shared_optin),
-            GemvRoute::TensorCores
+            gemv_route(4, group, cols, gpu.shared_optin, gpu.decode_kernels),
+            route
         );
         let mats: Vec<Linear> = shapes
             .iter()
@@ -275,7 +289,7 @@ fn tensor_core_gemvs_match_the_cpu_and_give_each_row_its_own_bits() {
             .collect();
         let dev: Vec<DeviceMat> = mats
             .iter()
-            .map(|m| DeviceMat::upload(&gpu, m).unwrap())
+            .map(|m| DeviceMat::upload(gpu, m).unwrap())
             .collect();
         let refs: Vec<&DeviceMat> = dev.iter().collect();
         let dense: Vec<f32> = mats.iter().flat_map(dense_of).collect();
@@ -293,8 +307,8 @@ fn tensor_core_gemvs_match_the_cpu_and_give_each_row_its_own_bits() {
                 })
                 .collect();
             let start: Vec<f32> = (0..nx * total).map(|i| uniform_at(34, i as u64)).collect();
-            let y_norm = launch_gemv(&gpu, norm, &refs, nx, &x, &vec![0.0; nx * total]);
-            let y_add = launch_gemv(&gpu, GemvForm::Add, &refs, nx, &x, &start);
+            let y_norm = launch_gemv(gpu, norm, &refs, nx, &x, &vec![0.0; nx * total]);
+            let y_add = launch_gemv(gpu, GemvForm::Add, &refs, nx, &x, &start);
             for n in 0..nx {
                 let xr = &x[n * cols..(n + 1) * cols];
                 let inv = 1.0
@@ -332,9 +346,9 @@ fn tensor_core_gemvs_match_the_cpu_and_give_each_row_its_own_bits() {
                 assert!(da <= 1e-5, "gemv_q4_add {label}: {da:e}");
                 if nx > 1 {
                     let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                    let alone_norm = launch_gemv(&gpu, norm, &refs, 1, xr, &vec![0.0; total]);
+                    let alone_norm = launch_gemv(gpu, norm, &refs, 1, xr, &vec![0.0; total]);
                     let alone_add =
-                        launch_gemv(&gpu, GemvForm::Add, &refs, 1, xr, &start[rows.clone()]);
+                        launch_gemv(gpu, GemvForm::Add, &refs, 1, xr, &start[rows.clone()]);
                     assert_eq!(
                         bits_of(&y_norm[rows.clone()]),
                         bits_of(&alone_norm),

@@ -38,6 +38,22 @@ GEMV_ROWS_ALL(4)
 GEMV_ROWS_ALL(8)
 GEMV_ROWS_ALL(32)
 
+// The same for 1 to 8 rows on the tensor cores (gemv_mma.cuh): 4-bit weights in groups of a
+// multiple of 64, compiled for one tile of x parts (up to 2 rows) and three (up to 8). A row's
+// result is its own whatever the others are and whichever layout runs it, so the single-sequence
+// step runs these too.
+#define GEMV_MMA(TILES)                                                                           \
+    extern "C" __global__ void __launch_bounds__(512, 1) gemv_mma_norm_b4_t##TILES(              \
+        Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* hidden, const float* norm_w, float eps, float* y) { \
+        gemv_mma<TILES>(m0, m1, m2, m3, nx, hidden, norm_w, eps, y, false);                         \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(512, 1) gemv_mma_add_b4_t##TILES(               \
+        Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* x, float* y) {                       \
+        gemv_mma<TILES>(m0, m1, m2, m3, nx, x, nullptr, 0.f, y, true);                           \
+    }
+GEMV_MMA(1)
+GEMV_MMA(3)
+
 // The same for 1 to 8 rows on the integer tensor cores (gemv_imma.cuh): 4-bit weights in groups of
 // a multiple of 64, compiled for 1, 2 and 4 tiles of x parts (up to 2, 4 and 8 rows). A row's
 // result is its own whatever the others are and whichever tiles run it, so the single-sequence

@@ -219,16 +219,6 @@ struct ImmaStage {
     u32 sb[2];
 };
 
-// Matrix `which` of four by selects: a runtime index into the kernel's parameters would copy them
-// into a stack frame.
-__device__ __forceinline__ Mat mat_of(const Mat (&ms)[4], int which) {
-    Mat m = ms[0];
-#pragma unroll
-    for (int i = 1; i < 4; i++)
-        if (which == i) m = ms[i];
-    return m;
-}
-
 // What follows from the launch's format (its matrices share columns and groups), worked out once.
 struct ImmaFormat {
     int slabs, quads, groups;

@@ -401,6 +401,16 @@ __device__ void staged_units(long units, int cols, int group, RowsOf rows_of, St
 // Chunks per lane per row whose loads are issued together (2 covers a 2,048-wide 4-bit row).
 #define GEMV_BATCH 2
 
+// Matrix `which` of four by selects: a runtime index into the kernel's parameters would copy them
+// into a stack frame.
+__device__ __forceinline__ Mat mat_of(const Mat (&ms)[4], int which) {
+    Mat m = ms[0];
+#pragma unroll
+    for (int i = 1; i < 4; i++)
+        if (which == i) m = ms[i];
+    return m;
+}
+
 // The units of ROWS rows of matrices [ms[0] | ... | ms[nm - 1]], whose outputs lie end to end.
 template <int ROWS, class Mats>
 struct MatUnits {
