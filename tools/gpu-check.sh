@@ -96,7 +96,7 @@ fi
 if [ "$step" = all ] || [ "$step" = profile ]; then
   # Every kernel of the first decode steps, timed by Nsight Compute (clocks left alone); the
   # synthetic model's writing and the prefill launch other kernels, which the names leave out.
-  decode='regex:^(embed_rows|gemv_q4|gemv_b|gemv_norm|gemv_add|gemv_rows|gdn_conv$|gdn_step$|gdn_gated_norm$|attn_prep$|attn_split$|attn_combine$|moe_route|moe_gate_up|moe_down|argmax)'
+  decode='regex:^(embed_rows|gemv_mma|gemv_q4|gemv_b|gemv_norm|gemv_add|gemv_rows|gdn_conv$|gdn_step$|gdn_gated_norm$|attn_prep$|attn_split$|attn_combine$|moe_route|moe_gate_up|moe_down|argmax)'
   ncu --clock-control none --graph-profiling node --kernel-name "$decode" --launch-count 972 --csv \
     --metrics gpu__time_duration.sum .gpu/lily generate --model synthetic:qwen3.6-35b-a3b \
     --device cuda --tokens 1 --max-tokens 4 --temperature 0 --ignore-eos > "$out/ncu.csv" 2>"$out/ncu.err"

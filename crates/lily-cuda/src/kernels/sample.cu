@@ -31,26 +31,18 @@ extern "C" __global__ void argmax_partial(const float* logits, int stride, RowIn
 }
 
 // Block r picks row r's token: into the row's slot and chosen[r] (all of a step's tokens in one
-// place for the host), and advances the row's position. One warp, each lane a share of the
-// partials, then a warp reduction in the same order (the largest value, the lowest id among equals):
-// a thread walking all 128 in turn took ~11 µs of a step. NaN logits leave no candidate: token 0,
+// place for the host), and advances the row's position. NaN logits leave no candidate: token 0,
 // so that the next step still embeds a valid row.
 extern "C" __global__ void argmax_final(const float* part_v, const int* part_i, RowInts choices, RowPtrs token,
                                         RowPtrs pos, u32* chosen) {
     pdl_wait();
-    if (threadIdx.x >= WARP) return;
-    const int row = blockIdx.x, lane = threadIdx.x;
+    if (threadIdx.x != 0) return;
+    const int row = blockIdx.x;
     part_v += row * ARGMAX_BLOCKS;
     part_i += row * ARGMAX_BLOCKS;
-    float v = -INFINITY; int i = choices.n[row];
-    for (int b = lane; b < ARGMAX_BLOCKS; b += WARP)
+    float v = part_v[0]; int i = part_i[0];
+    for (int b = 1; b < ARGMAX_BLOCKS; b++)
         if (part_v[b] > v || (part_v[b] == v && part_i[b] < i)) { v = part_v[b]; i = part_i[b]; }
-    for (int o = WARP / 2; o > 0; o >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
-    }
-    if (lane != 0) return;
     if (i >= choices.n[row]) i = 0;
     *(u32*)token.p[row] = (u32)i;
     chosen[row] = (u32)i;
