@@ -10,6 +10,8 @@ use anyhow::{Context, Result, bail};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 use lily_core::config::ModelConfig;
 
+use crate::options::DecodeKernels;
+
 /// A kernel file, paired with the Rust module that launches it, and its entry points.
 pub struct KernelFile {
     pub name: &'static str,
@@ -20,6 +22,9 @@ pub struct KernelFile {
     /// The architecture-specific target the file is written for ("sm_90a": its instructions exist
     /// on that GPU only), or None: any GPU Lily runs on.
     pub only_for: Option<&'static str>,
+    /// The decode kernels whose file this is (compiled only where the options select them), or
+    /// None: every GPU compiles it.
+    pub decode_kernels: Option<DecodeKernels>,
 }
 
 impl KernelFile {
@@ -35,10 +40,10 @@ impl KernelFile {
     }
 }
 
-pub const KERNEL_FILES: [KernelFile; 14] = [
+pub const KERNEL_FILES: [KernelFile; 16] = [
     KernelFile {
         name: "gemv",
-        headers: &[GEMV_STAGED, GEMV_ROWS, GEMV_MMA, GDN_DECODE, GEMV_IMMA],
+        headers: &[GEMV_STAGED, GEMV_ROWS, GEMV_MMA],
         source: include_str!("kernels/gemv.cu"),
         entries: &[
             "gemv_b4",
@@ -72,18 +77,6 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
             "gemv_mma_norm_b4_t3",
             "gemv_mma_add_b4_t1",
             "gemv_mma_add_b4_t3",
-            "gemv_q4_norm_t1",
-            "gemv_q4_norm_t2",
-            "gemv_q4_norm_t4",
-            "gemv_q4_add_t1",
-            "gemv_q4_add_t2",
-            "gemv_q4_add_t4",
-            "gemv_q4_gated_t1",
-            "gemv_q4_gated_t2",
-            "gemv_q4_gated_t4",
-            "gemv_q4_gdn_t1",
-            "gemv_q4_gdn_t2",
-            "gemv_q4_gdn_t4",
             "embed_b4",
             "embed_b8",
             "embed_b32",
@@ -92,6 +85,7 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
             "embed_rows_b32",
         ],
         only_for: None,
+        decode_kernels: None,
     },
     KernelFile {
         name: "norm",
@@ -99,6 +93,7 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
         source: include_str!("kernels/norm.cu"),
         entries: &["add_rms_norm"],
         only_for: None,
+        decode_kernels: None,
     },
     KernelFile {
         name: "attention",
@@ -106,6 +101,7 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
         source: include_str!("kernels/attention.cu"),
         entries: &["attn_prep", "attn_split", "attn_combine"],
         only_for: None,
+        decode_kernels: None,
     },
     KernelFile {
         name: "gdn",
@@ -113,10 +109,11 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
         source: include_str!("kernels/gdn.cu"),
         entries: &["gdn_conv", "gdn_step", "gdn_gated_norm"],
         only_for: None,
+        decode_kernels: None,
     },
     KernelFile {
         name: "moe",
-        headers: &[GEMV_STAGED, ROUTE, MOE_DECODE, GEMV_IMMA, MOE_IMMA],
+        headers: &[GEMV_STAGED, ROUTE, MOE_DECODE],
         source: include_str!("kernels/moe.cu"),
         entries: &[
             "moe_route_b4",
@@ -130,13 +127,9 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
             "moe_down_b32",
             "moe_down_b4_r1",
             "moe_down_b8_r1",
-            "moe_route_imma_t1",
-            "moe_route_imma_t2",
-            "moe_route_imma_t4",
-            "moe_gate_up_imma",
-            "moe_down_imma",
         ],
         only_for: None,
+        decode_kernels: None,
     },
     KernelFile {
         name: "sample",
@@ -144,6 +137,7 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
         source: include_str!("kernels/sample.cu"),
         entries: &["argmax_partial", "argmax_final"],
         only_for: None,
+        decode_kernels: None,
     },
     KernelFile {
         name: "pick",
@@ -157,6 +151,7 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
             "pick_choose",
         ],
         only_for: None,
+        decode_kernels: None,
     },
     KernelFile {
         name: "gemm",
@@ -175,6 +170,7 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
             "gemm_grouped64_b32",
         ],
         only_for: None,
+        decode_kernels: None,
     },
     KernelFile {
         name: "gemm_wgmma",
@@ -182,6 +178,7 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
         source: include_str!("kernels/gemm_wgmma.cu"),
         entries: &["gemm_wgmma_b4", "gemm_wgmma_grouped64_b4"],
         only_for: Some("sm_90a"),
+        decode_kernels: None,
     },
     KernelFile {
         name: "moe_prefill",
@@ -189,6 +186,7 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
         source: include_str!("kernels/moe_prefill.cu"),
         entries: &["moe_topk_rows", "moe_sort", "moe_swiglu", "moe_combine"],
         only_for: None,
+        decode_kernels: None,
     },
     KernelFile {
         name: "gdn_prefill",
@@ -201,6 +199,7 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
             "gdn_gated_norm_rows",
         ],
         only_for: None,
+        decode_kernels: None,
     },
     KernelFile {
         name: "gdn_chunked",
@@ -208,6 +207,7 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
         source: include_str!("kernels/gdn_chunked.cu"),
         entries: &["gdn_chunk_prep", "gdn_chunk_scan"],
         only_for: None,
+        decode_kernels: None,
     },
     KernelFile {
         name: "attention_prefill",
@@ -220,6 +220,7 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
             "attn_prefill_r64_s2",
         ],
         only_for: None,
+        decode_kernels: None,
     },
     KernelFile {
         name: "synthetic",
@@ -227,6 +228,42 @@ pub const KERNEL_FILES: [KernelFile; 14] = [
         source: include_str!("kernels/synthetic.cu"),
         entries: &["synthetic_quant"],
         only_for: None,
+        decode_kernels: None,
+    },
+    KernelFile {
+        name: "gemv_imma",
+        headers: &[GEMV_STAGED, GDN_DECODE, GEMV_IMMA],
+        source: include_str!("kernels/gemv_imma.cu"),
+        entries: &[
+            "gemv_q4_norm_t1",
+            "gemv_q4_norm_t2",
+            "gemv_q4_norm_t4",
+            "gemv_q4_add_t1",
+            "gemv_q4_add_t2",
+            "gemv_q4_add_t4",
+            "gemv_q4_gated_t1",
+            "gemv_q4_gated_t2",
+            "gemv_q4_gated_t4",
+            "gemv_q4_gdn_t1",
+            "gemv_q4_gdn_t2",
+            "gemv_q4_gdn_t4",
+        ],
+        only_for: None,
+        decode_kernels: Some(DecodeKernels::Imma),
+    },
+    KernelFile {
+        name: "moe_imma",
+        headers: &[GEMV_STAGED, ROUTE, GDN_DECODE, GEMV_IMMA, MOE_IMMA],
+        source: include_str!("kernels/moe_imma.cu"),
+        entries: &[
+            "moe_route_imma_t1",
+            "moe_route_imma_t2",
+            "moe_route_imma_t4",
+            "moe_gate_up_imma",
+            "moe_down_imma",
+        ],
+        only_for: None,
+        decode_kernels: Some(DecodeKernels::Imma),
     },
 ];
 
@@ -259,6 +296,7 @@ pub const DECODE_FILE: KernelFile = KernelFile {
     source: include_str!("kernels/decode.cu"),
     entries: &["decode_step", "decode_layout"],
     only_for: None,
+    decode_kernels: None,
 };
 
 /// The most KV splits decode attention uses (its partial results are sized for this many).

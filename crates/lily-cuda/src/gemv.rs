@@ -148,25 +148,27 @@ pub fn step_rows(
 }
 
 /// The shared memory limits to raise at start: all a block can have (each launch asks for what
-/// its rows and width need).
-pub fn dynamic_shared(shared_optin: usize) -> Vec<(String, u32)> {
+/// its rows and width need); the integer tensor-core kernels' where the options select them.
+pub fn dynamic_shared(shared_optin: usize, kernels: DecodeKernels) -> Vec<(String, u32)> {
     let limit = shared_optin as u32;
     let mut raised: Vec<(String, u32)> = [1, 3]
         .into_iter()
         .flat_map(|t| ["norm", "add"].map(|form| (format!("gemv_mma_{form}_b4_t{t}"), limit)))
         .collect();
-    for t in [1, 2, 4] {
-        for k in [
-            "gemv_q4_norm",
-            "gemv_q4_add",
-            "gemv_q4_gated",
-            "gemv_q4_gdn",
-            "moe_route_imma",
-        ] {
-            raised.push((format!("{k}_t{t}"), limit));
+    if kernels == DecodeKernels::Imma {
+        for t in [1, 2, 4] {
+            for k in [
+                "gemv_q4_norm",
+                "gemv_q4_add",
+                "gemv_q4_gated",
+                "gemv_q4_gdn",
+                "moe_route_imma",
+            ] {
+                raised.push((format!("{k}_t{t}"), limit));
+            }
         }
+        raised.extend(["moe_gate_up_imma", "moe_down_imma"].map(|k| (k.to_string(), limit)));
     }
-    raised.extend(["moe_gate_up_imma", "moe_down_imma"].map(|k| (k.to_string(), limit)));
     for bits in [4, 8, 32] {
         for bound in [2, 4, 8] {
             for form in ["norm", "add"] {

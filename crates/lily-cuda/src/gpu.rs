@@ -87,9 +87,11 @@ impl Gpu {
         )? as u32;
         let defines = model_defines(config, kv);
         let mut functions = HashMap::new();
-        // Every file the GPU can run; an architecture-specific one for its own target (sm_90a).
+        // Every file the GPU can run; an architecture-specific one for its own target (sm_90a),
+        // a file of one kind of decode kernels where the options select them.
         for (file, target) in KERNEL_FILES
             .iter()
+            .filter(|f| f.decode_kernels.is_none_or(|k| k == options.decode_kernels))
             .filter_map(|f| f.target(&arch).map(|t| (f, t)))
         {
             let ptx = compile(file, &defines, &target)?;
@@ -113,11 +115,13 @@ impl Gpu {
             .into_iter()
             .chain(crate::gdn_chunked::dynamic_shared(config, optin))
             .chain(crate::attention_prefill::dynamic_shared(config, optin))
-            .chain(crate::gemv::dynamic_shared(optin));
+            .chain(crate::gemv::dynamic_shared(optin, options.decode_kernels));
         for (entry, bytes) in raised {
             let f = functions
                 .get(entry.as_str())
                 .with_context(|| format!("kernel {entry} is not compiled"))?;
+            // A block's static shared memory comes out of the same opt-in limit.
+            let bytes = bytes.min((optin as u32).saturating_sub(f.shared_size_bytes()? as u32));
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 bytes as i32,
