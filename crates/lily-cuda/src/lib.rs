@@ -18,6 +18,7 @@ pub mod gemv_imma;
 pub mod gpu;
 pub mod kernel_args;
 pub mod mat;
+pub mod moe_imma;
 pub mod moe_prefill;
 pub mod options;
 pub mod pick;

@@ -113,14 +113,7 @@ impl StepFormats {
                 m.router.bits == f.router && m.shared_gate.bits == f.router,
                 "the persistent decode step needs one format for every router and shared-expert gate"
             );
-            let experts = [
-                &m.gate,
-                &m.up,
-                &m.down,
-                &m.shared[0],
-                &m.shared[1],
-                &m.shared[2],
-            ];
+            let experts = m.experts();
             ensure!(
                 experts.iter().all(|e| e.bits == f.expert),
                 "the persistent decode step needs one format for every expert projection"

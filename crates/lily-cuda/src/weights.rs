@@ -85,6 +85,14 @@ pub struct DeviceMoe {
     pub shared: [DeviceMat; 3],
 }
 
+impl DeviceMoe {
+    /// The routed experts' gate, up and down, then the shared expert's: every expert matrix.
+    pub fn experts(&self) -> [&DeviceMat; 6] {
+        let [sg, su, sd] = &self.shared;
+        [&self.gate, &self.up, &self.down, sg, su, sd]
+    }
+}
+
 /// Bytes the device copy of `w` takes: every linear as stored, small tensors in f32.
 pub fn device_bytes(w: &ModelWeights) -> usize {
     let floats = |v: &[f32]| v.len() * 4;

@@ -151,14 +151,18 @@ __device__ void imma_stage_x(int cols, int nx, const float* x, const float* norm
         if (norm_w) w = *(const float2*)(norm_w + k);
     };
     float2 v[IMMA_STAGE_PAIRS], w[IMMA_STAGE_PAIRS];
+    // The batch of pairs from p0, a warp apart.
+    auto load_batch = [&](int p0) {
+#pragma unroll
+        for (int i = 0; i < IMMA_STAGE_PAIRS; i++)
+            if (p0 + i * warps < pairs) load(p0 + i * warps, v[i], w[i]);
+    };
     const bool kept = pairs <= warps * IMMA_STAGE_PAIRS;
     float inv[2 * T];
     if (norm_w) {
         float ss[2 * T] = {};
         for (int p0 = warp; p0 < pairs; p0 += warps * IMMA_STAGE_PAIRS) {
-#pragma unroll
-            for (int i = 0; i < IMMA_STAGE_PAIRS; i++)
-                if (p0 + i * warps < pairs) load(p0 + i * warps, v[i], w[i]);
+            load_batch(p0);
 #pragma unroll
             for (int i = 0; i < IMMA_STAGE_PAIRS; i++) {
                 const int p = p0 + i * warps;
@@ -185,11 +189,7 @@ __device__ void imma_stage_x(int cols, int nx, const float* x, const float* norm
         }
     }
     for (int p0 = warp; p0 < pairs; p0 += warps * IMMA_STAGE_PAIRS) {
-        if (!(norm_w && kept)) {
-#pragma unroll
-            for (int i = 0; i < IMMA_STAGE_PAIRS; i++)
-                if (p0 + i * warps < pairs) load(p0 + i * warps, v[i], w[i]);
-        }
+        if (!(norm_w && kept)) load_batch(p0);
 #pragma unroll
         for (int i = 0; i < IMMA_STAGE_PAIRS; i++) {
             const int p = p0 + i * warps;
