@@ -59,6 +59,17 @@ pub fn mma_warps(cols: usize) -> usize {
     }
 }
 
+/// The route of matrix `m` on `gpu` with its options' kernels.
+pub fn mat_route(gpu: &Gpu, m: &DeviceMat) -> GemvRoute {
+    gemv_route(
+        m.bits,
+        m.group,
+        m.cols,
+        gpu.shared_optin,
+        gpu.decode_kernels,
+    )
+}
+
 /// Tiles of 8 x-part columns the bf16 tensor-core GEMVs take for `rows` rows (gemv_mma.cuh): one
 /// holds two rows' three parts, three hold a part each of up to eight rows.
 pub fn mma_tiles(rows: usize) -> usize {
@@ -236,7 +247,7 @@ pub fn gemv(
             }
         }
     };
-    match gemv_route(bits, group, cols, gpu.shared_optin, gpu.decode_kernels) {
+    match mat_route(gpu, mats[0]) {
         GemvRoute::Mma => {
             let units: usize = mat_rows.iter().map(|r| r.div_ceil(16)).sum();
             let tiles = mma_tiles(rows);

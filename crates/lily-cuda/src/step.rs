@@ -16,7 +16,7 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use lily_core::config::ModelConfig;
 
 use crate::compile::MAX_ATTN_SPLITS;
-use crate::gemv::{GemvForm, GemvRoute, gemv, gemv_route};
+use crate::gemv::{GemvForm, GemvRoute, gemv, mat_route};
 use crate::gemv_imma::{ConvOutput, GatedInput, IMMA_SLAB, gemv_gated, gemv_gdn_in};
 use crate::gpu::{Gpu, MAX_ROWS, RowInts, RowPtrs, ptr};
 use crate::kernel_args::{
@@ -24,7 +24,7 @@ use crate::kernel_args::{
     GdnStep, MoeDown, MoeGateUp, MoeRoute,
 };
 use crate::launch;
-use crate::mat::{DeviceMat, XS_COLS, staged_shape, wave_shape};
+use crate::mat::{XS_COLS, staged_shape, wave_shape};
 use crate::moe_imma::{experts_imma, moe_imma_fits};
 use crate::state::{CudaState, LayerState};
 use crate::weights::{DeviceAttention, DeviceGdn, DeviceMixer, DeviceMoe, DeviceWeights};
@@ -354,16 +354,7 @@ pub fn encode_step(
                 let (window, recurrent) = gdn_rows(step_rows, l, st)?;
                 let mats = [&proj[0], &proj[1], &proj[2], &proj[3]];
                 let conv_dim = c.gdn_conv_dim();
-                let route = |m: &DeviceMat| {
-                    gemv_route(
-                        m.bits,
-                        m.group,
-                        m.cols,
-                        gpu.shared_optin,
-                        gpu.decode_kernels,
-                    )
-                };
-                if route(&proj[0]) == GemvRoute::Imma {
+                if mat_route(gpu, &proj[0]) == GemvRoute::Imma {
                     let out = ConvOutput {
                         conv_w: p(conv),
                         window,
@@ -405,7 +396,7 @@ pub fn encode_step(
                     args
                 );
                 let (o, norm_w) = (p(&s.gdn_o), p(norm));
-                if route(out_proj) == GemvRoute::Imma && dv.is_multiple_of(IMMA_SLAB) {
+                if mat_route(gpu, out_proj) == GemvRoute::Imma && dv.is_multiple_of(IMMA_SLAB) {
                     mark("gated deltanet")?;
                     let proj = p(&s.proj);
                     let input = GatedInput {
