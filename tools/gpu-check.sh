@@ -126,13 +126,13 @@ if [ "$step" = peer-cpu ]; then
 fi
 if [ "$step" = all ] || [ "$step" = cpu ]; then
   # llama.cpp on the CPU first, in the same run, when its build and GGUF are there (peer.sh build,
-  # peer.sh gguf); then both CPU numerics beside it.
+  # peer.sh gguf); then the CPU numerics beside it.
   peer=()
   if [ -x /tmp/peer/lcpp/build/bin/llama-bench ] && [ -f /tmp/peer/model.gguf ]; then
     OUT=$out bash .gpu/peer/peer.sh cpu "$(nproc)" 2>&1 | tee "$out/peer-cpu.txt"
     peer=(--peer "$out/llama-cpu.json")
   fi
-  for nx in f32 int8; do
+  for nx in f32 int8 int8x2; do
     LILY_CPU_NUMERICS=$nx .gpu/lily bench --model synthetic:qwen3.6-35b-a3b --device cpu \
       --prompt-lens 256 --contexts "${CONTEXTS:-256}" --runs "${RUNS:-2}" "${peer[@]}" --json "$out/bench-cpu-$nx.json" 2>&1 \
       | tee "$out/bench-cpu-$nx.md"

@@ -131,7 +131,7 @@ fn attend(
         };
         let visible = start + t + 1;
         match nx {
-            Numerics::F32 | Numerics::Int8Inputs => head.softmax(visible, o),
+            Numerics::F32 | Numerics::Int8Inputs(_) => head.softmax(visible, o),
             Numerics::TensorCoreBf16 => head.tiled_bf16(visible, o),
         }
         let g = &gate[i * hd..(i + 1) * hd];

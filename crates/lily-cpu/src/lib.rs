@@ -29,6 +29,7 @@ pub use gdn::{GDN_CHUNK, GdnForm};
 pub use moe::{Route, route};
 pub use numerics::{FA_KEYS, KvPrecision, Numerics, bf16};
 pub use options::CpuOptions;
+pub use quant::InputParts;
 pub use state::CpuState;
 
 use crate::ops::{add_in_place, rms_norm};
@@ -91,7 +92,7 @@ impl CpuBackend {
     /// rounding, unless the inputs are rounded to int8 everywhere.
     fn decode_numerics(&self) -> Numerics {
         match self.numerics {
-            Numerics::Int8Inputs => Numerics::Int8Inputs,
+            Numerics::Int8Inputs(parts) => Numerics::Int8Inputs(parts),
             Numerics::F32 | Numerics::TensorCoreBf16 => Numerics::F32,
         }
     }

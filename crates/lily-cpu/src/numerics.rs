@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use crate::ops::dot;
 use crate::products::{Kernel, Product, Weight, products, products_with, transpose};
-use crate::quant::Int8Isa;
+use crate::quant::{InputParts, Int8Isa};
 
 /// The arithmetic of a prefill.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -30,12 +30,13 @@ pub enum Numerics {
     /// f32 there and here. A decode step stays f32, as the CUDA decode does (f32 activations,
     /// f32 dequantisation); only a bf16 KV cache ([`KvPrecision`]) rounds what it reads.
     TensorCoreBf16,
-    /// As llama.cpp's CPU path computes: every quantised product takes its input rows rounded
-    /// to int8 per weight group and sums integer products (quant/int8.rs), in prefill and decode
-    /// alike; everything else in f32. Faster where the f32 kernels are compute-bound, and
-    /// further from the reference (docs/BENCHMARKS.md has the agreement). Needs AVX2 (4-bit
+    /// Every quantised product takes its input rows rounded per weight group to int8 parts and
+    /// sums integer products (quant/int8.rs), in prefill and decode alike; everything else in
+    /// f32. One part is llama.cpp's CPU arithmetic; two are near the f32 reference (the tiny
+    /// model's logits ~1e-4 of the largest from mlx-lm's, against ~1e-2 with one; BENCHMARKS.md
+    /// has the measurements). Faster where the f32 kernels are compute-bound. Needs AVX2 (4-bit
     /// products only) or AVX-512 VNNI.
-    Int8Inputs,
+    Int8Inputs(InputParts),
 }
 
 /// Keys per tile of the CUDA prefill attention (attention_prefill.cu, FA_KEYS). The running
@@ -57,7 +58,7 @@ impl Numerics {
     /// `x` as the tensor cores take it in this mode: rounded to bf16 (a copy), or as it is.
     pub fn operand(self, x: &[f32]) -> Cow<'_, [f32]> {
         match self {
-            Numerics::F32 | Numerics::Int8Inputs => Cow::Borrowed(x),
+            Numerics::F32 | Numerics::Int8Inputs(_) => Cow::Borrowed(x),
             Numerics::TensorCoreBf16 => Cow::Owned(x.iter().map(|&v| bf16(v)).collect()),
         }
     }
@@ -81,9 +82,9 @@ impl Numerics {
         let list: Vec<Product<'a>> = list.into_iter().collect();
         match self {
             Numerics::F32 => products(&list),
-            Numerics::Int8Inputs => {
+            Numerics::Int8Inputs(parts) => {
                 let isa = Int8Isa::detect().expect("int8 inputs on a CPU without an int8 kernel");
-                products_with(Kernel::Int8(isa), &list)
+                products_with(Kernel::Int8(isa, parts), &list)
             }
             Numerics::TensorCoreBf16 => list
                 .iter()

@@ -3,9 +3,10 @@
 use anyhow::{Result, bail};
 
 use crate::Numerics;
-use crate::quant::int8_available;
+use crate::quant::{InputParts, int8_available};
 
-/// What `LILY_CPU_NUMERICS` chooses.
+/// What `LILY_CPU_NUMERICS` chooses: `f32` (the default), `int8` or `int8x2` (the inputs of
+/// quantised products rounded to one or two int8 parts, [`Numerics::Int8Inputs`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CpuOptions {
     pub numerics: Numerics,
@@ -20,13 +21,18 @@ impl CpuOptions {
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let mut o = CpuOptions::default();
         if let Some(v) = var("LILY_CPU_NUMERICS") {
-            o.numerics = match v.as_str() {
-                "f32" => Numerics::F32,
-                "int8" if int8_available() => Numerics::Int8Inputs,
-                "int8" => bail!(
-                    "LILY_CPU_NUMERICS=int8 needs AVX2 or AVX-512 VNNI, which this CPU does not report"
+            let parts = match v.as_str() {
+                "f32" => None,
+                "int8" => Some(InputParts::One),
+                "int8x2" => Some(InputParts::Two),
+                _ => bail!("LILY_CPU_NUMERICS={v:?}: expected f32, int8 or int8x2"),
+            };
+            o.numerics = match parts {
+                None => Numerics::F32,
+                Some(parts) if int8_available() => Numerics::Int8Inputs(parts),
+                Some(_) => bail!(
+                    "LILY_CPU_NUMERICS={v} needs AVX2 or AVX-512 VNNI, which this CPU does not report"
                 ),
-                _ => bail!("LILY_CPU_NUMERICS={v:?}: expected f32 or int8"),
             };
         }
         Ok(o)
@@ -45,11 +51,13 @@ mod tests {
             Numerics::F32
         );
         assert_eq!(of("f32").unwrap().numerics, Numerics::F32);
-        match of("int8") {
-            Ok(o) => assert_eq!(o.numerics, Numerics::Int8Inputs),
-            Err(e) => assert!(!int8_available() && e.to_string().contains("AVX2"), "{e}"),
+        for (v, parts) in [("int8", InputParts::One), ("int8x2", InputParts::Two)] {
+            match of(v) {
+                Ok(o) => assert_eq!(o.numerics, Numerics::Int8Inputs(parts)),
+                Err(e) => assert!(!int8_available() && e.to_string().contains("AVX2"), "{e}"),
+            }
         }
         let err = of("fast").unwrap_err().to_string();
-        assert!(err.contains("expected f32 or int8"), "{err}");
+        assert!(err.contains("expected f32, int8 or int8x2"), "{err}");
     }
 }

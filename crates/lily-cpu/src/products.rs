@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use crate::ops::dot;
 #[cfg(target_arch = "x86_64")]
 use crate::quant::int8::{self, RoundedRows};
-use crate::quant::{Int8Isa, Isa, nibble_order, product_rows, to_nibble_order};
+use crate::quant::{InputParts, Int8Isa, Isa, nibble_order, product_rows, to_nibble_order};
 
 /// A weight matrix as the kernels read it.
 #[derive(Clone, Copy)]
@@ -76,8 +76,8 @@ impl<'a> Product<'a> {
 pub enum Kernel {
     /// Dequantised to f32, with this instruction set's kernel.
     F32(Isa),
-    /// The inputs rounded to int8 per group, integer dot products (quant/int8.rs).
-    Int8(Int8Isa),
+    /// The inputs rounded to int8 parts per group, integer dot products (quant/int8.rs).
+    Int8(Int8Isa, InputParts),
 }
 
 /// How a kernel reads a product's input: products of the same input and layout share one copy.
@@ -92,11 +92,11 @@ fn layout(kernel: Kernel, w: Weight<'_>) -> Layout {
     match (kernel, w) {
         (_, Weight::Dense(_)) => Layout::Natural,
         #[cfg(target_arch = "x86_64")]
-        (Kernel::Int8(isa), Weight::Affine(q)) if isa.fits(q) => Layout::Rounded {
+        (Kernel::Int8(isa, _), Weight::Affine(q)) if isa.fits(q) => Layout::Rounded {
             bits: q.bits(),
             group: q.group_size(),
         },
-        (Kernel::Int8(_), w) => layout(Kernel::F32(Isa::detect()), w),
+        (Kernel::Int8(..), w) => layout(Kernel::F32(Isa::detect()), w),
         (Kernel::F32(isa), w) if nibble_order(isa, w) => Layout::Nibbles,
         (Kernel::F32(_), _) => Layout::Natural,
     }
@@ -115,10 +115,10 @@ impl<'a> Input<'a> {
             Layout::Nibbles => Input::F32(Cow::Owned(to_nibble_order(p.x))),
             #[cfg(target_arch = "x86_64")]
             Layout::Rounded { bits, group } => {
-                let Kernel::Int8(isa) = kernel else {
+                let Kernel::Int8(isa, parts) = kernel else {
                     unreachable!("only the int8 kernel rounds")
                 };
-                Input::Rounded(RoundedRows::new(isa, p.x, p.rows, bits, group))
+                Input::Rounded(RoundedRows::new((isa, parts), p.x, p.rows, bits, group))
             }
             #[cfg(not(target_arch = "x86_64"))]
             Layout::Rounded { .. } => unreachable!("no int8 kernel off x86_64"),
@@ -135,7 +135,7 @@ pub fn products(list: &[Product<'_>]) -> Vec<Vec<f32>> {
 pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
     match kernel {
         Kernel::F32(isa) => assert!(Isa::available().contains(&isa), "{isa:?} is not available"),
-        Kernel::Int8(isa) => {
+        Kernel::Int8(isa, _) => {
             assert!(
                 Int8Isa::available().contains(&isa),
                 "{isa:?} is not available"
@@ -194,7 +194,7 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
                 (Input::F32(xs), Kernel::F32(isa)) => {
                     product_rows(isa, q, first, xs, p.rows, chunk)
                 }
-                (Input::F32(xs), Kernel::Int8(_)) => {
+                (Input::F32(xs), Kernel::Int8(..)) => {
                     product_rows(Isa::detect(), q, first, xs, p.rows, chunk)
                 }
                 #[cfg(target_arch = "x86_64")]

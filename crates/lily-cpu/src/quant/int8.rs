@@ -1,14 +1,21 @@
-//! Products with the input rounded to int8 per weight group, as llama.cpp's CPU path computes:
-//! integer dot products of codes and rounded inputs (AVX-512 VNNI `vpdpbusd`, 64 byte products
-//! per instruction), scaled per group afterwards. Opt-in ([`crate::Numerics::Int8Inputs`]): the
-//! rounding moves a product by 0.3–0.9 % of its largest output (tests.rs), which the f32
-//! reference does not.
+//! Products with the input rounded to integers per weight group, as llama.cpp's CPU path computes,
+//! but to two int8 parts rather than one: integer dot products of codes and rounded inputs
+//! (AVX-512 VNNI `vpdpbusd`, 64 byte products per instruction), scaled per group afterwards.
+//! Opt-in ([`crate::Numerics::Int8Inputs`]); docs/BENCHMARKS.md has what the rounding costs.
 //!
-//! For an input row `x` and a weight row of groups `g` (`w = s_g·q + b_g`):
-//! `W·x = Σ_g s_g·d_g·Σ_{c∈g} q_c·r_c + Σ_g b_g·Σ_{c∈g} x_c`, where `r_c = round(x_c / d_g)` (ties
-//! to even) with `d_g = max|x_c| / 127` over the group. The bias term takes the exact sum of `x`
-//! (one f32 sum per group and row, made once per product), so only the scale term sees the
-//! rounding.
+//! For an input row `x` and a weight row of groups `g` (`w = s_g·q + b_g`), with
+//! `d_g = max|x_c| / 127` over the group, each input is `x_c ≈ d_g·(h_c + l_c / 128)`: `h_c =
+//! round(x_c / d_g)` and `l_c = round(128·(x_c / d_g − h_c))` (ties to even), both int8
+//! (|l_c| ≤ 64). The value kept, `X_c = 128·h_c + l_c`, is the input to 1/32,512 of the group's
+//! largest: one part alone (1/254) moved the tiny model's logits by 2-20 % of the largest, two
+//! by ~1e-4 (BENCHMARKS.md). Then
+//! `W·x ≈ Σ_g (d_g/128)·(s_g·Σ_{c∈g} q_c·X_c + b_g·Σ_{c∈g} X_c)`, where the integer sum is
+//! `128·Σ q·h + Σ q·l`: four `vpdpbusd` and a shift a block, exact in i32 (at most
+//! 4·255·(128·127 + 64) for a lane of four 8-bit codes). The bias term takes the sum of the
+//! rounded inputs (one per group and row, made once per product), as llama.cpp's q8_1 blocks
+//! carry it, not the exact sum: so the rounding error meets the whole weight `s·q + b`, centred
+//! on zero, rather than `s·q` alone, whose codes average 7.5. Measured on the tiny model's
+//! fixtures: 1.1-1.3e-4 of the largest logit from mlx-lm, against 4.0-4.4e-4 with the exact sum.
 //!
 //! A block is one vector of code bytes: with AVX-512, 64 bytes, 128 columns of 4 bits or 64 of
 //! 8; with AVX2, 32 bytes, 64 columns of 4 bits (int8_avx2.rs). Each int32 lane of a product
@@ -22,51 +29,86 @@ use std::arch::x86_64::*;
 
 use lily_core::quant::QuantMatrix;
 
-use super::Int8Isa;
+use super::{InputParts, Int8Isa};
 
 /// Input rows per pass over a weight row.
 pub(super) const ROWS_PER_PASS: usize = 4;
 
+/// The low part's weight against the high part's: `X = 128·h + l`. A power of two so the kernel
+/// joins the parts' integer sums with a shift.
+const LOW_PART: f32 = 128.0;
+pub(super) const LOW_PART_SHIFT: i32 = 7;
+
+impl InputParts {
+    fn count(self) -> usize {
+        match self {
+            InputParts::One => 1,
+            InputParts::Two => 2,
+        }
+    }
+}
+
 /// Input rows rounded for weights of `bits` and `group`, in the kernel's layout.
 pub struct RoundedRows {
     isa: Int8Isa,
+    pub(super) parts: InputParts,
     bits: u32,
     group: usize,
     cols: usize,
-    /// `[rows, cols]` int8, each block in the kernel's column order.
+    /// `[rows, parts, cols]` int8: each row's high parts `h`, then (two parts) its low parts
+    /// `l`, each block in the kernel's column order.
     pub(super) r: Vec<i8>,
-    /// `[rows, cols / cols_per_lane]`: the step `d_g` of each lane's group.
+    /// `[rows, cols / cols_per_lane]`: the step of `X` in each lane's group (`d_g`, or
+    /// `d_g / 128` with two parts).
     pub(super) steps: Vec<f32>,
-    /// `[rows, cols / group]`: the exact sum of each group.
+    /// `[rows, cols / group]`: the sum of each group's rounded inputs.
     pub(super) sums: Vec<f32>,
 }
 
 impl RoundedRows {
-    pub fn new(isa: Int8Isa, x: &[f32], rows: usize, bits: u32, group: usize) -> Self {
+    pub fn new(
+        (isa, parts): (Int8Isa, InputParts),
+        x: &[f32],
+        rows: usize,
+        bits: u32,
+        group: usize,
+    ) -> Self {
         let cols = x.len() / rows;
+        let (count, unit) = match parts {
+            InputParts::One => (1, 1.0),
+            InputParts::Two => (2, LOW_PART),
+        };
         let block_cols = isa.block_cols(bits);
         assert!(cols.is_multiple_of(block_cols) && cols.is_multiple_of(group) && group >= 32);
         let lane_cols = block_cols / isa.lanes();
-        let mut r = vec![0i8; rows * cols];
+        let mut r = vec![0i8; rows * count * cols];
         let mut steps = vec![0f32; rows * cols / lane_cols];
         let mut sums = vec![0f32; rows * cols / group];
         for (row, x) in x.chunks_exact(cols).enumerate() {
-            let mut rounded = vec![0i8; cols];
+            let mut rounded = vec![0i8; 2 * cols];
+            let (high, low) = rounded.split_at_mut(cols);
             for (g, xg) in x.chunks_exact(group).enumerate() {
                 let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
                 let step = amax / 127.0;
                 let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
-                for (o, v) in rounded[g * group..].iter_mut().zip(xg) {
-                    *o = round_to_i8(v * inv);
+                let at = g * group..(g + 1) * group;
+                let mut total = 0i32;
+                for ((h, l), v) in high[at.clone()].iter_mut().zip(&mut low[at]).zip(xg) {
+                    let y = v * inv;
+                    *h = round_to_i8(y);
+                    if parts == InputParts::Two {
+                        *l = round_to_i8((y - f32::from(*h)) * LOW_PART);
+                    }
+                    total += unit as i32 * i32::from(*h) + i32::from(*l);
                 }
-                sums[row * cols / group + g] = xg.iter().sum();
+                sums[row * cols / group + g] = total as f32 * (step / unit);
                 let lanes = &mut steps[row * cols / lane_cols..][g * group / lane_cols..];
-                lanes[..group / lane_cols].fill(step);
+                lanes[..group / lane_cols].fill(step / unit);
             }
-            let out = &mut r[row * cols..(row + 1) * cols];
+            let out = &mut r[row * count * cols..(row + 1) * count * cols];
             for (o, b) in out
                 .chunks_exact_mut(block_cols)
-                .zip(rounded.chunks_exact(block_cols))
+                .zip(rounded[..count * cols].chunks_exact(block_cols))
             {
                 if bits == 4 {
                     // Evens then odds, as the low and high nibbles of the codes' bytes.
@@ -81,6 +123,7 @@ impl RoundedRows {
         }
         RoundedRows {
             isa,
+            parts,
             bits,
             group,
             cols,
@@ -97,7 +140,12 @@ impl RoundedRows {
     }
 
     pub fn rows(&self) -> usize {
-        self.r.len() / self.cols
+        self.r.len() / (self.parts.count() * self.cols)
+    }
+
+    /// Input row `i`'s high parts; its low parts (if any) follow them, `cols` bytes on.
+    pub(super) fn row_parts(&self, i: usize) -> *const i8 {
+        self.r[i * self.parts.count() * self.cols..].as_ptr()
     }
 }
 
@@ -121,7 +169,10 @@ pub unsafe fn product_rows(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t
     unsafe {
         match x.isa {
             Int8Isa::Avx2 => super::int8_avx2::product_rows(w, first, x, out_t),
-            Int8Isa::Avx512Vnni => product_rows_avx512(w, first, x, out_t),
+            Int8Isa::Avx512Vnni => match x.parts {
+                InputParts::One => product_rows_avx512::<1>(w, first, x, out_t),
+                InputParts::Two => product_rows_avx512::<2>(w, first, x, out_t),
+            },
         }
     }
 }
@@ -132,7 +183,12 @@ pub unsafe fn product_rows(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t
 const TILED_FROM_ROWS: usize = 8;
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn product_rows_avx512(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t: &mut [f32]) {
+unsafe fn product_rows_avx512<const P: usize>(
+    w: &QuantMatrix,
+    first: usize,
+    x: &RoundedRows,
+    out_t: &mut [f32],
+) {
     let (rows, shape) = (x.rows(), Geometry::of(w));
     let count = out_t.len() / rows;
     let quads = if rows >= TILED_FROM_ROWS {
@@ -145,9 +201,9 @@ unsafe fn product_rows_avx512(w: &QuantMatrix, first: usize, x: &RoundedRows, ou
         for i in (0..rows).step_by(3) {
             (place.j, place.at) = (j, i);
             match rows - i {
-                1 => tile::<4, 1>(w, &shape, x, place, out_t),
-                2 => tile::<4, 2>(w, &shape, x, place, out_t),
-                _ => tile::<4, 3>(w, &shape, x, place, out_t),
+                1 => tile::<4, 1, P>(w, &shape, x, place, out_t),
+                2 => tile::<4, 2, P>(w, &shape, x, place, out_t),
+                _ => tile::<4, 3, P>(w, &shape, x, place, out_t),
             }
         }
     }
@@ -155,10 +211,10 @@ unsafe fn product_rows_avx512(w: &QuantMatrix, first: usize, x: &RoundedRows, ou
         for i in (0..rows).step_by(ROWS_PER_PASS) {
             (place.j, place.at) = (j, i);
             match rows - i {
-                1 => tile::<1, 1>(w, &shape, x, place, out_t),
-                2 => tile::<1, 2>(w, &shape, x, place, out_t),
-                3 => tile::<1, 3>(w, &shape, x, place, out_t),
-                _ => tile::<1, 4>(w, &shape, x, place, out_t),
+                1 => tile::<1, 1, P>(w, &shape, x, place, out_t),
+                2 => tile::<1, 2, P>(w, &shape, x, place, out_t),
+                3 => tile::<1, 3, P>(w, &shape, x, place, out_t),
+                _ => tile::<1, 4, P>(w, &shape, x, place, out_t),
             }
         }
     }
@@ -210,7 +266,7 @@ impl Geometry {
 /// (`[weight row][input row]`). Each pair's sums run in the same order whatever the tile's
 /// shape, so a tile of four weight rows gives what four tiles of one give.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-fn tile<const J: usize, const R: usize>(
+fn tile<const J: usize, const R: usize, const P: usize>(
     w: &QuantMatrix,
     shape: &Geometry,
     x: &RoundedRows,
@@ -230,7 +286,7 @@ fn tile<const J: usize, const R: usize>(
     let codes: [*const u8; J] =
         std::array::from_fn(|p| w.row_codes(first + j + p).as_ptr() as *const u8);
     let scales: [&[half::bf16]; J] = std::array::from_fn(|p| w.row_scales(first + j + p));
-    let r: [*const i8; R] = std::array::from_fn(|i| x.r[(at + i) * cols..].as_ptr());
+    let r: [*const i8; R] = std::array::from_fn(|i| x.row_parts(at + i));
     let steps: [&[f32]; R] = std::array::from_fn(|i| &x.steps[(at + i) * lanes..]);
     let nibbles = _mm512_set1_epi8(0x0f);
     let mut acc = [[_mm512_setzero_ps(); R]; J];
@@ -261,24 +317,45 @@ fn tile<const J: usize, const R: usize>(
             };
         }
         for i in 0..R {
-            // SAFETY: `block_cols` inputs lie inside each input row; `steps` holds 16 lanes
-            // per block.
-            let (first_half, second_half, step) = unsafe {
+            // SAFETY: `block_cols` inputs of each part lie inside each input row; `steps`
+            // holds 16 lanes per block.
+            let ([high_first, high_second], [low_first, low_second], step) = unsafe {
+                let halves = |part: *const i8| {
+                    [
+                        _mm512_loadu_si512(part as *const _),
+                        match w.bits() {
+                            4 => _mm512_loadu_si512(part.add(64) as *const _),
+                            _ => _mm512_setzero_si512(),
+                        },
+                    ]
+                };
                 let rb = r[i].add(block);
                 (
-                    _mm512_loadu_si512(rb as *const _),
-                    match w.bits() {
-                        4 => _mm512_loadu_si512(rb.add(64) as *const _),
-                        _ => _mm512_setzero_si512(),
+                    halves(rb),
+                    match P {
+                        2 => halves(rb.add(cols)),
+                        _ => [_mm512_setzero_si512(); 2],
                     },
                     _mm512_loadu_ps(steps[i][b * 16..].as_ptr()),
                 )
             };
             for p in 0..J {
-                let d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[p], first_half);
-                let dot = match w.bits() {
-                    4 => _mm512_dpbusd_epi32(d, hi[p], second_half),
-                    _ => d,
+                // The high parts' sum, then (two parts) shifted into place and the low parts'
+                // added to it.
+                let part = |d, (first, second)| {
+                    let d = _mm512_dpbusd_epi32(d, lo[p], first);
+                    match w.bits() {
+                        4 => _mm512_dpbusd_epi32(d, hi[p], second),
+                        _ => d,
+                    }
+                };
+                let dot = part(_mm512_setzero_si512(), (high_first, high_second));
+                let dot = match P {
+                    2 => part(
+                        _mm512_slli_epi32(dot, LOW_PART_SHIFT as u32),
+                        (low_first, low_second),
+                    ),
+                    _ => dot,
                 };
                 let scale = _mm512_mul_ps(s[p], step);
                 acc[p][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[p][i]);
@@ -289,13 +366,13 @@ fn tile<const J: usize, const R: usize>(
         let biases = w.row_biases(first + j + p);
         for i in 0..R {
             let sums = &x.sums[(at + i) * groups..(at + i + 1) * groups];
-            // The bias term, 16 groups at a time: Σ_g b_g·(sum of the input's group g).
-            let mut bias = _mm512_setzero_ps();
+            // The bias term, 16 groups at a time: Σ_g b_g·(sum of the input's group g), into
+            // the same lanes (one reduction a pair: a short row's pass is a few hundred cycles).
+            let mut sum = acc[p][i];
             for g in (0..groups).step_by(16) {
-                bias = _mm512_fmadd_ps(widen_bf16(&biases[g..]), widen_f32(&sums[g..]), bias);
+                sum = _mm512_fmadd_ps(widen_bf16(&biases[g..]), widen_f32(&sums[g..]), sum);
             }
-            out_t[(j + p) * rows + at + i] =
-                _mm512_reduce_add_ps(acc[p][i]) + _mm512_reduce_add_ps(bias);
+            out_t[(j + p) * rows + at + i] = _mm512_reduce_add_ps(sum);
         }
     }
 }

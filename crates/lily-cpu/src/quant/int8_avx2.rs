@@ -8,8 +8,9 @@ use std::arch::x86_64::*;
 
 use lily_core::quant::QuantMatrix;
 
+use super::InputParts;
 use super::Int8Isa;
-use super::int8::{ROWS_PER_PASS, RoundedRows};
+use super::int8::{LOW_PART_SHIFT, ROWS_PER_PASS, RoundedRows};
 
 /// # Safety
 /// The CPU must support AVX2 and FMA.
@@ -21,22 +22,31 @@ pub(super) unsafe fn product_rows(
     out_t: &mut [f32],
 ) {
     assert!(w.bits() == 4 && x.fit(w));
+    match x.parts {
+        InputParts::One => rows_with::<1>(w, first, x, out_t),
+        InputParts::Two => rows_with::<2>(w, first, x, out_t),
+    }
+}
+
+/// The product with inputs of `P` parts.
+#[target_feature(enable = "avx2,fma")]
+fn rows_with<const P: usize>(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t: &mut [f32]) {
     let rows = x.rows();
     for (j, out) in out_t.chunks_mut(rows).enumerate() {
         for (pass, out) in out.chunks_mut(ROWS_PER_PASS).enumerate() {
             let at = pass * ROWS_PER_PASS;
             match out.len() {
-                1 => pass_rows::<1>(w, first + j, x, at, out),
-                2 => pass_rows::<2>(w, first + j, x, at, out),
-                3 => pass_rows::<3>(w, first + j, x, at, out),
-                _ => pass_rows::<4>(w, first + j, x, at, out),
+                1 => pass_rows::<1, P>(w, first + j, x, at, out),
+                2 => pass_rows::<2, P>(w, first + j, x, at, out),
+                3 => pass_rows::<3, P>(w, first + j, x, at, out),
+                _ => pass_rows::<4, P>(w, first + j, x, at, out),
             }
         }
     }
 }
 
 #[target_feature(enable = "avx2,fma")]
-fn pass_rows<const R: usize>(
+fn pass_rows<const R: usize, const P: usize>(
     w: &QuantMatrix,
     row: usize,
     x: &RoundedRows,
@@ -51,7 +61,7 @@ fn pass_rows<const R: usize>(
     let codes = w.row_codes(row).as_ptr() as *const u8;
     let (scales, biases) = (w.row_scales(row), w.row_biases(row));
     assert!(out.len() == R && at + R <= x.rows() && scales.len() == groups);
-    let r: [*const i8; R] = std::array::from_fn(|i| x.r[(at + i) * cols..].as_ptr());
+    let r: [*const i8; R] = std::array::from_fn(|i| x.row_parts(at + i));
     // Eight lanes of eight columns per block.
     let steps: [&[f32]; R] = std::array::from_fn(|i| &x.steps[(at + i) * blocks * 8..]);
     let sums: [&[f32]; R] = std::array::from_fn(|i| &x.sums[(at + i) * groups..]);
@@ -75,11 +85,20 @@ fn pass_rows<const R: usize>(
             let v = _mm256_loadu_si256(codes.add(block / 2) as *const _);
             let lo = _mm256_and_si256(v, nibbles);
             let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibbles);
+            let part_dot = |part: *const i8| {
+                let even = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(part as *const _));
+                let odd = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(part.add(32) as *const _));
+                _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones)
+            };
             for i in 0..R {
                 let rb = r[i].add(block);
-                let even = _mm256_maddubs_epi16(lo, _mm256_loadu_si256(rb as *const _));
-                let odd = _mm256_maddubs_epi16(hi, _mm256_loadu_si256(rb.add(32) as *const _));
-                let dot = _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones);
+                let dot = match P {
+                    2 => _mm256_add_epi32(
+                        _mm256_slli_epi32(part_dot(rb), LOW_PART_SHIFT),
+                        part_dot(rb.add(cols)),
+                    ),
+                    _ => part_dot(rb),
+                };
                 let step = _mm256_loadu_ps(steps[i][b * 8..].as_ptr());
                 acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, step), acc[i]);
             }

@@ -83,6 +83,15 @@ pub fn quant_matmul_with(isa: Isa, x: &[f32], rows: usize, w: &QuantMatrix) -> V
     out.pop().unwrap_or_default()
 }
 
+/// How many int8 parts the int8 kernels round each input value to (quant/int8.rs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputParts {
+    /// One, as llama.cpp's q8 activations: to 1/254 of the group's largest value.
+    One,
+    /// A high and a low part: to 1/32,512 of it, for about 1.5× one part's arithmetic.
+    Two,
+}
+
 /// Whether this CPU runs an int8 kernel (AVX2, or AVX-512 VNNI).
 pub fn int8_available() -> bool {
     Int8Isa::detect().is_some()
