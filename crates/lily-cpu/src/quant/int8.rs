@@ -169,9 +169,13 @@ pub unsafe fn product_rows(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t
     unsafe {
         match x.isa {
             Int8Isa::Avx2 => super::int8_avx2::product_rows(w, first, x, out_t),
-            Int8Isa::Avx512Vnni => match x.parts {
-                InputParts::One => product_rows_avx512::<1>(w, first, x, out_t),
-                InputParts::Two => product_rows_avx512::<2>(w, first, x, out_t),
+            // The part count and code width as constants: the block loop's choices are made
+            // at compile time rather than branched on in every pair's arithmetic.
+            Int8Isa::Avx512Vnni => match (x.parts, w.bits()) {
+                (InputParts::One, 4) => product_rows_avx512::<1, 4>(w, first, x, out_t),
+                (InputParts::One, _) => product_rows_avx512::<1, 8>(w, first, x, out_t),
+                (InputParts::Two, 4) => product_rows_avx512::<2, 4>(w, first, x, out_t),
+                (InputParts::Two, _) => product_rows_avx512::<2, 8>(w, first, x, out_t),
             },
         }
     }
@@ -183,7 +187,7 @@ pub unsafe fn product_rows(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t
 const TILED_FROM_ROWS: usize = 8;
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn product_rows_avx512<const P: usize>(
+unsafe fn product_rows_avx512<const P: usize, const B: usize>(
     w: &QuantMatrix,
     first: usize,
     x: &RoundedRows,
@@ -201,9 +205,9 @@ unsafe fn product_rows_avx512<const P: usize>(
         for i in (0..rows).step_by(3) {
             (place.j, place.at) = (j, i);
             match rows - i {
-                1 => tile::<4, 1, P>(w, &shape, x, place, out_t),
-                2 => tile::<4, 2, P>(w, &shape, x, place, out_t),
-                _ => tile::<4, 3, P>(w, &shape, x, place, out_t),
+                1 => tile::<4, 1, P, B>(w, &shape, x, place, out_t),
+                2 => tile::<4, 2, P, B>(w, &shape, x, place, out_t),
+                _ => tile::<4, 3, P, B>(w, &shape, x, place, out_t),
             }
         }
     }
@@ -211,10 +215,10 @@ unsafe fn product_rows_avx512<const P: usize>(
         for i in (0..rows).step_by(ROWS_PER_PASS) {
             (place.j, place.at) = (j, i);
             match rows - i {
-                1 => tile::<1, 1, P>(w, &shape, x, place, out_t),
-                2 => tile::<1, 2, P>(w, &shape, x, place, out_t),
-                3 => tile::<1, 3, P>(w, &shape, x, place, out_t),
-                _ => tile::<1, 4, P>(w, &shape, x, place, out_t),
+                1 => tile::<1, 1, P, B>(w, &shape, x, place, out_t),
+                2 => tile::<1, 2, P, B>(w, &shape, x, place, out_t),
+                3 => tile::<1, 3, P, B>(w, &shape, x, place, out_t),
+                _ => tile::<1, 4, P, B>(w, &shape, x, place, out_t),
             }
         }
     }
@@ -266,7 +270,7 @@ impl Geometry {
 /// (`[weight row][input row]`). Each pair's sums run in the same order whatever the tile's
 /// shape, so a tile of four weight rows gives what four tiles of one give.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-fn tile<const J: usize, const R: usize, const P: usize>(
+fn tile<const J: usize, const R: usize, const P: usize, const B: usize>(
     w: &QuantMatrix,
     shape: &Geometry,
     x: &RoundedRows,
@@ -305,10 +309,8 @@ fn tile<const J: usize, const R: usize, const P: usize>(
             }
             s[p] = _mm512_permutexvar_ps(lanes_at, window[p]);
             // SAFETY: a block is 64 code bytes inside the row.
-            let v = unsafe {
-                _mm512_loadu_si512(codes[p].add(block * w.bits() as usize / 8) as *const _)
-            };
-            (lo[p], hi[p]) = match w.bits() {
+            let v = unsafe { _mm512_loadu_si512(codes[p].add(block * B / 8) as *const _) };
+            (lo[p], hi[p]) = match B {
                 4 => (
                     _mm512_and_si512(v, nibbles),
                     _mm512_and_si512(_mm512_srli_epi32(v, 4), nibbles),
@@ -323,7 +325,7 @@ fn tile<const J: usize, const R: usize, const P: usize>(
                 let halves = |part: *const i8| {
                     [
                         _mm512_loadu_si512(part as *const _),
-                        match w.bits() {
+                        match B {
                             4 => _mm512_loadu_si512(part.add(64) as *const _),
                             _ => _mm512_setzero_si512(),
                         },
@@ -344,7 +346,7 @@ fn tile<const J: usize, const R: usize, const P: usize>(
                 // added to it.
                 let part = |d, (first, second)| {
                     let d = _mm512_dpbusd_epi32(d, lo[p], first);
-                    match w.bits() {
+                    match B {
                         4 => _mm512_dpbusd_epi32(d, hi[p], second),
                         _ => d,
                     }
