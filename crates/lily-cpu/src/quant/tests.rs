@@ -221,9 +221,9 @@ fn int8_definition(w: &QuantMatrix, x: &[f32], rows: usize, parts: InputParts) -
     want
 }
 
-/// The AVX-512 int8 kernel's tiles of four weight rows (from `TILED_FROM_ROWS` input rows)
+/// The AVX-512 int8 kernel on many input rows (tiles of four weight rows by three input rows)
 /// against the same kernel fed one input row at a time, to the bit: partial tiles of input rows,
-/// weight rows left over after the last four, both bit widths.
+/// weight rows left over after the last four, both bit widths and part counts.
 #[test]
 fn the_int8_tiles_equal_the_int8_rows_to_the_bit() {
     if !Int8Isa::available().contains(&Int8Isa::Avx512Vnni) {
