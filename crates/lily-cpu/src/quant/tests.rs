@@ -221,16 +221,19 @@ fn int8_definition(w: &QuantMatrix, x: &[f32], rows: usize, parts: InputParts) -
     want
 }
 
-/// The AVX-512 int8 kernel on many input rows (tiles of four weight rows by three input rows)
-/// against the same kernel fed one input row at a time, to the bit: partial tiles of input rows,
-/// weight rows left over after the last four, both bit widths and part counts.
+/// Every int8 kernel on many input rows (tiles of four weight rows by three input rows for
+/// AVX-512, passes of a weight row by four input rows for AVX2) against the same kernel fed one
+/// input row at a time, to the bit: partial tiles of input rows, weight rows left over after the
+/// last four, both bit widths and part counts.
 #[test]
 fn the_int8_tiles_equal_the_int8_rows_to_the_bit() {
-    if !Int8Isa::available().contains(&Int8Isa::Avx512Vnni) {
-        eprintln!(
-            "NOT RUN: this CPU has no AVX-512 VNNI, so the tiled int8 kernel cannot run here"
-        );
+    let isas = Int8Isa::available();
+    if isas.is_empty() {
+        eprintln!("NOT RUN: this CPU has neither AVX2 nor AVX-512 VNNI: no int8 kernel runs here");
         return;
+    }
+    if !isas.contains(&Int8Isa::Avx512Vnni) {
+        eprintln!("NOT RUN here: the AVX-512 VNNI int8 kernel (this CPU has no VNNI)");
     }
     let shapes = [
         (1, 128, 4, 64, 8),
@@ -238,14 +241,19 @@ fn the_int8_tiles_equal_the_int8_rows_to_the_bit() {
         (33, 2048, 4, 64, 11),
         (6, 192, 8, 64, 9),
         (70, 512, 4, 128, 16),
+        (9, 384, 4, 64, 3),
+        (13, 256, 4, 64, 2),
     ];
     for (i, &(n, k, bits, group, rows)) in shapes.iter().enumerate() {
         let w = random_matrix(n, k, bits, group, 500 + i as u64);
         let x: Vec<f32> = (0..rows * k)
             .map(|j| uniform_at(600 + i as u64, j as u64))
             .collect();
-        for parts in [InputParts::One, InputParts::Two] {
-            let kernel = Kernel::Int8(Int8Isa::Avx512Vnni, parts);
+        let kernels = isas.iter().filter(|isa| isa.fits(&w));
+        for (&isa, parts) in
+            kernels.flat_map(|isa| [(isa, InputParts::One), (isa, InputParts::Two)])
+        {
+            let kernel = Kernel::Int8(isa, parts);
             let product = |x, rows| {
                 products_with(kernel, &[Product::new(Weight::Affine(&w), x, rows)]).remove(0)
             };
@@ -257,7 +265,7 @@ fn the_int8_tiles_equal_the_int8_rows_to_the_bit() {
                     got.iter()
                         .zip(&alone)
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{parts:?} {n}x{k} {bits}-bit g{group}, {rows} rows: row {r} differs"
+                    "{isa:?} {parts:?} {n}x{k} {bits}-bit g{group}, {rows} rows: row {r} differs"
                 );
             }
         }
