@@ -19,7 +19,9 @@ use rayon::prelude::*;
 use crate::ops::dot;
 #[cfg(target_arch = "x86_64")]
 use crate::quant::int8::{self, RoundedRows};
-use crate::quant::{InputParts, Int8Isa, Isa, nibble_order, product_rows, to_nibble_order};
+use crate::quant::{
+    InputParts, Int8Isa, Isa, nibble_order, product_rows, to_nibble_order_in_parallel,
+};
 
 /// A weight matrix as the kernels read it.
 #[derive(Clone, Copy)]
@@ -112,7 +114,7 @@ impl<'a> Input<'a> {
     fn of(p: &Product<'a>, order: Layout, kernel: Kernel) -> Self {
         match order {
             Layout::Natural => Input::F32(Cow::Borrowed(p.x)),
-            Layout::Nibbles => Input::F32(Cow::Owned(to_nibble_order(p.x))),
+            Layout::Nibbles => Input::F32(Cow::Owned(to_nibble_order_in_parallel(p.x))),
             #[cfg(target_arch = "x86_64")]
             Layout::Rounded { bits, group } => {
                 let Kernel::Int8(isa, parts) = kernel else {
@@ -211,16 +213,28 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
         .collect()
 }
 
-/// `[n, rows]` to `[rows, n]`.
+/// `[n, rows]` to `[rows, n]`, in parallel over the output's rows: a prefill's projection is
+/// megabytes, and on one thread its transpose was an Amdahl term of the stage. Each task walks
+/// the input in panels of [`PANEL`] of its rows so the lines it reads serve all its rows.
 pub(crate) fn transpose(m: Vec<f32>, n: usize, rows: usize) -> Vec<f32> {
+    const PANEL: usize = 64;
     if rows == 1 {
         return m;
     }
     let mut out = vec![0f32; rows * n];
-    for j in 0..n {
-        for r in 0..rows {
-            out[r * n + j] = m[j * rows + r];
-        }
-    }
+    let per_task = rows.div_ceil(rayon::current_num_threads()).clamp(1, 16);
+    out.par_chunks_mut(per_task * n)
+        .enumerate()
+        .for_each(|(task, chunk)| {
+            let first = task * per_task;
+            for j0 in (0..n).step_by(PANEL) {
+                let panel = j0..(j0 + PANEL).min(n);
+                for (r, row) in chunk.chunks_exact_mut(n).enumerate() {
+                    for j in panel.clone() {
+                        row[j] = m[j * rows + first + r];
+                    }
+                }
+            }
+        });
     out
 }

@@ -28,6 +28,7 @@
 use std::arch::x86_64::*;
 
 use lily_core::quant::QuantMatrix;
+use rayon::prelude::*;
 
 use super::{InputParts, Int8Isa};
 
@@ -104,43 +105,48 @@ impl RoundedRows {
         let mut r = vec![0i8; rows * count * cols];
         let mut steps = vec![0f32; rows * cols / lane_cols];
         let mut sums = vec![0f32; rows * cols / group];
-        for (row, x) in x.chunks_exact(cols).enumerate() {
-            let mut rounded = vec![0i8; 2 * cols];
-            let (high, low) = rounded.split_at_mut(cols);
-            for (g, xg) in x.chunks_exact(group).enumerate() {
-                let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
-                let step = amax / 127.0;
-                let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
-                let at = g * group..(g + 1) * group;
-                let mut total = 0i32;
-                for ((h, l), v) in high[at.clone()].iter_mut().zip(&mut low[at]).zip(xg) {
-                    let y = v * inv;
-                    *h = round_to_i8(y);
-                    if parts == InputParts::Two {
-                        *l = round_to_i8((y - f32::from(*h)) * LOW_PART);
+        // Rows in parallel: a prefill chunk's input is hundreds of rows, and rounded on one
+        // thread it held up the whole stage's region.
+        r.par_chunks_mut(count * cols)
+            .zip(steps.par_chunks_mut(cols / lane_cols))
+            .zip(sums.par_chunks_mut(cols / group))
+            .zip(x.par_chunks_exact(cols))
+            .for_each(|(((out, steps), sums), x)| {
+                let mut rounded = vec![0i8; 2 * cols];
+                let (high, low) = rounded.split_at_mut(cols);
+                for (g, xg) in x.chunks_exact(group).enumerate() {
+                    let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let step = amax / 127.0;
+                    let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
+                    let at = g * group..(g + 1) * group;
+                    let mut total = 0i32;
+                    for ((h, l), v) in high[at.clone()].iter_mut().zip(&mut low[at]).zip(xg) {
+                        let y = v * inv;
+                        *h = round_to_i8(y);
+                        if parts == InputParts::Two {
+                            *l = round_to_i8((y - f32::from(*h)) * LOW_PART);
+                        }
+                        total += unit as i32 * i32::from(*h) + i32::from(*l);
                     }
-                    total += unit as i32 * i32::from(*h) + i32::from(*l);
+                    sums[g] = total as f32 * (step / unit);
+                    let lanes = &mut steps[g * group / lane_cols..];
+                    lanes[..group / lane_cols].fill(step / unit);
                 }
-                sums[row * cols / group + g] = total as f32 * (step / unit);
-                let lanes = &mut steps[row * cols / lane_cols..][g * group / lane_cols..];
-                lanes[..group / lane_cols].fill(step / unit);
-            }
-            let out = &mut r[row * count * cols..(row + 1) * count * cols];
-            for (o, b) in out
-                .chunks_exact_mut(block_cols)
-                .zip(rounded[..count * cols].chunks_exact(block_cols))
-            {
-                if bits == 4 {
-                    // Evens then odds, as the low and high nibbles of the codes' bytes.
-                    for i in 0..block_cols / 2 {
-                        o[i] = b[2 * i];
-                        o[block_cols / 2 + i] = b[2 * i + 1];
+                for (o, b) in out
+                    .chunks_exact_mut(block_cols)
+                    .zip(rounded[..count * cols].chunks_exact(block_cols))
+                {
+                    if bits == 4 {
+                        // Evens then odds, as the low and high nibbles of the codes' bytes.
+                        for i in 0..block_cols / 2 {
+                            o[i] = b[2 * i];
+                            o[block_cols / 2 + i] = b[2 * i + 1];
+                        }
+                    } else {
+                        o.copy_from_slice(b);
                     }
-                } else {
-                    o.copy_from_slice(b);
                 }
-            }
-        }
+            });
         RoundedRows {
             isa,
             parts,

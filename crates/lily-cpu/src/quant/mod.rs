@@ -20,6 +20,7 @@ use std::sync::OnceLock;
 
 use half::bf16;
 use lily_core::quant::QuantMatrix;
+use rayon::prelude::*;
 
 use crate::products::{Kernel, Product, Weight, products_with};
 
@@ -160,6 +161,17 @@ pub(crate) fn nibble_order(isa: Isa, w: Weight<'_>) -> bool {
 /// Input rows (of a multiple of 32 columns) in nibble order.
 pub(crate) fn to_nibble_order(x: &[f32]) -> Vec<f32> {
     x.chunks(32).flat_map(nibble_block).collect()
+}
+
+/// [`to_nibble_order`] in parallel, for a product's input (a prefill chunk's is megabytes, and
+/// made on one thread it held up the stage's region). Not for [`self_check`], whose work must
+/// stay on its thread.
+pub(crate) fn to_nibble_order_in_parallel(x: &[f32]) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    out.par_chunks_mut(32)
+        .zip(x.par_chunks(32))
+        .for_each(|(o, block)| o.copy_from_slice(&nibble_block(block)));
+    out
 }
 
 /// Input rows from which the AVX-512 kernel dequantises weight panels once for all of them

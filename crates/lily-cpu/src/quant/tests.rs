@@ -88,6 +88,8 @@ fn nibble_order_puts_even_columns_first() {
     assert_eq!(o[15], 30.0);
     assert_eq!(o[16..18], [1.0, 3.0]);
     assert_eq!(o[31], 31.0);
+    let rows: Vec<f32> = (0..3 * 4096).map(|i| uniform_at(7, i as u64)).collect();
+    assert_eq!(to_nibble_order_in_parallel(&rows), to_nibble_order(&rows));
 }
 
 /// The tiled AVX-512 product (from `TILED_FROM_ROWS` input rows) against the row kernel fed one
