@@ -1,16 +1,16 @@
-//! Products with the input rounded to integers per weight group, as llama.cpp's CPU path computes,
-//! but to two int8 parts rather than one: integer dot products of codes and rounded inputs
-//! (AVX-512 VNNI `vpdpbusd`, 64 byte products per instruction), scaled per group afterwards.
-//! Opt-in ([`crate::Numerics::Int8Inputs`]); docs/BENCHMARKS.md has what the rounding costs.
+//! Products with the input rounded per weight group to one int8 part, as llama.cpp's CPU path
+//! computes, or to two: integer dot products of codes and rounded inputs (AVX-512 VNNI
+//! `vpdpbusd`, 64 byte products per instruction), scaled per group afterwards. Opt-in
+//! ([`crate::Numerics::Int8Inputs`]); docs/BENCHMARKS.md has what the rounding costs.
 //!
 //! For an input row `x` and a weight row of groups `g` (`w = s_g·q + b_g`), with
-//! `d_g = max|x_c| / 127` over the group, each input is `x_c ≈ d_g·(h_c + l_c / 128)`: `h_c =
-//! round(x_c / d_g)` and `l_c = round(128·(x_c / d_g − h_c))` (ties to even), both int8
-//! (|l_c| ≤ 64). The value kept, `X_c = 128·h_c + l_c`, is the input to 1/32,512 of the group's
-//! largest: one part alone (1/254) moved the tiny model's logits by 2-20 % of the largest, two
-//! by ~1e-4 (BENCHMARKS.md). Then
-//! `W·x ≈ Σ_g (d_g/128)·(s_g·Σ_{c∈g} q_c·X_c + b_g·Σ_{c∈g} X_c)`, where the integer sum is
-//! `128·Σ q·h + Σ q·l`: four `vpdpbusd` and a shift a block, exact in i32 (at most
+//! `d_g = max|x_c| / 127` over the group, one part is `h_c = round(x_c / d_g)` (ties to even),
+//! `X_c = h_c`, to 1/254 of the group's largest. Two add `l_c = round(128·(x_c / d_g − h_c))`
+//! (|l_c| ≤ 64): `X_c = 128·h_c + l_c`, `x_c ≈ (d_g/128)·X_c`, to 1/32,512 of it. One part moved
+//! the tiny model's logits by 2-20 % of the largest, two by ~1e-4 (BENCHMARKS.md). Then, with
+//! `u` the step of `X` (`d_g`, or `d_g/128` with two parts),
+//! `W·x ≈ Σ_g u·(s_g·Σ_{c∈g} q_c·X_c + b_g·Σ_{c∈g} X_c)`, where with two parts the integer sum
+//! is `128·Σ q·h + Σ q·l`: four `vpdpbusd` and a shift a block, exact in i32 (at most
 //! 4·255·(128·127 + 64) for a lane of four 8-bit codes). The bias term takes the sum of the
 //! rounded inputs (one per group and row, made once per product), as llama.cpp's q8_1 blocks
 //! carry it, not the exact sum: so the rounding error meets the whole weight `s·q + b`, centred
@@ -67,6 +67,14 @@ impl InputParts {
             InputParts::Two => 2,
         }
     }
+
+    /// `d_g` over the step of `X`: what a rounded input's integer is in units of its step.
+    fn unit(self) -> f32 {
+        match self {
+            InputParts::One => 1.0,
+            InputParts::Two => LOW_PART,
+        }
+    }
 }
 
 /// Input rows rounded for weights of `bits` and `group`, in the kernel's layout.
@@ -95,10 +103,7 @@ impl RoundedRows {
         group: usize,
     ) -> Self {
         let cols = x.len() / rows;
-        let (count, unit) = match parts {
-            InputParts::One => (1, 1.0),
-            InputParts::Two => (2, LOW_PART),
-        };
+        let (count, unit) = (parts.count(), parts.unit());
         let block_cols = isa.block_cols(bits);
         assert!(cols.is_multiple_of(block_cols) && cols.is_multiple_of(group) && group >= 32);
         let lane_cols = block_cols / isa.lanes();
