@@ -61,19 +61,25 @@ fn recurrent_in(x: &HeadInputs, state: &mut [f32], out: &mut [f32], _: usize) {
             &x.k[t * dk..][..dk],
             &x.v[t * dv..][..dv],
         );
+        // Two passes over the state instead of four: the decay folds into the read of Sᵀk
+        // (α·(Sᵀk) = (αS)ᵀk) and into the pass that adds kδᵀ and reads o.
         let alpha = x.g[t].exp();
-        state.iter_mut().for_each(|s| *s *= alpha);
-        delta.copy_from_slice(v);
+        delta.fill(0.0);
         for (i, ki) in k.iter().enumerate() {
             let row = &state[i * dv..(i + 1) * dv];
-            delta.iter_mut().zip(row).for_each(|(d, s)| *d -= s * ki);
+            delta.iter_mut().zip(row).for_each(|(d, s)| *d += s * ki);
         }
-        delta.iter_mut().for_each(|d| *d *= x.beta[t]);
+        delta
+            .iter_mut()
+            .zip(v)
+            .for_each(|(d, v)| *d = x.beta[t] * (v - alpha * *d));
         let o = &mut out[t * dv..(t + 1) * dv];
         o.fill(0.0);
         for i in 0..dk {
             let row = &mut state[i * dv..(i + 1) * dv];
-            row.iter_mut().zip(&delta).for_each(|(s, d)| *s += k[i] * d);
+            row.iter_mut()
+                .zip(&delta)
+                .for_each(|(s, d)| *s = alpha * *s + k[i] * d);
             o.iter_mut()
                 .zip(row.iter())
                 .for_each(|(o, s)| *o += q[i] * s);
