@@ -51,7 +51,10 @@ impl CpuBackend {
         CpuBackend {
             config,
             weights: weights.into(),
-            gdn_prefill: GdnForm::Chunked,
+            // Token by token: on a CPU the state (64 KB a head) stays in L2 across a chunk, and
+            // two passes over it a token cost less than the WY form's small products (0.70 ms
+            // against 1.15 for one head of 256 tokens on one Zen 4 core).
+            gdn_prefill: GdnForm::Recurrent,
             numerics: Numerics::F32,
             kv: KvPrecision::F32,
             max_prefill_chunk: 512,

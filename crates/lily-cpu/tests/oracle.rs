@@ -137,7 +137,7 @@ fn prefill_then_decode_equals_prefill_all() {
 /// The whole model with the chunked and the recurrent delta rule, at lengths around the chunk.
 #[test]
 fn chunked_and_recurrent_gdn_agree_in_the_model() {
-    let chunked = load("tiny-b");
+    let chunked = load("tiny-b").with_gdn_prefill(GdnForm::Chunked);
     let recurrent = load("tiny-b").with_gdn_prefill(GdnForm::Recurrent);
     let vocab = chunked.config().vocab_size as u32;
     for len in [1usize, 63, 64, 65, 200] {
