@@ -116,22 +116,31 @@ fn experts(
             .map(|(&(e, _, n), act)| Product::new(&e.down_proj, act, n)),
     );
 
-    let mut out = vec![0f32; rows * h];
-    for (&e, y) in chosen.iter().zip(&downs) {
+    // The combine, in parallel over rows: each row adds its experts' outputs in expert order,
+    // then the gated shared expert's, the order a pass over the experts would give (on one
+    // thread, a prefill chunk's combine reads 16 MB a layer). `parts[t]`: row t's (product,
+    // row in it, weight), in expert order.
+    let mut parts: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); rows];
+    for (k, &e) in chosen.iter().enumerate() {
         for (i, &(t, weight)) in picked[e].iter().enumerate() {
-            let dst = &mut out[t * h..(t + 1) * h];
-            dst.iter_mut()
-                .zip(&y[i * h..(i + 1) * h])
-                .for_each(|(d, v)| *d += weight * v);
+            parts[t].push((k, i, weight));
         }
     }
     let shared = &downs[chosen.len()];
-    for t in 0..rows {
-        let gate = sigmoid(gates[t]);
-        let dst = &mut out[t * h..(t + 1) * h];
-        dst.iter_mut()
-            .zip(&shared[t * h..(t + 1) * h])
-            .for_each(|(d, v)| *d += gate * v);
-    }
+    let mut out = vec![0f32; rows * h];
+    out.par_chunks_mut(h)
+        .zip(&parts)
+        .enumerate()
+        .for_each(|(t, (dst, row_parts))| {
+            for &(k, i, weight) in row_parts {
+                dst.iter_mut()
+                    .zip(&downs[k][i * h..(i + 1) * h])
+                    .for_each(|(d, v)| *d += weight * v);
+            }
+            let gate = sigmoid(gates[t]);
+            dst.iter_mut()
+                .zip(&shared[t * h..(t + 1) * h])
+                .for_each(|(d, v)| *d += gate * v);
+        });
     out
 }

@@ -164,18 +164,23 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
         .map(|&(j, order)| Input::of(&list[j], order, kernel))
         .collect();
 
-    // Tasks of at least 32 weight rows (tens of KB) keep rayon's overhead small next to the
-    // memory traffic, yet leave every thread several tasks to balance the region.
-    let total: usize = list.iter().map(|p| p.w.rows()).sum();
-    let per_task = total.div_ceil(rayon::current_num_threads() * 4).max(32);
+    // Tasks are cut by work (multiply-adds), not by weight rows: a prefill's shared expert has
+    // all the chunk's rows where a routed expert has a handful, and as one task it would be the
+    // region's tail on many threads. Every thread gets several tasks to balance the region;
+    // none is under 32 weight rows (tens of KB), which keeps rayon's overhead small next to the
+    // memory traffic.
+    let work = |p: &Product| p.w.cols() * p.rows;
+    let total: usize = list.iter().map(|p| p.w.rows() * work(p)).sum();
+    let per_task = total.div_ceil(rayon::current_num_threads() * 4);
     let mut outs_t: Vec<Vec<f32>> = list
         .iter()
         .map(|p| vec![0f32; p.w.rows() * p.rows])
         .collect();
     let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
     for (i, (out, p)) in outs_t.iter_mut().zip(list).enumerate() {
-        for (t, chunk) in out.chunks_mut(per_task * p.rows).enumerate() {
-            tasks.push((i, t * per_task, chunk));
+        let weight_rows = per_task.div_ceil(work(p).max(1)).max(32);
+        for (t, chunk) in out.chunks_mut((weight_rows * p.rows).max(1)).enumerate() {
+            tasks.push((i, t * weight_rows, chunk));
         }
     }
     tasks.into_par_iter().for_each(|(i, first, chunk)| {
