@@ -27,10 +27,11 @@
 
 use std::arch::x86_64::*;
 
+use super::InputParts;
+use super::Int8Isa;
+pub(super) use super::rounded_rows::LOW_PART_SHIFT;
+pub use super::rounded_rows::RoundedRows;
 use lily_core::quant::QuantMatrix;
-use rayon::prelude::*;
-
-use super::{InputParts, Int8Isa};
 
 /// Bytes ahead of the codes the AVX-512 int8 kernel is reading that it asks into L2
 /// (`prefetcht1`), in the same stream. A decode step reads each weight once, from DRAM, and the
@@ -54,140 +55,6 @@ fn prefetch_codes(codes: *const u8) {
 
 /// Input rows per pass over a weight row.
 pub(super) const ROWS_PER_PASS: usize = 4;
-
-/// The low part's weight against the high part's: `X = 128·h + l`. A power of two so the kernel
-/// joins the parts' integer sums with a shift.
-const LOW_PART: f32 = 128.0;
-pub(super) const LOW_PART_SHIFT: i32 = 7;
-
-impl InputParts {
-    fn count(self) -> usize {
-        match self {
-            InputParts::One => 1,
-            InputParts::Two => 2,
-        }
-    }
-
-    /// `d_g` over the step of `X`: what a rounded input's integer is in units of its step.
-    fn unit(self) -> f32 {
-        match self {
-            InputParts::One => 1.0,
-            InputParts::Two => LOW_PART,
-        }
-    }
-}
-
-/// Input rows rounded for weights of `bits` and `group`, in the kernel's layout.
-pub struct RoundedRows {
-    isa: Int8Isa,
-    pub(super) parts: InputParts,
-    bits: u32,
-    group: usize,
-    cols: usize,
-    /// `[rows, parts, cols]` int8: each row's high parts `h`, then (two parts) its low parts
-    /// `l`, each block in the kernel's column order.
-    pub(super) r: Vec<i8>,
-    /// `[rows, cols / cols_per_lane]`: the step of `X` in each lane's group (`d_g`, or
-    /// `d_g / 128` with two parts).
-    pub(super) steps: Vec<f32>,
-    /// `[rows, cols / group]`: the sum of each group's rounded inputs.
-    pub(super) sums: Vec<f32>,
-}
-
-impl RoundedRows {
-    pub fn new(
-        (isa, parts): (Int8Isa, InputParts),
-        x: &[f32],
-        rows: usize,
-        bits: u32,
-        group: usize,
-    ) -> Self {
-        let cols = x.len() / rows;
-        let (count, unit) = (parts.count(), parts.unit());
-        let block_cols = isa.block_cols(bits);
-        assert!(cols.is_multiple_of(block_cols) && cols.is_multiple_of(group) && group >= 32);
-        let lane_cols = block_cols / isa.lanes();
-        let mut r = vec![0i8; rows * count * cols];
-        let mut steps = vec![0f32; rows * cols / lane_cols];
-        let mut sums = vec![0f32; rows * cols / group];
-        // Rows in parallel: a prefill chunk's input is hundreds of rows, and rounded on one
-        // thread it held up the whole stage's region.
-        r.par_chunks_mut(count * cols)
-            .zip(steps.par_chunks_mut(cols / lane_cols))
-            .zip(sums.par_chunks_mut(cols / group))
-            .zip(x.par_chunks_exact(cols))
-            .for_each(|(((out, steps), sums), x)| {
-                let mut rounded = vec![0i8; 2 * cols];
-                let (high, low) = rounded.split_at_mut(cols);
-                for (g, xg) in x.chunks_exact(group).enumerate() {
-                    let amax = xg.iter().fold(0f32, |m, v| m.max(v.abs()));
-                    let step = amax / 127.0;
-                    let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
-                    let at = g * group..(g + 1) * group;
-                    let mut total = 0i32;
-                    for ((h, l), v) in high[at.clone()].iter_mut().zip(&mut low[at]).zip(xg) {
-                        let y = v * inv;
-                        *h = round_to_i8(y);
-                        if parts == InputParts::Two {
-                            *l = round_to_i8((y - f32::from(*h)) * LOW_PART);
-                        }
-                        total += unit as i32 * i32::from(*h) + i32::from(*l);
-                    }
-                    sums[g] = total as f32 * (step / unit);
-                    let lanes = &mut steps[g * group / lane_cols..];
-                    lanes[..group / lane_cols].fill(step / unit);
-                }
-                for (o, b) in out
-                    .chunks_exact_mut(block_cols)
-                    .zip(rounded[..count * cols].chunks_exact(block_cols))
-                {
-                    if bits == 4 {
-                        // Evens then odds, as the low and high nibbles of the codes' bytes.
-                        for i in 0..block_cols / 2 {
-                            o[i] = b[2 * i];
-                            o[block_cols / 2 + i] = b[2 * i + 1];
-                        }
-                    } else {
-                        o.copy_from_slice(b);
-                    }
-                }
-            });
-        RoundedRows {
-            isa,
-            parts,
-            bits,
-            group,
-            cols,
-            r,
-            steps,
-            sums,
-        }
-    }
-
-    /// Whether these rows are laid out for `w`.
-    pub fn fit(&self, w: &QuantMatrix) -> bool {
-        self.isa.fits(w)
-            && (self.bits, self.group, self.cols) == (w.bits(), w.group_size(), w.cols())
-    }
-
-    pub fn rows(&self) -> usize {
-        self.r.len() / (self.parts.count() * self.cols)
-    }
-
-    /// Input row `i`'s high parts; its low parts (if any) follow them, `cols` bytes on.
-    pub(super) fn row_parts(&self, i: usize) -> *const i8 {
-        self.r[i * self.parts.count() * self.cols..].as_ptr()
-    }
-}
-
-/// `y` (|y| ≤ 127 but for rounding error) to the nearest integer, ties to even. Adding and
-/// taking away 1.5·2²³ leaves exactly the integer part (the sum's ulp is 1), in two plain f32
-/// operations that vectorise: `f32::round` is a libm call per value on baseline x86-64, and was
-/// a third of a short product's time.
-fn round_to_i8(y: f32) -> i8 {
-    const SHIFT: f32 = 12_582_912.0;
-    ((y + SHIFT) - SHIFT).clamp(-127.0, 127.0) as i8
-}
 
 /// `out_t[(j - first) · rows + i] = W[j] · x_i` for the weight rows `first..first + count`,
 /// with the kernel `x` was laid out for.

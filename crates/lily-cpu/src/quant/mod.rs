@@ -15,6 +15,7 @@ mod avx512_tiles;
 pub(crate) mod int8;
 mod int8_avx2;
 mod portable;
+mod rounded_rows;
 
 use std::sync::OnceLock;
 
