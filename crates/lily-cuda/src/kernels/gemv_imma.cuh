@@ -136,9 +136,10 @@ __device__ __forceinline__ void imma_zero_rows(int nx, int slabs, unsigned char*
 }
 
 // Stages rows n < nx of x (or RMSNorm(x[n]) · norm_w); rows nx .. 2T − 1 as zeros. Warp w takes
-// the pairs p = n · slabs + s ≡ w (mod warps), which for a row are the same whatever nx is, and
-// sums each row's squares over them in order: a row's norm has the same bits in any batch. Ends
-// with a barrier.
+// the pairs p = n · slabs + s ≡ w (mod warps) and sums each row's squares over them in order: for
+// row n, the slabs of one class s ≡ w − n · slabs, in the order the row alone sums that class.
+// The classes' sums are then added in the alone order, so a row's norm has the same bits in any
+// batch. Ends with a barrier.
 template <int T>
 __device__ void imma_stage_x(int cols, int nx, const float* x, const float* norm_w, float eps, unsigned char* xq,
                            float2* xf, float* scratch) {
@@ -184,7 +185,10 @@ __device__ void imma_stage_x(int cols, int nx, const float* x, const float* norm
 #pragma unroll
         for (int n = 0; n < 2 * T; n++) {
             float total = 0.f;
-            for (int i = 0; i < warps; i++) total = __fadd_rn(total, scratch[n * IMMA_WARPS + i]);
+            // Row n's slab s went to warp (n·slabs + s) mod warps: summed from the warp that
+            // holds its slabs ≡ 0, as the row alone (n = 0) sums them, whatever its place.
+            for (int c = 0; c < warps; c++)
+                total = __fadd_rn(total, scratch[n * IMMA_WARPS + (c + n * slabs) % warps]);
             inv[n] = rsqrtf(total / cols + eps);
         }
     }
