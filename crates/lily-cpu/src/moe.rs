@@ -66,39 +66,32 @@ fn experts(
     nx: Numerics,
 ) -> Vec<f32> {
     let h = c.hidden_size;
-    let mut picked: Vec<Vec<(usize, f32)>> = vec![Vec::new(); w.experts.len()];
+    // Each expert's rows of the chunk (ascending) and their routing weights.
+    let mut rows_of: Vec<Vec<usize>> = vec![Vec::new(); w.experts.len()];
+    let mut weights_of: Vec<Vec<f32>> = vec![Vec::new(); w.experts.len()];
     for (t, r) in routes.iter().enumerate() {
         for (&e, &weight) in r.experts.iter().zip(&r.weights) {
-            picked[e].push((t, weight));
+            rows_of[e].push(t);
+            weights_of[e].push(weight);
         }
     }
     let chosen: Vec<usize> = (0..w.experts.len())
-        .filter(|&e| !picked[e].is_empty())
+        .filter(|&e| !rows_of[e].is_empty())
         .collect();
-    // Gathered, and the activations below made, in parallel: a prefill chunk picks hundreds of
-    // experts, and on one thread these copies and exponentials cost a tenth of the products.
-    let inputs: Vec<Vec<f32>> = chosen
-        .par_iter()
-        .map(|&e| {
-            picked[e]
-                .iter()
-                .flat_map(|&(t, _)| x[t * h..(t + 1) * h].iter().copied())
-                .collect()
-        })
-        .collect();
-    // Routed experts first, in expert order, then the shared one on every row.
-    let mut runs: Vec<(&Expert, &[f32], usize)> = chosen
+    // Routed experts first, in expert order, then the shared one on every row. A routed
+    // expert's products take its rows of `x` by index (the int8 kernel from the chunk's one
+    // rounded copy).
+    let mut runs: Vec<(&Expert, Option<&[usize]>)> = chosen
         .iter()
-        .zip(&inputs)
-        .map(|(&e, input)| (&w.experts[e], input.as_slice(), picked[e].len()))
+        .map(|&e| (&w.experts[e], Some(rows_of[e].as_slice())))
         .collect();
-    runs.push((&w.shared_expert, x, rows));
-
-    let gate_up = nx.products_of(runs.iter().flat_map(|&(e, x, n)| {
-        [
-            Product::new(&e.gate_proj, x, n),
-            Product::new(&e.up_proj, x, n),
-        ]
+    runs.push((&w.shared_expert, None));
+    let gate_up = nx.products_of(runs.iter().flat_map(|&(e, pick)| {
+        let input = |m| match pick {
+            Some(pick) => Product::picked(m, x, pick),
+            None => Product::new(m, x, rows),
+        };
+        [input(&e.gate_proj), input(&e.up_proj)]
     }));
     let acts: Vec<Vec<f32>> = gate_up
         .par_chunks(2)
@@ -113,7 +106,7 @@ fn experts(
     let downs = nx.products_of(
         runs.iter()
             .zip(&acts)
-            .map(|(&(e, _, n), act)| Product::new(&e.down_proj, act, n)),
+            .map(|(&(e, _), act)| Product::new(&e.down_proj, act, act.len() / e.down_proj.cols())),
     );
 
     // The combine, in parallel over rows: each row adds its experts' outputs in expert order,
@@ -122,7 +115,7 @@ fn experts(
     // row in it, weight), in expert order.
     let mut parts: Vec<Vec<(usize, usize, f32)>> = vec![Vec::new(); rows];
     for (k, &e) in chosen.iter().enumerate() {
-        for (i, &(t, weight)) in picked[e].iter().enumerate() {
+        for (i, (&t, &weight)) in rows_of[e].iter().zip(&weights_of[e]).enumerate() {
             parts[t].push((k, i, weight));
         }
     }

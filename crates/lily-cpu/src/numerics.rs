@@ -88,7 +88,7 @@ impl Numerics {
             }
             Numerics::TensorCoreBf16 => list
                 .iter()
-                .map(|p| bf16_matmul(&self.operand(p.x), p.rows, p.w))
+                .map(|p| bf16_matmul(&self.operand(&p.gathered()), p.rows, p.w))
                 .collect(),
         }
     }

@@ -60,7 +60,10 @@ impl<'a> From<&'a Linear> for Weight<'a> {
 pub struct Product<'a> {
     pub w: Weight<'a>,
     pub x: &'a [f32],
+    /// The product's rows: all of `x`'s, or those `pick` names.
     pub rows: usize,
+    /// Rows of `x` in the order the product takes them (`None`: all, in order).
+    pub pick: Option<&'a [usize]>,
 }
 
 impl<'a> Product<'a> {
@@ -69,6 +72,32 @@ impl<'a> Product<'a> {
             w: w.into(),
             x,
             rows,
+            pick: None,
+        }
+    }
+
+    /// `x`'s rows that `pick` names: a routed expert's share of a prefill chunk. The int8
+    /// kernel reads them from the chunk's one rounded copy; the others from a gathered one.
+    pub fn picked(w: impl Into<Weight<'a>>, x: &'a [f32], pick: &'a [usize]) -> Self {
+        Product {
+            w: w.into(),
+            x,
+            rows: pick.len(),
+            pick: Some(pick),
+        }
+    }
+
+    /// The product's input rows, contiguous.
+    pub fn gathered(&self) -> Cow<'a, [f32]> {
+        let cols = self.w.cols();
+        match self.pick {
+            None => Cow::Borrowed(self.x),
+            Some(pick) => Cow::Owned(
+                pick.iter()
+                    .flat_map(|&r| &self.x[r * cols..(r + 1) * cols])
+                    .copied()
+                    .collect(),
+            ),
         }
     }
 }
@@ -113,14 +142,14 @@ enum Input<'a> {
 impl<'a> Input<'a> {
     fn of(p: &Product<'a>, order: Layout, kernel: Kernel) -> Self {
         match order {
-            Layout::Natural => Input::F32(Cow::Borrowed(p.x)),
-            Layout::Nibbles => Input::F32(Cow::Owned(to_nibble_order_in_parallel(p.x))),
+            Layout::Natural => Input::F32(p.gathered()),
+            Layout::Nibbles => Input::F32(Cow::Owned(to_nibble_order_in_parallel(&p.gathered()))),
             #[cfg(target_arch = "x86_64")]
             Layout::Rounded { bits, group } => {
                 let Kernel::Int8(isa, parts) = kernel else {
                     unreachable!("only the int8 kernel rounds")
                 };
-                Input::Rounded(RoundedRows::new((isa, parts), p.x, p.rows, bits, group))
+                Input::Rounded(RoundedRows::new((isa, parts), p.x, p.w.cols(), bits, group))
             }
             #[cfg(not(target_arch = "x86_64"))]
             Layout::Rounded { .. } => unreachable!("no int8 kernel off x86_64"),
@@ -145,15 +174,28 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
         }
     }
     for p in list {
-        assert_eq!(p.x.len(), p.rows * p.w.cols(), "input shape");
+        let cols = p.w.cols();
+        match p.pick {
+            None => assert_eq!(p.x.len(), p.rows * cols, "input shape"),
+            Some(pick) => {
+                assert!(p.x.len().is_multiple_of(cols), "input shape");
+                assert!(pick.iter().all(|&r| r < p.x.len() / cols), "picked row");
+            }
+        }
     }
-    // Products of the same input and layout share one prepared copy; the copies are made in
-    // parallel (a prefill's experts have hundreds of distinct inputs).
+    // Products of the same input and layout share one prepared copy (a rounded one serves every
+    // pick of its rows); the copies are made in parallel (a prefill's experts have hundreds of
+    // distinct inputs).
     let mut firsts: Vec<(usize, Layout)> = Vec::new();
     let mut input_of = Vec::with_capacity(list.len());
     for (i, p) in list.iter().enumerate() {
         let order = layout(kernel, p.w);
-        let same = |&(j, l): &(usize, Layout)| std::ptr::eq(list[j].x, p.x) && l == order;
+        let same = |&(j, l): &(usize, Layout)| {
+            let q = &list[j];
+            let same_rows = matches!(l, Layout::Rounded { .. })
+                || q.pick.map(<[usize]>::as_ptr) == p.pick.map(<[usize]>::as_ptr);
+            std::ptr::eq(q.x, p.x) && l == order && same_rows
+        };
         input_of.push(firsts.iter().position(same).unwrap_or_else(|| {
             firsts.push((i, order));
             firsts.len() - 1
@@ -177,7 +219,7 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
         .map(|p| vec![0f32; p.rows * p.w.rows()])
         .collect();
     let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
-    for (i, p) in list.iter().enumerate() {
+    for (i, p) in list.iter().enumerate().filter(|(_, p)| p.rows > 0) {
         let weight_rows = per_task.div_ceil(work(p).max(1)).max(32);
         for first in (0..p.w.rows()).step_by(weight_rows) {
             tasks.push((i, first, weight_rows.min(p.w.rows() - first)));
@@ -248,7 +290,9 @@ fn rows_of(p: &Product, input: &Input, kernel: Kernel, first: usize, out_t: &mut
             }
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `products_with` checked the kernel's availability.
-            (Input::Rounded(x), _) => unsafe { int8::product_rows(q, first, x, out_t) },
+            (Input::Rounded(x), _) => unsafe {
+                int8::product_rows(q, first, &x.picked(p.pick), out_t)
+            },
         },
     }
 }

@@ -30,7 +30,7 @@ use std::arch::x86_64::*;
 use super::InputParts;
 use super::Int8Isa;
 pub(super) use super::rounded_rows::LOW_PART_SHIFT;
-pub use super::rounded_rows::RoundedRows;
+pub use super::rounded_rows::{Picked, RoundedRows};
 use lily_core::quant::QuantMatrix;
 
 /// Bytes ahead of the codes the AVX-512 int8 kernel is reading that it asks into L2
@@ -61,15 +61,15 @@ pub(super) const ROWS_PER_PASS: usize = 4;
 ///
 /// # Safety
 /// The CPU must support that kernel (`Int8Isa::available`).
-pub unsafe fn product_rows(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t: &mut [f32]) {
+pub unsafe fn product_rows(w: &QuantMatrix, first: usize, x: &Picked, out_t: &mut [f32]) {
     assert!(x.fit(w));
     // SAFETY: the caller's promise.
     unsafe {
-        match x.isa {
+        match x.isa() {
             Int8Isa::Avx2 => super::int8_avx2::product_rows(w, first, x, out_t),
             // The part count and code width as constants: the block loop's choices are made
             // at compile time rather than branched on in every pair's arithmetic.
-            Int8Isa::Avx512Vnni => match (x.parts, w.bits()) {
+            Int8Isa::Avx512Vnni => match (x.parts(), w.bits()) {
                 (InputParts::One, 4) => product_rows_avx512::<1, 4>(w, first, x, out_t),
                 (InputParts::One, _) => product_rows_avx512::<1, 8>(w, first, x, out_t),
                 (InputParts::Two, 4) => product_rows_avx512::<2, 4>(w, first, x, out_t),
@@ -83,7 +83,7 @@ pub unsafe fn product_rows(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t
 unsafe fn product_rows_avx512<const P: usize, const B: usize>(
     w: &QuantMatrix,
     first: usize,
-    x: &RoundedRows,
+    x: &Picked,
     out_t: &mut [f32],
 ) {
     let (rows, shape) = (x.rows(), Geometry::of(w));
@@ -134,8 +134,6 @@ struct Geometry {
     block_cols: usize,
     blocks: usize,
     groups: usize,
-    /// Lanes (of `steps`) per input row.
-    lanes: usize,
     group_shift: u32,
     /// The group of each lane within a window of 16 groups, before the block's offset.
     lane_group: __m512i,
@@ -152,7 +150,6 @@ impl Geometry {
             block_cols,
             blocks: cols / block_cols,
             groups: cols / group,
-            lanes: cols / lane_cols,
             group_shift: group.trailing_zeros(),
             // SAFETY: 16 i32 values.
             lane_group: unsafe { _mm512_loadu_si512(lane_group.as_ptr() as *const _) },
@@ -167,7 +164,7 @@ impl Geometry {
 fn tile<const J: usize, const R: usize, const P: usize, const B: usize>(
     w: &QuantMatrix,
     shape: &Geometry,
-    x: &RoundedRows,
+    x: &Picked,
     Tile { first, j, at }: Tile,
     out_t: &mut [f32],
 ) {
@@ -175,7 +172,6 @@ fn tile<const J: usize, const R: usize, const P: usize, const B: usize>(
         block_cols,
         blocks,
         groups,
-        lanes,
         group_shift,
         lane_group,
     } = *shape;
@@ -185,7 +181,7 @@ fn tile<const J: usize, const R: usize, const P: usize, const B: usize>(
         std::array::from_fn(|p| w.row_codes(first + j + p).as_ptr() as *const u8);
     let scales: [&[half::bf16]; J] = std::array::from_fn(|p| w.row_scales(first + j + p));
     let r: [*const i8; R] = std::array::from_fn(|i| x.row_parts(at + i));
-    let steps: [&[f32]; R] = std::array::from_fn(|i| &x.steps[(at + i) * lanes..]);
+    let steps: [&[f32]; R] = std::array::from_fn(|i| x.steps(at + i));
     let nibbles = _mm512_set1_epi8(0x0f);
     let mut acc = [[_mm512_setzero_ps(); R]; J];
     let mut window = [_mm512_setzero_ps(); J];
@@ -263,7 +259,7 @@ fn tile<const J: usize, const R: usize, const P: usize, const B: usize>(
     for p in 0..J {
         let biases = w.row_biases(first + j + p);
         for i in 0..R {
-            let sums = &x.sums[(at + i) * groups..(at + i + 1) * groups];
+            let sums = x.sums(at + i);
             // The bias term, 16 groups at a time: Σ_g b_g·(sum of the input's group g), into
             // the same lanes (one reduction a pair: a short row's pass is a few hundred cycles).
             let mut sum = acc[p][i];

@@ -10,19 +10,14 @@ use lily_core::quant::QuantMatrix;
 
 use super::InputParts;
 use super::Int8Isa;
-use super::int8::{LOW_PART_SHIFT, ROWS_PER_PASS, RoundedRows};
+use super::int8::{LOW_PART_SHIFT, Picked, ROWS_PER_PASS};
 
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 #[target_feature(enable = "avx2,fma")]
-pub(super) unsafe fn product_rows(
-    w: &QuantMatrix,
-    first: usize,
-    x: &RoundedRows,
-    out_t: &mut [f32],
-) {
+pub(super) unsafe fn product_rows(w: &QuantMatrix, first: usize, x: &Picked, out_t: &mut [f32]) {
     assert!(w.bits() == 4 && x.fit(w));
-    match x.parts {
+    match x.parts() {
         InputParts::One => rows_with::<1>(w, first, x, out_t),
         InputParts::Two => rows_with::<2>(w, first, x, out_t),
     }
@@ -30,7 +25,7 @@ pub(super) unsafe fn product_rows(
 
 /// The product with inputs of `P` parts.
 #[target_feature(enable = "avx2,fma")]
-fn rows_with<const P: usize>(w: &QuantMatrix, first: usize, x: &RoundedRows, out_t: &mut [f32]) {
+fn rows_with<const P: usize>(w: &QuantMatrix, first: usize, x: &Picked, out_t: &mut [f32]) {
     let rows = x.rows();
     for (j, out) in out_t.chunks_mut(rows).enumerate() {
         for (pass, out) in out.chunks_mut(ROWS_PER_PASS).enumerate() {
@@ -49,7 +44,7 @@ fn rows_with<const P: usize>(w: &QuantMatrix, first: usize, x: &RoundedRows, out
 fn pass_rows<const R: usize, const P: usize>(
     w: &QuantMatrix,
     row: usize,
-    x: &RoundedRows,
+    x: &Picked,
     at: usize,
     out: &mut [f32],
 ) {
@@ -63,8 +58,8 @@ fn pass_rows<const R: usize, const P: usize>(
     assert!(out.len() == R && at + R <= x.rows() && scales.len() == groups);
     let r: [*const i8; R] = std::array::from_fn(|i| x.row_parts(at + i));
     // Eight lanes of eight columns per block.
-    let steps: [&[f32]; R] = std::array::from_fn(|i| &x.steps[(at + i) * blocks * 8..]);
-    let sums: [&[f32]; R] = std::array::from_fn(|i| &x.sums[(at + i) * groups..]);
+    let steps: [&[f32]; R] = std::array::from_fn(|i| x.steps(at + i));
+    let sums: [&[f32]; R] = std::array::from_fn(|i| x.sums(at + i));
     let (nibbles, ones) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi16(1));
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..blocks {

@@ -33,19 +33,20 @@ impl InputParts {
 
 /// Input rows rounded for weights of `bits` and `group`, in the kernel's layout.
 pub struct RoundedRows {
-    pub(super) isa: Int8Isa,
-    pub(super) parts: InputParts,
+    isa: Int8Isa,
+    parts: InputParts,
     bits: u32,
     group: usize,
     cols: usize,
+    rows: usize,
     /// `[rows, parts, cols]` int8: each row's high parts `h`, then (two parts) its low parts
     /// `l`, each block in the kernel's column order.
-    pub(super) r: Vec<i8>,
+    r: Vec<i8>,
     /// `[rows, cols / cols_per_lane]`: the step of `X` in each lane's group (`d_g`, or
     /// `d_g / 128` with two parts).
-    pub(super) steps: Vec<f32>,
+    steps: Vec<f32>,
     /// `[rows, cols / group]`: the sum of each group's rounded inputs.
-    pub(super) sums: Vec<f32>,
+    sums: Vec<f32>,
 }
 
 /// What rounding one row needs to know of the layout.
@@ -61,10 +62,11 @@ struct Shape {
 }
 
 impl RoundedRows {
+    /// `x`'s rows of `cols` inputs each.
     pub fn new(
         (isa, parts): (Int8Isa, InputParts),
         x: &[f32],
-        rows: usize,
+        cols: usize,
         bits: u32,
         group: usize,
     ) -> Self {
@@ -72,7 +74,7 @@ impl RoundedRows {
             Int8Isa::available().contains(&isa),
             "{isa:?} is not available"
         );
-        let cols = x.len() / rows;
+        let rows = x.len() / cols;
         let count = parts.count();
         let block_cols = isa.block_cols(bits);
         assert!(cols.is_multiple_of(block_cols) && cols.is_multiple_of(group) && group >= 32);
@@ -115,25 +117,78 @@ impl RoundedRows {
             bits,
             group,
             cols,
+            rows,
             r,
             steps,
             sums,
         }
     }
 
+    /// The rows `pick` names (all of them, in order, for `None`), as a product reads them.
+    pub fn picked<'a>(&'a self, pick: Option<&'a [usize]>) -> Picked<'a> {
+        let all = self.rows;
+        if let Some(p) = pick {
+            assert!(
+                p.iter().all(|&i| i < all),
+                "a picked row is past the input's {all}"
+            );
+        }
+        Picked {
+            x: self,
+            pick,
+            rows: pick.map_or(all, <[usize]>::len),
+        }
+    }
+}
+
+/// Rows of a [`RoundedRows`] in a chosen order: a prefill's routed experts each read a few rows
+/// of the one rounded input, instead of rounding a gathered copy of them each.
+pub struct Picked<'a> {
+    x: &'a RoundedRows,
+    pick: Option<&'a [usize]>,
+    rows: usize,
+}
+
+impl Picked<'_> {
     /// Whether these rows are laid out for `w`.
     pub fn fit(&self, w: &QuantMatrix) -> bool {
-        self.isa.fits(w)
-            && (self.bits, self.group, self.cols) == (w.bits(), w.group_size(), w.cols())
+        let x = self.x;
+        x.isa.fits(w) && (x.bits, x.group, x.cols) == (w.bits(), w.group_size(), w.cols())
     }
 
     pub fn rows(&self) -> usize {
-        self.r.len() / (self.parts.count() * self.cols)
+        self.rows
     }
 
-    /// Input row `i`'s high parts; its low parts (if any) follow them, `cols` bytes on.
+    pub(super) fn isa(&self) -> Int8Isa {
+        self.x.isa
+    }
+
+    pub(super) fn parts(&self) -> InputParts {
+        self.x.parts
+    }
+
+    fn source(&self, i: usize) -> usize {
+        assert!(i < self.rows);
+        self.pick.map_or(i, |p| p[i])
+    }
+
+    /// Row `i`'s high parts; its low parts (if any) follow them, `cols` bytes on.
     pub(super) fn row_parts(&self, i: usize) -> *const i8 {
-        self.r[i * self.parts.count() * self.cols..].as_ptr()
+        let x = self.x;
+        x.r[self.source(i) * x.parts.count() * x.cols..].as_ptr()
+    }
+
+    /// Row `i`'s steps, one per lane of each block.
+    pub(super) fn steps(&self, i: usize) -> &[f32] {
+        let per_row = self.x.steps.len() / self.x.rows;
+        &self.x.steps[self.source(i) * per_row..][..per_row]
+    }
+
+    /// Row `i`'s sums of rounded inputs, one per group.
+    pub(super) fn sums(&self, i: usize) -> &[f32] {
+        let per_row = self.x.cols / self.x.group;
+        &self.x.sums[self.source(i) * per_row..][..per_row]
     }
 }
 
