@@ -253,17 +253,18 @@ fn round_row(s: &Shape, row: Row) {
     }
 }
 
-/// `max |x|`, 16 lanes at a time. Exact whatever the order (a maximum rounds nothing).
+/// `max |x|`, 16 lanes at a time. Exact whatever the order (a maximum rounds nothing). A NaN
+/// wins, so the group's step is NaN and the product's output too, as the f32 path gives.
 #[inline(always)]
 fn largest_magnitude(xg: &[f32]) -> f32 {
+    let larger = |m: f32, a: f32| if a > m || a.is_nan() { a } else { m };
     let mut m = [0f32; LANES];
     for c in xg.chunks_exact(LANES) {
         for (m, v) in m.iter_mut().zip(c) {
-            let a = v.abs();
-            *m = if a > *m { a } else { *m };
+            *m = larger(*m, v.abs());
         }
     }
-    m.iter().fold(0f32, |a, &b| if b > a { b } else { a })
+    m.iter().fold(0f32, |a, &b| larger(a, b))
 }
 
 /// A group's parts of `y = x · inv`: `h = round(y)` (ties to even), and with two parts

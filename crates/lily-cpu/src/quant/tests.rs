@@ -314,3 +314,35 @@ fn picked_rows_equal_gathered_rows_to_the_bit() {
         }
     }
 }
+
+/// A NaN input reaches the output of its row, with every kernel, as the f32 path gives; the
+/// other rows are untouched.
+#[test]
+fn a_nan_input_gives_nan_outputs_with_every_kernel() {
+    let mut kernels: Vec<Kernel> = Isa::available().into_iter().map(Kernel::F32).collect();
+    for isa in Int8Isa::available() {
+        kernels.extend([InputParts::One, InputParts::Two].map(|p| Kernel::Int8(isa, p)));
+    }
+    let (n, k, rows) = (9, 256, 3);
+    let w = random_matrix(n, k, 4, 64, 8);
+    let mut x: Vec<f32> = (0..rows * k).map(|j| uniform_at(9, j as u64)).collect();
+    x[k + 70] = f32::NAN;
+    for kernel in kernels {
+        let [out] = <[Vec<f32>; 1]>::try_from(products_with(
+            kernel,
+            &[Product::new(Weight::Affine(&w), &x, rows)],
+        ))
+        .unwrap();
+        for (r, row) in out.chunks(n).enumerate() {
+            assert_eq!(
+                row.iter().all(|v| v.is_nan()),
+                r == 1,
+                "{kernel:?}, row {r}"
+            );
+            assert!(
+                r == 1 || row.iter().all(|v| v.is_finite()),
+                "{kernel:?}, row {r}"
+            );
+        }
+    }
+}
