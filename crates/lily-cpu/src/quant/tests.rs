@@ -279,15 +279,11 @@ fn the_int8_tiles_equal_the_int8_rows_to_the_bit() {
 /// one rounded copy of the whole input. Picks are ragged, out of order and may repeat or be empty.
 #[test]
 fn picked_rows_equal_gathered_rows_to_the_bit() {
-    let mut kernels: Vec<Kernel> = Isa::available().into_iter().map(Kernel::F32).collect();
-    for isa in Int8Isa::available() {
-        kernels.extend([InputParts::One, InputParts::Two].map(|p| Kernel::Int8(isa, p)));
-    }
     let (n, k, rows) = (70, 512, 37);
     let w = random_matrix(n, k, 4, 64, 5);
     let x: Vec<f32> = (0..rows * k).map(|j| uniform_at(6, j as u64)).collect();
     let picks: [&[usize]; 4] = [&[3], &[0, 5, 6, 9, 36, 20, 21], &[8, 8, 2], &[]];
-    for kernel in kernels {
+    for kernel in every_kernel() {
         let list: Vec<Product> = picks
             .iter()
             .map(|&p| Product::picked(Weight::Affine(&w), &x, p))
@@ -319,15 +315,11 @@ fn picked_rows_equal_gathered_rows_to_the_bit() {
 /// other rows are untouched.
 #[test]
 fn a_nan_input_gives_nan_outputs_with_every_kernel() {
-    let mut kernels: Vec<Kernel> = Isa::available().into_iter().map(Kernel::F32).collect();
-    for isa in Int8Isa::available() {
-        kernels.extend([InputParts::One, InputParts::Two].map(|p| Kernel::Int8(isa, p)));
-    }
     let (n, k, rows) = (9, 256, 3);
     let w = random_matrix(n, k, 4, 64, 8);
     let mut x: Vec<f32> = (0..rows * k).map(|j| uniform_at(9, j as u64)).collect();
     x[k + 70] = f32::NAN;
-    for kernel in kernels {
+    for kernel in every_kernel() {
         let [out] = <[Vec<f32>; 1]>::try_from(products_with(
             kernel,
             &[Product::new(Weight::Affine(&w), &x, rows)],
@@ -345,4 +337,13 @@ fn a_nan_input_gives_nan_outputs_with_every_kernel() {
             );
         }
     }
+}
+
+/// Every f32 kernel and every int8 kernel (both part counts) this CPU runs.
+fn every_kernel() -> Vec<Kernel> {
+    let mut kernels: Vec<Kernel> = Isa::available().into_iter().map(Kernel::F32).collect();
+    for isa in Int8Isa::available() {
+        kernels.extend([InputParts::One, InputParts::Two].map(|p| Kernel::Int8(isa, p)));
+    }
+    kernels
 }
