@@ -3,13 +3,13 @@
 
 use lily_core::config::ModelConfig;
 use lily_core::weights::AttentionWeights;
-use rayon::prelude::*;
 
 use crate::numerics::{FA_KEYS, Numerics, bf16};
 use crate::ops::{dot, rms_norm_rows, row_of, sigmoid};
 use crate::products::Product;
 use crate::profile::{Stage, stage};
 use crate::state::KvCache;
+use crate::team;
 
 /// Runs `rows` tokens starting at absolute position `start`; appends them to `cache`.
 pub fn attention(
@@ -39,12 +39,14 @@ pub fn attention_batch(
 ) -> Vec<f32> {
     let rows = caches.len();
     let p = stage(Stage::MixerInput, || Projections::of(w, x, rows, nx));
+    // One sequence after another, each spread over the team by heads (a flat region: a batch
+    // is a handful of sequences, fewer than the threads).
     let out: Vec<f32> = stage(Stage::Attention, || {
         caches
-            .par_iter_mut()
+            .iter_mut()
             .zip(starts)
             .enumerate()
-            .flat_map_iter(|(i, (cache, &start))| attend(c, w, p.row(i, rows), start, cache, nx))
+            .flat_map(|(i, (cache, &start))| attend(c, w, p.row(i, rows), start, cache, nx))
             .collect()
     });
     stage(Stage::MixerOutput, || nx.matmul(&out, rows, &w.o_proj))
@@ -119,7 +121,7 @@ fn attend(
     let group = nh / nkv;
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0f32; rows * nh * hd];
-    out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
+    team::for_chunks(&mut out, hd, |i, o| {
         let (t, h) = (i / nh, i % nh);
         let kvh = h / group;
         let head = Head {

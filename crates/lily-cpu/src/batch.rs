@@ -14,7 +14,7 @@ use anyhow::{Result, bail, ensure};
 use lily_core::weights::Mixer;
 
 use crate::ops::{add_in_place, rms_norm};
-use crate::profile::{Stage, on_pool, stage};
+use crate::profile::{Stage, stage};
 use crate::state::{CpuState, LayerState};
 use crate::{CpuBackend, attention, gdn, moe};
 
@@ -22,7 +22,7 @@ impl CpuBackend {
     /// Feeds `tokens[i]` to `states[i]` for every i and returns the logits, `[B, vocab]`.
     /// Checked before anything runs, so on error no state has changed.
     pub fn decode_rows(&self, states: &mut [&mut CpuState], tokens: &[u32]) -> Result<Vec<f32>> {
-        on_pool(|| self.decode_rows_here(states, tokens))
+        crate::team::step(|| self.decode_rows_here(states, tokens))
     }
 
     fn decode_rows_here(&self, states: &mut [&mut CpuState], tokens: &[u32]) -> Result<Vec<f32>> {

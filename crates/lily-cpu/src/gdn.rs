@@ -3,7 +3,6 @@
 
 use lily_core::config::ModelConfig;
 use lily_core::weights::GdnWeights;
-use rayon::prelude::*;
 
 use crate::delta_rule::{self, HeadInputs};
 use crate::numerics::Numerics;
@@ -11,6 +10,7 @@ use crate::ops::{inv_rms, l2_normalize, row_of, sigmoid, silu, softplus};
 use crate::products::Product;
 use crate::profile::{Stage, stage};
 use crate::state::GdnState;
+use crate::team;
 
 /// Which form of the delta rule a prefill uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,11 +56,13 @@ pub fn gated_delta_net_batch(
 ) -> Vec<f32> {
     let rows = states.len();
     let p = stage(Stage::MixerInput, || Projections::of(w, x, rows, nx));
+    // One sequence after another, each spread over the team by heads (a flat region: a batch
+    // is a handful of sequences, fewer than the threads).
     let out: Vec<f32> = stage(Stage::DeltaNet, || {
         states
-            .par_iter_mut()
+            .iter_mut()
             .enumerate()
-            .flat_map_iter(|(i, state)| mix(c, w, &p.row(i, rows), 1, state, GdnForm::Recurrent))
+            .flat_map(|(i, state)| mix(c, w, &p.row(i, rows), 1, state, GdnForm::Recurrent))
             .collect()
     });
     stage(Stage::MixerOutput, || nx.matmul(&out, rows, &w.out_proj))
@@ -116,25 +118,24 @@ fn mix(
     // Causal conv: the window is the cached pre-conv rows followed by this chunk's rows.
     let mut window = std::mem::take(&mut state.conv);
     window.extend_from_slice(mixed);
-    // In blocks of channels as well as rows: a decode step has one row, whose 8,192 channels
-    // (an exponential each) took ~60 µs a layer on one thread.
+    // In blocks of channels within a row: a decode step has one row, whose 8,192 channels (an
+    // exponential each) took ~60 µs a layer on one thread.
     let mut conv = vec![0f32; rows * conv_dim];
-    conv.par_chunks_mut(conv_dim)
-        .enumerate()
-        .for_each(|(t, out)| {
-            out.par_chunks_mut(CONV_CHANNELS_PER_TASK)
-                .enumerate()
-                .for_each(|(blk, out)| {
-                    for (i, o) in out.iter_mut().enumerate() {
-                        let ch = blk * CONV_CHANNELS_PER_TASK + i;
-                        let taps = &w.conv1d.data[ch * kernel..(ch + 1) * kernel];
-                        let sum: f32 = (0..kernel)
-                            .map(|j| taps[j] * window[(t + j) * conv_dim + ch])
-                            .sum();
-                        *o = silu(sum);
-                    }
-                });
-        });
+    // Blocks that tile every row: the largest divisor of the row up to the block size.
+    let block = (1..=CONV_CHANNELS_PER_TASK)
+        .rev()
+        .find(|d| conv_dim.is_multiple_of(*d))
+        .unwrap_or(1);
+    team::for_chunks(&mut conv, block, |i, out| {
+        let (t, first) = (i * block / conv_dim, i * block % conv_dim);
+        for (ch, o) in (first..).zip(out) {
+            let taps = &w.conv1d.data[ch * kernel..(ch + 1) * kernel];
+            let sum: f32 = (0..kernel)
+                .map(|j| taps[j] * window[(t + j) * conv_dim + ch])
+                .sum();
+            *o = silu(sum);
+        }
+    });
     state.conv = window[rows * conv_dim..].to_vec();
 
     // Per value head: gather q/k (of its key head) and v, normalise, and compute the gates.
@@ -142,11 +143,11 @@ fn mix(
     let q_scale = 1.0 / (dk as f32).sqrt();
     let mut out = vec![0f32; rows * nv * dv];
     let mut per_head: Vec<Vec<f32>> = vec![vec![0f32; rows * dv]; nv];
-    per_head
-        .par_iter_mut()
-        .zip(state.recurrent.par_chunks_mut(dk * dv))
-        .enumerate()
-        .for_each(|(j, (o, s))| {
+    team::for_chunks2(
+        (&mut per_head, 1),
+        (&mut state.recurrent, dk * dv),
+        |j, o, s| {
+            let o = &mut o[0];
             let kh = j / ratio;
             let (mut q, mut k, mut v) = (
                 Vec::with_capacity(rows * dk),
@@ -180,17 +181,22 @@ fn mix(
                 GdnForm::Recurrent => delta_rule::recurrent(&inputs, s, o),
                 GdnForm::Chunked => delta_rule::chunked(&inputs, GDN_CHUNK, s, o),
             }
-        });
+        },
+    );
 
     // Gated RMSNorm per value head: normalise, scale by the plain weight, gate with silu(z). In
     // parallel: at 16 threads a serial pass over a prompt chunk's rows costs as much as the heads.
-    out.par_chunks_mut(dv).enumerate().for_each(|(th, dst)| {
-        let (t, j) = (th / nv, th % nv);
-        let o = &per_head[j][t * dv..(t + 1) * dv];
-        let inv = inv_rms(o, c.rms_norm_eps);
-        let zt = &z[th * dv..(th + 1) * dv];
-        for i in 0..dv {
-            dst[i] = o[i] * inv * w.norm[i] * silu(zt[i]);
+    // A few tasks a thread: a head's row alone is too little work to hand out.
+    let per_task = (rows * nv).div_ceil(4 * team::threads());
+    team::for_chunks(&mut out, per_task * dv, |task, chunk| {
+        for (th, dst) in (task * per_task..).zip(chunk.chunks_mut(dv)) {
+            let (t, j) = (th / nv, th % nv);
+            let o = &per_head[j][t * dv..(t + 1) * dv];
+            let inv = inv_rms(o, c.rms_norm_eps);
+            let zt = &z[th * dv..(th + 1) * dv];
+            for i in 0..dv {
+                dst[i] = o[i] * inv * w.norm[i] * silu(zt[i]);
+            }
         }
     });
     out

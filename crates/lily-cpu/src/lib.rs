@@ -11,11 +11,11 @@ mod moe;
 mod numerics;
 pub mod ops;
 mod options;
-mod pool;
 pub mod products;
 pub mod profile;
 pub mod quant;
 mod state;
+mod team;
 
 use std::sync::Arc;
 
@@ -31,9 +31,10 @@ pub use numerics::{FA_KEYS, KvPrecision, Numerics, bf16};
 pub use options::CpuOptions;
 pub use quant::InputParts;
 pub use state::CpuState;
+pub use team::threads;
 
 use crate::ops::{add_in_place, rms_norm};
-use crate::profile::{Stage, on_pool, stage};
+use crate::profile::{Stage, stage};
 use crate::state::LayerState;
 
 pub struct CpuBackend {
@@ -126,7 +127,7 @@ impl CpuBackend {
         trace: Option<&mut Vec<Vec<f32>>>,
         nx: Numerics,
     ) -> Result<Vec<f32>> {
-        on_pool(|| self.run_here(state, tokens, rows, trace, nx))
+        team::step(|| self.run_here(state, tokens, rows, trace, nx))
     }
 
     fn run_here(
@@ -220,7 +221,7 @@ impl Backend for CpuBackend {
     }
 
     fn device_name(&self) -> String {
-        format!("cpu ({} threads)", rayon::current_num_threads())
+        format!("cpu ({} threads)", threads())
     }
 
     fn max_prefill_chunk(&self) -> usize {

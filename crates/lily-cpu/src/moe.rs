@@ -3,12 +3,12 @@
 
 use lily_core::config::ModelConfig;
 use lily_core::weights::{Expert, MoeWeights};
-use rayon::prelude::*;
 
 use crate::numerics::Numerics;
 use crate::ops::{sigmoid, silu, softmax};
 use crate::products::Product;
 use crate::profile::{Stage, stage};
+use crate::team;
 
 /// The experts chosen for one token and their combine weights.
 #[derive(Clone, Debug, PartialEq)]
@@ -93,16 +93,10 @@ fn experts(
         };
         [input(&e.gate_proj), input(&e.up_proj)]
     }));
-    let acts: Vec<Vec<f32>> = gate_up
-        .par_chunks(2)
-        .map(|gu| {
-            gu[0]
-                .iter()
-                .zip(&gu[1])
-                .map(|(g, u)| silu(*g) * u)
-                .collect()
-        })
-        .collect();
+    let acts: Vec<Vec<f32>> = team::map(gate_up.len() / 2, |e| {
+        let (g, u) = (&gate_up[2 * e], &gate_up[2 * e + 1]);
+        g.iter().zip(u).map(|(g, u)| silu(*g) * u).collect()
+    });
     let downs = nx.products_of(
         runs.iter()
             .zip(&acts)
@@ -121,19 +115,16 @@ fn experts(
     }
     let shared = &downs[chosen.len()];
     let mut out = vec![0f32; rows * h];
-    out.par_chunks_mut(h)
-        .zip(&parts)
-        .enumerate()
-        .for_each(|(t, (dst, row_parts))| {
-            for &(k, i, weight) in row_parts {
-                dst.iter_mut()
-                    .zip(&downs[k][i * h..(i + 1) * h])
-                    .for_each(|(d, v)| *d += weight * v);
-            }
-            let gate = sigmoid(gates[t]);
+    team::for_chunks(&mut out, h, |t, dst| {
+        for &(k, i, weight) in &parts[t] {
             dst.iter_mut()
-                .zip(&shared[t * h..(t + 1) * h])
-                .for_each(|(d, v)| *d += gate * v);
-        });
+                .zip(&downs[k][i * h..(i + 1) * h])
+                .for_each(|(d, v)| *d += weight * v);
+        }
+        let gate = sigmoid(gates[t]);
+        dst.iter_mut()
+            .zip(&shared[t * h..(t + 1) * h])
+            .for_each(|(d, v)| *d += gate * v);
+    });
     out
 }

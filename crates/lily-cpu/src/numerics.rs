@@ -10,11 +10,10 @@ use std::borrow::Cow;
 
 use lily_core::weights::Linear;
 
-use rayon::prelude::*;
-
 use crate::ops::dot;
 use crate::products::{Kernel, Product, Weight, products, products_with, transpose};
 use crate::quant::{InputParts, Int8Isa};
+use crate::team;
 
 /// The arithmetic of a prefill.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -132,14 +131,11 @@ fn by_weight_rows(
     row: impl Fn(usize, &mut [f32]) + Sync,
 ) -> Vec<f32> {
     let mut out_t = vec![0f32; n * rows];
-    out_t
-        .par_chunks_mut(per_task * rows)
-        .enumerate()
-        .for_each(|(task, chunk)| {
-            for (j, out) in chunk.chunks_mut(rows).enumerate() {
-                row(task * per_task + j, out);
-            }
-        });
+    team::for_chunks(&mut out_t, per_task * rows, |task, chunk| {
+        for (j, out) in chunk.chunks_mut(rows).enumerate() {
+            row(task * per_task + j, out);
+        }
+    });
     transpose(out_t, n, rows)
 }
 

@@ -14,7 +14,6 @@ use std::borrow::Cow;
 
 use lily_core::quant::QuantMatrix;
 use lily_core::weights::{Linear, Matrix};
-use rayon::prelude::*;
 
 use crate::ops::dot;
 #[cfg(target_arch = "x86_64")]
@@ -22,6 +21,7 @@ use crate::quant::int8::{self, RoundedRows};
 use crate::quant::{
     InputParts, Int8Isa, Isa, nibble_order, product_rows, to_nibble_order_in_parallel,
 };
+use crate::team;
 
 /// A weight matrix as the kernels read it.
 #[derive(Clone, Copy)]
@@ -184,8 +184,9 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
         }
     }
     // Products of the same input and layout share one prepared copy (a rounded one serves every
-    // pick of its rows); the copies are made in parallel (a prefill's experts have hundreds of
-    // distinct inputs).
+    // pick of its rows). Hundreds of copies (a prefill's experts' gathered rows, f32) are made
+    // in parallel, a few (a decode step's, or a chunk's one rounded copy) one after another,
+    // each in parallel inside.
     let mut firsts: Vec<(usize, Layout)> = Vec::new();
     let mut input_of = Vec::with_capacity(list.len());
     for (i, p) in list.iter().enumerate() {
@@ -201,10 +202,12 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
             firsts.len() - 1
         }));
     }
-    let inputs: Vec<Input<'_>> = firsts
-        .par_iter()
-        .map(|&(j, order)| Input::of(&list[j], order, kernel))
-        .collect();
+    let input = |&(j, order): &(usize, Layout)| Input::of(&list[j], order, kernel);
+    let inputs: Vec<Input<'_>> = if firsts.len() < team::threads() {
+        firsts.iter().map(input).collect()
+    } else {
+        team::map(firsts.len(), |i| input(&firsts[i]))
+    };
 
     // Tasks are cut by work (multiply-adds), not by weight rows: a prefill's shared expert has
     // all the chunk's rows where a routed expert has a handful, and as one task it would be the
@@ -213,7 +216,7 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
     // memory traffic.
     let work = |p: &Product| p.w.cols() * p.rows;
     let total: usize = list.iter().map(|p| p.w.rows() * work(p)).sum();
-    let per_task = total.div_ceil(rayon::current_num_threads() * 4);
+    let per_task = total.div_ceil(team::threads() * 4);
     let mut outs: Vec<Vec<f32>> = list
         .iter()
         .map(|p| vec![0f32; p.rows * p.w.rows()])
@@ -226,7 +229,8 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
         }
     }
     let targets = Targets(outs.iter_mut().map(|o| o.as_mut_ptr()).collect());
-    tasks.into_par_iter().for_each(|(i, first, count)| {
+    team::for_each(tasks.len(), |t| {
+        let (i, first, count) = tasks[t];
         let p = &list[i];
         // The kernels write weight-row-major `[count, rows]`; callers want `[rows, n]`. A task
         // computes its rows a block at a time into a buffer that stays in L2 and writes the
@@ -306,19 +310,17 @@ pub(crate) fn transpose(m: Vec<f32>, n: usize, rows: usize) -> Vec<f32> {
         return m;
     }
     let mut out = vec![0f32; rows * n];
-    let per_task = rows.div_ceil(rayon::current_num_threads()).clamp(1, 16);
-    out.par_chunks_mut(per_task * n)
-        .enumerate()
-        .for_each(|(task, chunk)| {
-            let first = task * per_task;
-            for j0 in (0..n).step_by(PANEL) {
-                let panel = j0..(j0 + PANEL).min(n);
-                for (r, row) in chunk.chunks_exact_mut(n).enumerate() {
-                    for j in panel.clone() {
-                        row[j] = m[j * rows + first + r];
-                    }
+    let per_task = rows.div_ceil(team::threads()).clamp(1, 16);
+    team::for_chunks(&mut out, per_task * n, |task, chunk| {
+        let first = task * per_task;
+        for j0 in (0..n).step_by(PANEL) {
+            let panel = j0..(j0 + PANEL).min(n);
+            for (r, row) in chunk.chunks_exact_mut(n).enumerate() {
+                for j in panel.clone() {
+                    row[j] = m[j * rows + first + r];
                 }
             }
-        });
+        }
+    });
     out
 }

@@ -75,26 +75,6 @@ pub(crate) fn stage<T>(stage: Stage, f: impl FnOnce() -> T) -> T {
     out
 }
 
-/// Runs `f` on a thread of the backend's pool (pool.rs; at once when this is one), carrying
-/// this thread's clock there and back. A decode step is dozens of parallel regions a layer;
-/// started from outside the pool, each is injected into it while the caller sleeps until it ends
-/// (two wake-ups a region), while from a worker the region's tasks go to that worker's own queue
-/// and it works on them.
-pub(crate) fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    let pool = crate::pool::pool();
-    if pool.current_thread_index().is_some() {
-        return f();
-    }
-    let clock = CLOCK.with(|c| *c.borrow());
-    let (out, clock) = pool.install(|| {
-        let previous = CLOCK.with(|c| c.replace(clock));
-        let out = f();
-        (out, CLOCK.with(|c| c.replace(previous)))
-    });
-    CLOCK.with(|c| *c.borrow_mut() = clock);
-    out
-}
-
 /// Runs `f` with the clock on; returns its result and the milliseconds each stage took (every
 /// stage, in model order, those that did not run included as zero).
 pub fn profiled<T>(f: impl FnOnce() -> T) -> (T, Vec<(&'static str, f64)>) {
@@ -126,26 +106,6 @@ mod tests {
         assert!(get_of(&times, Stage::Router) >= 2.0, "{times:?}");
         assert_eq!(get_of(&times, Stage::LmHead), 0.0, "{times:?}");
         assert_eq!(times.len(), STAGES.len());
-    }
-
-    /// A step moved onto a worker still charges the caller's clock, and only while it is on.
-    #[test]
-    fn work_on_the_pool_runs_on_a_worker_and_charges_the_callers_clock() {
-        let spin = |ms: u64| std::thread::sleep(std::time::Duration::from_millis(ms));
-        assert!(rayon::current_thread_index().is_none());
-        let (worker, times) = profiled(|| {
-            on_pool(|| {
-                stage(Stage::Experts, || spin(10));
-                rayon::current_thread_index()
-            })
-        });
-        assert!(worker.is_some(), "on_pool ran on the caller's thread");
-        assert!(get_of(&times, Stage::Experts) >= 10.0, "{times:?}");
-        // Not profiled: nothing is charged, here or on the worker, and the next profile starts at zero.
-        on_pool(|| stage(Stage::Experts, || spin(5)));
-        let ((), times) = profiled(|| on_pool(|| stage(Stage::Router, || spin(1))));
-        assert_eq!(get_of(&times, Stage::Experts), 0.0, "{times:?}");
-        assert!(get_of(&times, Stage::Router) >= 1.0, "{times:?}");
     }
 
     /// Stage `s`'s milliseconds in a profile.

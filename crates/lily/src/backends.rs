@@ -40,7 +40,7 @@ impl AnyBackend {
     /// every weight read.
     pub fn default_max_batch(&self) -> usize {
         match self {
-            AnyBackend::Cpu(_) => rayon::current_num_threads().clamp(2, 8),
+            AnyBackend::Cpu(_) => lily_cpu::threads().clamp(2, 8),
             AnyBackend::Cuda(_) => 8,
         }
     }

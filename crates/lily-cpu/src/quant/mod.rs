@@ -21,9 +21,9 @@ use std::sync::OnceLock;
 
 use half::bf16;
 use lily_core::quant::QuantMatrix;
-use rayon::prelude::*;
 
 use crate::products::{Kernel, Product, Weight, products_with};
+use crate::team;
 
 /// The instruction sets a kernel can use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -168,10 +168,15 @@ pub(crate) fn to_nibble_order(x: &[f32]) -> Vec<f32> {
 /// made on one thread it held up the stage's region). Not for [`self_check`], whose work must
 /// stay on its thread.
 pub(crate) fn to_nibble_order_in_parallel(x: &[f32]) -> Vec<f32> {
+    // Tasks of 256 blocks (32 KB): one block is too little work to hand out.
+    const TASK: usize = 32 * 256;
     let mut out = vec![0f32; x.len()];
-    out.par_chunks_mut(32)
-        .zip(x.par_chunks(32))
-        .for_each(|(o, block)| o.copy_from_slice(&nibble_block(block)));
+    team::for_chunks(&mut out, TASK, |i, o| {
+        let x = &x[i * TASK..(i * TASK + o.len())];
+        for (o, block) in o.chunks_mut(32).zip(x.chunks(32)) {
+            o.copy_from_slice(&nibble_block(block));
+        }
+    });
     out
 }
 
@@ -217,10 +222,10 @@ fn dot_rows(isa: Isa, w: &QuantMatrix, row: usize, xs: &[f32], out: &mut [f32]) 
 }
 
 /// Compares `isa` with the portable kernel on small 4- and 8-bit products, built and run on this
-/// thread alone. It runs inside `detect`'s one-time initialiser, often on a pool worker: any
-/// parallel region there (quantising the test matrix was one) lets the worker, while it waits for
-/// its stolen halves, pick up another job that calls `detect` and block on the initialiser it is
-/// itself running. CI hung so, two tests' first products meeting in the backend's pool.
+/// thread alone. It runs inside `detect`'s one-time initialiser, often within another thread's
+/// step: a parallel region there (quantising the test matrix was one) would wait for that step
+/// while the step waits for the initialiser. CI hung so (on rayon's pool, a worker stealing a job
+/// that called `detect` while it ran the initialiser).
 fn self_check(isa: Isa) -> Result<(), String> {
     for (rows, cols, bits, group) in [(40, 256, 4, 64), (24, 128, 8, 64), (8, 192, 4, 32)] {
         let groups = rows * cols / group;

@@ -5,9 +5,9 @@
 //! The results are the same bits in either build.
 
 use lily_core::quant::QuantMatrix;
-use rayon::prelude::*;
 
 use super::{InputParts, Int8Isa};
+use crate::team;
 
 /// The low part's weight against the high part's: `X = 128·h + l`. A power of two so the kernel
 /// joins the parts' integer sums with a shift.
@@ -94,13 +94,13 @@ impl RoundedRows {
         let mut sums = vec![0f32; rows * cols / group];
         // Rows in parallel: a prefill chunk's input is hundreds of rows, and rounded on one
         // thread it held up the whole stage's region.
-        r.par_chunks_mut(count * cols)
-            .zip(steps.par_chunks_mut(cols / shape.lane_cols))
-            .zip(sums.par_chunks_mut(cols / group))
-            .zip(x.par_chunks_exact(cols))
-            .for_each(|(((out, steps), sums), x)| {
+        team::for_chunks3(
+            (&mut r, count * cols),
+            (&mut steps, cols / shape.lane_cols),
+            (&mut sums, cols / group),
+            |i, out, steps, sums| {
                 let row = Row {
-                    x,
+                    x: &x[i * cols..(i + 1) * cols],
                     out,
                     steps,
                     sums,
@@ -113,7 +113,8 @@ impl RoundedRows {
                         Int8Isa::Avx512Vnni => round_row_avx512(&shape, row),
                     }
                 }
-            });
+            },
+        );
         RoundedRows {
             isa,
             parts,
