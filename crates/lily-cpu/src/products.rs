@@ -212,7 +212,7 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
     // Tasks are cut by work (multiply-adds), not by weight rows: a prefill's shared expert has
     // all the chunk's rows where a routed expert has a handful, and as one task it would be the
     // region's tail on many threads. Every thread gets several tasks to balance the region;
-    // none is under 32 weight rows (tens of KB), which keeps rayon's overhead small next to the
+    // none is under 32 weight rows (tens of KB), which keeps a task's hand-out small next to the
     // memory traffic.
     let work = |p: &Product| p.w.cols() * p.rows;
     let total: usize = list.iter().map(|p| p.w.rows() * work(p)).sum();
