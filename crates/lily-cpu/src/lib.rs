@@ -7,6 +7,7 @@ mod attention;
 mod batch;
 pub mod delta_rule;
 mod gdn;
+mod heap;
 mod moe;
 mod numerics;
 pub mod ops;
@@ -49,6 +50,7 @@ pub struct CpuBackend {
 
 impl CpuBackend {
     pub fn new(config: ModelConfig, weights: impl Into<Arc<ModelWeights>>) -> Self {
+        heap::keep_freed_memory();
         CpuBackend {
             config,
             weights: weights.into(),
