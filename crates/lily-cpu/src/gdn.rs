@@ -40,7 +40,7 @@ pub fn gated_delta_net(
     nx: Numerics,
 ) -> Vec<f32> {
     let p = stage(Stage::MixerInput, || Projections::of(w, x, rows, nx));
-    let out = stage(Stage::DeltaNet, || mix(c, w, &p, rows, state, form));
+    let out = mix(c, w, &p, rows, state, form);
     stage(Stage::MixerOutput, || nx.matmul(&out, rows, &w.out_proj))
 }
 
@@ -58,13 +58,11 @@ pub fn gated_delta_net_batch(
     let p = stage(Stage::MixerInput, || Projections::of(w, x, rows, nx));
     // One sequence after another, each spread over the team by heads (a flat region: a batch
     // is a handful of sequences, fewer than the threads).
-    let out: Vec<f32> = stage(Stage::DeltaNet, || {
-        states
-            .iter_mut()
-            .enumerate()
-            .flat_map(|(i, state)| mix(c, w, &p.row(i, rows), 1, state, GdnForm::Recurrent))
-            .collect()
-    });
+    let out: Vec<f32> = states
+        .iter_mut()
+        .enumerate()
+        .flat_map(|(i, state)| mix(c, w, &p.row(i, rows), 1, state, GdnForm::Recurrent))
+        .collect();
     stage(Stage::MixerOutput, || nx.matmul(&out, rows, &w.out_proj))
 }
 
@@ -110,13 +108,27 @@ fn mix(
     state: &mut GdnState,
     form: GdnForm,
 ) -> Vec<f32> {
-    let (nk, nv) = (c.linear_num_key_heads, c.linear_num_value_heads);
-    let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
-    let (key_dim, conv_dim, kernel) = (c.gdn_key_dim(), c.gdn_conv_dim(), c.conv_kernel);
-    let Projections { mixed, z, b, a } = p;
+    let conv = stage(Stage::GdnConv, || {
+        causal_conv(c, w, &p.mixed, rows, &mut state.conv)
+    });
+    let per_head = stage(Stage::DeltaRule, || {
+        delta_rule_heads(c, w, p, &conv, rows, &mut state.recurrent, form)
+    });
+    stage(Stage::GdnNorm, || gated_norm(c, w, &per_head, &p.z, rows))
+}
 
-    // Causal conv: the window is the cached pre-conv rows followed by this chunk's rows.
-    let mut window = std::mem::take(&mut state.conv);
+/// The causal conv of a chunk's q|k|v rows, silu applied; `cached` holds the rows before them
+/// and is moved on past them.
+fn causal_conv(
+    c: &ModelConfig,
+    w: &GdnWeights,
+    mixed: &[f32],
+    rows: usize,
+    cached: &mut Vec<f32>,
+) -> Vec<f32> {
+    let (conv_dim, kernel) = (c.gdn_conv_dim(), c.conv_kernel);
+    // The window is the cached pre-conv rows followed by this chunk's rows.
+    let mut window = std::mem::take(cached);
     window.extend_from_slice(mixed);
     // In blocks of channels within a row: a decode step has one row, whose 8,192 channels (an
     // exponential each) took ~60 µs a layer on one thread.
@@ -136,57 +148,79 @@ fn mix(
             *o = silu(sum);
         }
     });
-    state.conv = window[rows * conv_dim..].to_vec();
+    *cached = window[rows * conv_dim..].to_vec();
+    conv
+}
 
-    // Per value head: gather q/k (of its key head) and v, normalise, and compute the gates.
+/// Per value head: gather q/k (of its key head) and v, normalise, compute the gates and run the
+/// delta rule on the head's state (`states`, `[value head, dk, dv]`); each head's output rows.
+fn delta_rule_heads(
+    c: &ModelConfig,
+    w: &GdnWeights,
+    p: &Projections,
+    conv: &[f32],
+    rows: usize,
+    states: &mut [f32],
+    form: GdnForm,
+) -> Vec<Vec<f32>> {
+    let (nk, nv) = (c.linear_num_key_heads, c.linear_num_value_heads);
+    let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+    let (key_dim, conv_dim) = (c.gdn_key_dim(), c.gdn_conv_dim());
+    let (b, a) = (&p.b, &p.a);
     let ratio = nv / nk;
     let q_scale = 1.0 / (dk as f32).sqrt();
-    let mut out = vec![0f32; rows * nv * dv];
     let mut per_head: Vec<Vec<f32>> = vec![vec![0f32; rows * dv]; nv];
-    team::for_chunks2(
-        (&mut per_head, 1),
-        (&mut state.recurrent, dk * dv),
-        |j, o, s| {
-            let o = &mut o[0];
-            let kh = j / ratio;
-            let (mut q, mut k, mut v) = (
-                Vec::with_capacity(rows * dk),
-                Vec::with_capacity(rows * dk),
-                Vec::new(),
-            );
-            let (mut beta, mut g) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
-            let a_rate = w.a_log[j].exp();
-            for t in 0..rows {
-                let row = &conv[t * conv_dim..(t + 1) * conv_dim];
-                let mut qt = row[kh * dk..(kh + 1) * dk].to_vec();
-                let mut kt = row[key_dim + kh * dk..key_dim + (kh + 1) * dk].to_vec();
-                l2_normalize(&mut qt, L2_EPS);
-                l2_normalize(&mut kt, L2_EPS);
-                q.extend(qt.iter().map(|x| x * q_scale));
-                k.extend(kt);
-                v.extend_from_slice(&row[2 * key_dim + j * dv..2 * key_dim + (j + 1) * dv]);
-                beta.push(sigmoid(b[t * nv + j]));
-                g.push(-a_rate * softplus(a[t * nv + j] + w.dt_bias[j]));
-            }
-            let inputs = HeadInputs {
-                q: &q,
-                k: &k,
-                v: &v,
-                beta: &beta,
-                g: &g,
-                dk,
-                dv,
-            };
-            match form {
-                GdnForm::Recurrent => delta_rule::recurrent(&inputs, s, o),
-                GdnForm::Chunked => delta_rule::chunked(&inputs, GDN_CHUNK, s, o),
-            }
-        },
-    );
+    team::for_chunks2((&mut per_head, 1), (states, dk * dv), |j, o, s| {
+        let o = &mut o[0];
+        let kh = j / ratio;
+        let (mut q, mut k, mut v) = (
+            Vec::with_capacity(rows * dk),
+            Vec::with_capacity(rows * dk),
+            Vec::new(),
+        );
+        let (mut beta, mut g) = (Vec::with_capacity(rows), Vec::with_capacity(rows));
+        let a_rate = w.a_log[j].exp();
+        for t in 0..rows {
+            let row = &conv[t * conv_dim..(t + 1) * conv_dim];
+            let mut qt = row[kh * dk..(kh + 1) * dk].to_vec();
+            let mut kt = row[key_dim + kh * dk..key_dim + (kh + 1) * dk].to_vec();
+            l2_normalize(&mut qt, L2_EPS);
+            l2_normalize(&mut kt, L2_EPS);
+            q.extend(qt.iter().map(|x| x * q_scale));
+            k.extend(kt);
+            v.extend_from_slice(&row[2 * key_dim + j * dv..2 * key_dim + (j + 1) * dv]);
+            beta.push(sigmoid(b[t * nv + j]));
+            g.push(-a_rate * softplus(a[t * nv + j] + w.dt_bias[j]));
+        }
+        let inputs = HeadInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            beta: &beta,
+            g: &g,
+            dk,
+            dv,
+        };
+        match form {
+            GdnForm::Recurrent => delta_rule::recurrent(&inputs, s, o),
+            GdnForm::Chunked => delta_rule::chunked(&inputs, GDN_CHUNK, s, o),
+        }
+    });
+    per_head
+}
 
-    // Gated RMSNorm per value head: normalise, scale by the plain weight, gate with silu(z). In
-    // parallel: at 16 threads a serial pass over a prompt chunk's rows costs as much as the heads.
-    // A few tasks a thread: a head's row alone is too little work to hand out.
+/// Gated RMSNorm per value head: normalise, scale by the plain weight, gate with silu(z).
+fn gated_norm(
+    c: &ModelConfig,
+    w: &GdnWeights,
+    per_head: &[Vec<f32>],
+    z: &[f32],
+    rows: usize,
+) -> Vec<f32> {
+    let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
+    let mut out = vec![0f32; rows * nv * dv];
+    // In parallel: at 16 threads a serial pass over a prompt chunk's rows costs as much as the
+    // heads. A few tasks a thread: a head's row alone is too little work to hand out.
     let per_task = (rows * nv).div_ceil(4 * team::threads());
     team::for_chunks(&mut out, per_task * dv, |task, chunk| {
         for (th, dst) in (task * per_task..).zip(chunk.chunks_mut(dv)) {

@@ -15,8 +15,12 @@ pub enum Stage {
     Norms,
     /// q/k/v (attention) and qkv/z/β/decay (Gated DeltaNet) projections.
     MixerInput,
-    /// The conv, the delta rule and the gated norm.
-    DeltaNet,
+    /// The Gated DeltaNet's causal conv (and its state's window).
+    GdnConv,
+    /// The delta rule over each value head, with its inputs' gathering and normalising.
+    DeltaRule,
+    /// The gated RMSNorm of the heads' outputs.
+    GdnNorm,
     /// RoPE, the cache append and the softmax attention.
     Attention,
     /// `o_proj` and `out_proj`.
@@ -29,10 +33,12 @@ pub enum Stage {
     LmHead,
 }
 
-const STAGES: [Stage; 8] = [
+const STAGES: [Stage; 10] = [
     Stage::Norms,
     Stage::MixerInput,
-    Stage::DeltaNet,
+    Stage::GdnConv,
+    Stage::DeltaRule,
+    Stage::GdnNorm,
     Stage::Attention,
     Stage::MixerOutput,
     Stage::Router,
@@ -45,7 +51,9 @@ impl Stage {
         match self {
             Stage::Norms => "norms, embedding, residual",
             Stage::MixerInput => "mixer input projections",
-            Stage::DeltaNet => "gated deltanet (conv, delta rule, norm)",
+            Stage::GdnConv => "gated deltanet: conv",
+            Stage::DeltaRule => "gated deltanet: delta rule",
+            Stage::GdnNorm => "gated deltanet: gated norm",
             Stage::Attention => "attention (rope, cache, softmax)",
             Stage::MixerOutput => "mixer output projection",
             Stage::Router => "router and top-k",
