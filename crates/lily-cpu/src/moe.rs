@@ -21,9 +21,16 @@ pub struct Route {
 pub fn route(c: &ModelConfig, router_logits: &[f32]) -> Route {
     let mut p = router_logits.to_vec();
     softmax(&mut p);
+    // A total order (probability down, then index up), so selecting the k first and sorting
+    // them gives what sorting all 256 did, in a tenth of the time.
+    let before = |a: &usize, b: &usize| p[*b].total_cmp(&p[*a]).then(a.cmp(b));
     let mut order: Vec<usize> = (0..p.len()).collect();
-    order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
-    order.truncate(c.experts_per_token);
+    let k = c.experts_per_token.min(order.len());
+    if k < order.len() {
+        order.select_nth_unstable_by(k, before);
+    }
+    order.truncate(k);
+    order.sort_by(before);
     let mut weights: Vec<f32> = order.iter().map(|&e| p[e]).collect();
     if c.norm_topk_prob {
         let sum: f32 = weights.iter().sum();
@@ -41,7 +48,10 @@ pub fn moe(c: &ModelConfig, w: &MoeWeights, x: &[f32], rows: usize, nx: Numerics
             Product::new(&w.router, x, rows),
             Product::new(&w.shared_expert_gate, x, rows),
         ]);
-        let routes: Vec<Route> = logits.chunks(c.num_experts).map(|l| route(c, l)).collect();
+        // Rows in parallel: a prefill chunk's 256 routes took ~2.5 ms a layer on one thread.
+        let routes = team::map(rows, |t| {
+            route(c, &logits[t * c.num_experts..(t + 1) * c.num_experts])
+        });
         (routes, gates)
     });
     stage(Stage::Experts, || {

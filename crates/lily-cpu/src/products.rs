@@ -212,18 +212,20 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
     // Tasks are cut by work (multiply-adds), not by weight rows: a prefill's shared expert has
     // all the chunk's rows where a routed expert has a handful, and as one task it would be the
     // region's tail on many threads. Every thread gets several tasks to balance the region;
-    // none is under 32 weight rows (tens of KB), which keeps a task's hand-out small next to the
-    // memory traffic.
+    // none is under 64K multiply-adds (a decode step's 32 weight rows of 2,048), which keeps a
+    // task's hand-out small next to its work, and weight rows go in fours (the tiles' height).
+    // A floor in weight rows instead left a prefill's router (256 weight rows, all 256 input
+    // rows) nine tasks for 16 threads.
     let work = |p: &Product| p.w.cols() * p.rows;
     let total: usize = list.iter().map(|p| p.w.rows() * work(p)).sum();
-    let per_task = total.div_ceil(team::threads() * 4);
+    let per_task = total.div_ceil(team::threads() * 4).max(MIN_TASK_WORK);
     let mut outs: Vec<Vec<f32>> = list
         .iter()
         .map(|p| vec![0f32; p.rows * p.w.rows()])
         .collect();
     let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
     for (i, p) in list.iter().enumerate().filter(|(_, p)| p.rows > 0) {
-        let weight_rows = per_task.div_ceil(work(p).max(1)).max(32);
+        let weight_rows = per_task.div_ceil(work(p).max(1)).next_multiple_of(4);
         for first in (0..p.w.rows()).step_by(weight_rows) {
             tasks.push((i, first, weight_rows.min(p.w.rows() - first)));
         }
@@ -256,6 +258,9 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
     });
     outs
 }
+
+/// The least work a task is given, in multiply-adds.
+const MIN_TASK_WORK: usize = 64 << 10;
 
 /// Floats of a task's block buffer (64 KB: a quarter of a core's L2 on the machines measured).
 const SCRATCH_FLOATS: usize = 16 << 10;
