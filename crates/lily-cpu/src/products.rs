@@ -211,14 +211,16 @@ pub fn products_with(kernel: Kernel, list: &[Product<'_>]) -> Vec<Vec<f32>> {
 
     // Tasks are cut by work (multiply-adds), not by weight rows: a prefill's shared expert has
     // all the chunk's rows where a routed expert has a handful, and as one task it would be the
-    // region's tail on many threads. Every thread gets several tasks to balance the region;
-    // none is under 64K multiply-adds (a decode step's 32 weight rows of 2,048), which keeps a
-    // task's hand-out small next to its work, and weight rows go in fours (the tiles' height).
-    // A floor in weight rows instead left a prefill's router (256 weight rows, all 256 input
-    // rows) nine tasks for 16 threads.
+    // region's tail on many threads. Every thread gets sixteen tasks' worth, so the region's
+    // tail (a thread's last task while the others have finished) is short: at four, a decode
+    // step's 72 gate and up tasks were 4 or 5 a thread on 16 threads, a tail of a fifth of the
+    // region. None is under 64K multiply-adds (a decode step's 32 weight rows of 2,048), which
+    // keeps a task's hand-out small next to its work, and weight rows go in fours (the tiles'
+    // height). A floor in weight rows instead left a prefill's router (256 weight rows, all 256
+    // input rows) nine tasks for 16 threads.
     let work = |p: &Product| p.w.cols() * p.rows;
     let total: usize = list.iter().map(|p| p.w.rows() * work(p)).sum();
-    let per_task = total.div_ceil(team::threads() * 4).max(MIN_TASK_WORK);
+    let per_task = total.div_ceil(team::threads() * 16).max(MIN_TASK_WORK);
     let mut outs: Vec<Vec<f32>> = list
         .iter()
         .map(|p| vec![0f32; p.rows * p.w.rows()])
