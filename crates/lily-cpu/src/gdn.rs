@@ -117,8 +117,8 @@ fn mix(
     stage(Stage::GdnNorm, || gated_norm(c, w, &per_head, &p.z, rows))
 }
 
-/// The causal conv of a chunk's q|k|v rows, silu applied; `cached` holds the rows before them
-/// and is moved on past them.
+/// The causal conv of a chunk's q|k|v rows, silu applied; `cached` holds the `kernel - 1` rows
+/// before them and is moved on past them.
 fn causal_conv(
     c: &ModelConfig,
     w: &GdnWeights,
@@ -127,9 +127,16 @@ fn causal_conv(
     cached: &mut Vec<f32>,
 ) -> Vec<f32> {
     let (conv_dim, kernel) = (c.gdn_conv_dim(), c.conv_kernel);
-    // The window is the cached pre-conv rows followed by this chunk's rows.
-    let mut window = std::mem::take(cached);
-    window.extend_from_slice(mixed);
+    let keep = kernel - 1;
+    // Row u of the window: the cached rows, then the chunk's. Read in place: the window as one
+    // buffer was a serial copy of the chunk (8 MB at 256 tokens) on the leading thread.
+    let window = |u: usize| -> &[f32] {
+        if u < keep {
+            &cached[u * conv_dim..(u + 1) * conv_dim]
+        } else {
+            &mixed[(u - keep) * conv_dim..(u - keep + 1) * conv_dim]
+        }
+    };
     // In blocks of channels within a row: a decode step has one row, whose 8,192 channels (an
     // exponential each) took ~60 µs a layer on one thread.
     let mut conv = vec![0f32; rows * conv_dim];
@@ -140,15 +147,14 @@ fn causal_conv(
         .unwrap_or(1);
     team::for_chunks(&mut conv, block, |i, out| {
         let (t, first) = (i * block / conv_dim, i * block % conv_dim);
+        let taps_rows: Vec<&[f32]> = (0..kernel).map(|j| window(t + j)).collect();
         for (ch, o) in (first..).zip(out) {
             let taps = &w.conv1d.data[ch * kernel..(ch + 1) * kernel];
-            let sum: f32 = (0..kernel)
-                .map(|j| taps[j] * window[(t + j) * conv_dim + ch])
-                .sum();
+            let sum: f32 = (0..kernel).map(|j| taps[j] * taps_rows[j][ch]).sum();
             *o = silu(sum);
         }
     });
-    *cached = window[rows * conv_dim..].to_vec();
+    *cached = (rows..rows + keep).flat_map(window).copied().collect();
     conv
 }
 
