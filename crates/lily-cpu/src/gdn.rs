@@ -139,7 +139,7 @@ fn causal_conv(
     };
     // In blocks of channels within a row: a decode step has one row, whose 8,192 channels (an
     // exponential each) took ~60 µs a layer on one thread.
-    let mut conv = vec![0f32; rows * conv_dim];
+    let mut conv = team::zeros(rows * conv_dim);
     // Blocks that tile every row: the largest divisor of the row up to the block size.
     let block = (1..=CONV_CHANNELS_PER_TASK)
         .rev()
@@ -175,9 +175,11 @@ fn delta_rule_heads(
     let (b, a) = (&p.b, &p.a);
     let ratio = nv / nk;
     let q_scale = 1.0 / (dk as f32).sqrt();
-    let mut per_head: Vec<Vec<f32>> = vec![vec![0f32; rows * dv]; nv];
+    // Each head's output made by its task (in parallel; they are megabytes at 256 tokens).
+    let mut per_head: Vec<Vec<f32>> = vec![Vec::new(); nv];
     team::for_chunks2((&mut per_head, 1), (states, dk * dv), |j, o, s| {
         let o = &mut o[0];
+        *o = vec![0f32; rows * dv];
         let kh = j / ratio;
         let (mut q, mut k, mut v) = (
             Vec::with_capacity(rows * dk),
@@ -224,7 +226,7 @@ fn gated_norm(
     rows: usize,
 ) -> Vec<f32> {
     let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
-    let mut out = vec![0f32; rows * nv * dv];
+    let mut out = team::zeros(rows * nv * dv);
     // In parallel: at 16 threads a serial pass over a prompt chunk's rows costs as much as the
     // heads. A few tasks a thread: a head's row alone is too little work to hand out.
     let per_task = (rows * nv).div_ceil(4 * team::threads());

@@ -124,7 +124,7 @@ fn experts(
         }
     }
     let shared = &downs[chosen.len()];
-    let mut out = vec![0f32; rows * h];
+    let mut out = team::zeros(rows * h);
     team::for_chunks(&mut out, h, |t, dst| {
         for &(k, i, weight) in &parts[t] {
             dst.iter_mut()

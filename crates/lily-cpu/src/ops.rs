@@ -54,8 +54,10 @@ pub fn rms_norm_rows(x: &mut [f32], scale: &[f32], eps: f32) {
 /// [`rms_norm_rows`]): a prefill chunk's 256 rows of 2,048 are a chain of dependent adds each,
 /// which on one thread took ~1 ms a norm, two a layer, at 16 threads an Amdahl term.
 pub fn rms_norm(x: &[f32], scale: &[f32], eps: f32) -> Vec<f32> {
-    let mut out = x.to_vec();
-    team::for_chunks(&mut out, ROWS_PER_TASK * scale.len(), |_, rows| {
+    let task = ROWS_PER_TASK * scale.len();
+    let mut out = team::zeros(x.len());
+    team::for_chunks(&mut out, task, |i, rows| {
+        rows.copy_from_slice(&x[i * task..i * task + rows.len()]);
         rms_norm_rows(rows, scale, eps)
     });
     out

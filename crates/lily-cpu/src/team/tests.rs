@@ -129,3 +129,23 @@ fn a_steps_threads_flush_subnormals_and_others_do_not() {
     let outside = std::thread::spawn(|| black_box(1e-30f32) * black_box(1e-10f32));
     assert_eq!(outside.join().unwrap(), ieee);
 }
+
+/// `zeros` clears memory the heap hands back after another buffer used it, at every size
+/// around its task's length (a partial last task included).
+#[test]
+fn zeros_are_zeros_in_reused_memory() {
+    for n in [
+        0,
+        1,
+        1000,
+        (64 << 10) - 1,
+        64 << 10,
+        (64 << 10) + 1,
+        1_000_003,
+    ] {
+        drop(black_box(vec![7.5f32; n]));
+        let z = step(|| zeros(n));
+        assert_eq!(z.len(), n);
+        assert!(z.iter().all(|&v| v.to_bits() == 0), "n = {n}");
+    }
+}
