@@ -154,7 +154,11 @@ fn causal_conv(
             *o = silu(sum);
         }
     });
-    *cached = (rows..rows + keep).flat_map(window).copied().collect();
+    let mut next = Vec::with_capacity(keep * conv_dim);
+    for u in rows..rows + keep {
+        next.extend_from_slice(window(u));
+    }
+    *cached = next;
     conv
 }
 
