@@ -138,3 +138,38 @@ fn experts(
     });
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use lily_core::rng::uniform_at;
+    use lily_core::synthetic::synthetic_config;
+
+    use super::*;
+
+    /// The top k by selection equals the top k of a full sort (probability down, index up), ties
+    /// included: logits drawn from a few values make many equal probabilities.
+    #[test]
+    fn a_route_is_the_top_k_of_a_full_sort_ties_included() {
+        let mut c = synthetic_config("qwen3.6-35b-a3b").unwrap();
+        assert!(c.norm_topk_prob, "the weights below are renormalised");
+        for (case, (k, levels)) in [(8, 4), (8, 1000), (1, 3), (256, 5), (255, 2)]
+            .into_iter()
+            .enumerate()
+        {
+            c.experts_per_token = k;
+            let logits: Vec<f32> = (0..256)
+                .map(|i| (uniform_at(case as u64, i) * levels as f32).floor())
+                .collect();
+            let mut p = logits.clone();
+            softmax(&mut p);
+            let mut want: Vec<usize> = (0..256).collect();
+            want.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            want.truncate(k);
+            let r = route(&c, &logits);
+            assert_eq!(r.experts, want, "k {k}, {levels} levels");
+            let sum: f32 = want.iter().map(|&e| p[e]).sum();
+            let weights: Vec<f32> = want.iter().map(|&e| p[e] / sum).collect();
+            assert_eq!(r.weights, weights, "k {k}, {levels} levels");
+        }
+    }
+}
