@@ -14,8 +14,10 @@ mod avx512;
 mod avx512_tiles;
 pub(crate) mod int8;
 mod int8_avx2;
+mod int8_avx512;
 mod portable;
 mod rounded_rows;
+mod superblocks;
 
 use std::sync::OnceLock;
 

@@ -6,6 +6,9 @@
 
 use lily_core::quant::QuantMatrix;
 
+use std::sync::Arc;
+
+use super::superblocks::{LANES as VECTOR_LANES, Superblocks};
 use super::{InputParts, Int8Isa};
 use crate::team;
 
@@ -39,22 +42,28 @@ pub struct RoundedRows {
     group: usize,
     cols: usize,
     rows: usize,
-    /// `cols / lane columns` and `cols / group`, for the kernel's per-row lookups.
-    lanes_per_row: usize,
-    groups_per_row: usize,
+    /// Values of `steps` (and of `sums`) and of `r` a row, for the kernel's per-row lookups.
+    steps_per_row: usize,
+    parts_per_row: usize,
+    /// The AVX-512 kernel's super-blocks (superblocks.rs); `None` for AVX2.
+    superblocks: Option<Arc<Superblocks>>,
     /// `[rows, parts, cols]` int8: each row's high parts `h`, then (two parts) its low parts
-    /// `l`, each block in the kernel's column order.
+    /// `l`, each block in the kernel's column order, and with super-blocks each super-block's
+    /// lanes in the network's order.
     r: Vec<i8>,
-    /// `[rows, cols / cols_per_lane]`: the step of `X` in each lane's group (`d_g`, or
-    /// `d_g / 128` with two parts).
+    /// `[rows, steps_per_row]`: the step of `X` (`d_g`, or `d_g / 128` with two parts) of each
+    /// lane's group: with super-blocks, 16 lanes each in the network's order; for AVX2, each
+    /// lane of each block.
     steps: Vec<f32>,
-    /// `[rows, cols / group]`: the sum of each group's rounded inputs.
+    /// `[rows, steps_per_row]`: the sum of each group's rounded inputs, times its step: with
+    /// super-blocks in the lanes of `steps`, in the first lane of each group (the others zero:
+    /// a group may fill several lanes, and its bias term counts once); for AVX2, one a group.
     sums: Vec<f32>,
 }
 
 /// What rounding one row needs to know of the layout.
 #[derive(Clone, Copy)]
-struct Shape {
+struct Shape<'a> {
     parts: InputParts,
     cols: usize,
     group: usize,
@@ -62,6 +71,8 @@ struct Shape {
     lane_cols: usize,
     /// Columns of a 4-bit block (its input laid out evens then odds), or `None` for 8 bits.
     nibble_block: Option<usize>,
+    block_cols: usize,
+    superblocks: Option<&'a Superblocks>,
 }
 
 impl RoundedRows {
@@ -82,22 +93,35 @@ impl RoundedRows {
         let block_cols = isa.block_cols(bits);
         assert!(cols.is_multiple_of(block_cols) && cols.is_multiple_of(group) && group >= 32);
         assert!(group.is_multiple_of(LANES));
+        let superblocks =
+            (isa == Int8Isa::Avx512Vnni).then(|| Superblocks::shared(cols, block_cols, group));
         let shape = Shape {
             parts,
             cols,
             group,
             lane_cols: block_cols / isa.lanes(),
             nibble_block: (bits == 4).then_some(block_cols),
+            block_cols,
+            superblocks: superblocks.as_deref(),
         };
-        let mut r = vec![0i8; rows * count * cols];
-        let mut steps = vec![0f32; rows * cols / shape.lane_cols];
-        let mut sums = vec![0f32; rows * cols / group];
+        let parts_per_row = count * cols;
+        let steps_per_row = match &superblocks {
+            Some(sb) => sb.list.len() * VECTOR_LANES,
+            None => cols / shape.lane_cols,
+        };
+        let mut r = vec![0i8; rows * parts_per_row];
+        let mut steps = vec![0f32; rows * steps_per_row];
+        let sums_per_row = match &superblocks {
+            Some(_) => steps_per_row,
+            None => cols / group,
+        };
+        let mut sums = vec![0f32; rows * sums_per_row];
         // Rows in parallel: a prefill chunk's input is hundreds of rows, and rounded on one
         // thread it held up the whole stage's region.
         team::for_chunks3(
-            (&mut r, count * cols),
-            (&mut steps, cols / shape.lane_cols),
-            (&mut sums, cols / group),
+            (&mut r, parts_per_row),
+            (&mut steps, steps_per_row),
+            (&mut sums, sums_per_row),
             |i, out, steps, sums| {
                 let row = Row {
                     x: &x[i * cols..(i + 1) * cols],
@@ -122,8 +146,9 @@ impl RoundedRows {
             group,
             cols,
             rows,
-            lanes_per_row: cols / shape.lane_cols,
-            groups_per_row: cols / group,
+            steps_per_row,
+            parts_per_row,
+            superblocks,
             r,
             steps,
             sums,
@@ -184,18 +209,26 @@ impl Picked<'_> {
     /// Row `i`'s high parts; its low parts (if any) follow them, `cols` bytes on.
     pub(super) fn row_parts(&self, i: usize) -> *const i8 {
         let x = self.x;
-        x.r[self.source(i) * x.parts.count() * x.cols..].as_ptr()
+        x.r[self.source(i) * x.parts_per_row..].as_ptr()
     }
 
-    /// Row `i`'s steps, one per lane of each block.
+    /// The super-blocks of the AVX-512 layout.
+    pub(super) fn superblocks(&self) -> &Superblocks {
+        self.x
+            .superblocks
+            .as_ref()
+            .expect("only the AVX-512 layout has super-blocks")
+    }
+
+    /// Row `i`'s steps (see [`RoundedRows`]'s `steps`).
     pub(super) fn steps(&self, i: usize) -> &[f32] {
-        let per_row = self.x.lanes_per_row;
+        let per_row = self.x.steps_per_row;
         &self.x.steps[self.source(i) * per_row..][..per_row]
     }
 
-    /// Row `i`'s sums of rounded inputs, one per group.
+    /// Row `i`'s sums of rounded inputs (see [`RoundedRows`]'s `sums`).
     pub(super) fn sums(&self, i: usize) -> &[f32] {
-        let per_row = self.x.groups_per_row;
+        let per_row = self.x.sums.len() / self.x.rows.max(1);
         &self.x.sums[self.source(i) * per_row..][..per_row]
     }
 }
@@ -215,7 +248,29 @@ fn round_row_avx2(shape: &Shape, row: Row) {
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 fn round_row_avx512(shape: &Shape, row: Row) {
-    round_row(shape, row)
+    let Some(plan) = shape.superblocks else {
+        return round_row(shape, row);
+    };
+    // Rounded in the blocks' order, then each super-block's lanes moved as its codes' are.
+    let Row {
+        x,
+        out: packed,
+        steps,
+        sums,
+    } = row;
+    let mut natural = vec![0i8; packed.len()];
+    let out = &mut natural;
+    round_row(
+        shape,
+        Row {
+            x,
+            out,
+            steps,
+            sums,
+        },
+    );
+    // SAFETY: this function's build has AVX-512 F.
+    unsafe { super::int8_avx512::pack_inputs(plan, shape.block_cols, &natural, packed) };
 }
 
 /// Lanes of the loops written for the compiler to vectorise (a group is a multiple of them).
@@ -233,6 +288,12 @@ fn round_row(s: &Shape, row: Row) {
     let unit = s.parts.unit();
     let mut rounded = vec![0i8; 2 * cols];
     let (high, low) = rounded.split_at_mut(cols);
+    let per_group = if s.superblocks.is_some() {
+        cols / group
+    } else {
+        0
+    };
+    let (mut group_steps, mut group_sums) = (vec![0f32; per_group], vec![0f32; per_group]);
     for (g, xg) in x.chunks_exact(group).enumerate() {
         let step = largest_magnitude(xg) / 127.0;
         let inv = if step > 0.0 { 1.0 / step } else { 0.0 };
@@ -241,8 +302,15 @@ fn round_row(s: &Shape, row: Row) {
             InputParts::One => round_group::<false>(xg, inv, &mut high[at.clone()], &mut low[at]),
             InputParts::Two => round_group::<true>(xg, inv, &mut high[at.clone()], &mut low[at]),
         };
-        sums[g] = total as f32 * (step / unit);
-        steps[g * group / s.lane_cols..][..group / s.lane_cols].fill(step / unit);
+        let sum = total as f32 * (step / unit);
+        match s.superblocks {
+            // Gathered into the super-blocks' lanes below.
+            Some(_) => (group_steps[g], group_sums[g]) = (step / unit, sum),
+            None => {
+                sums[g] = sum;
+                steps[g * group / s.lane_cols..][..group / s.lane_cols].fill(step / unit);
+            }
+        }
     }
     for (dst, src) in out.chunks_exact_mut(cols).zip([&*high, &*low]) {
         match s.nibble_block {
@@ -250,6 +318,18 @@ fn round_row(s: &Shape, row: Row) {
             Some(128) => evens_then_odds::<64>(src, dst),
             Some(b) => unreachable!("no int8 kernel has 4-bit blocks of {b} columns"),
             None => dst.copy_from_slice(src),
+        }
+    }
+    let Some(plan) = s.superblocks else { return };
+    let lanes = steps
+        .chunks_exact_mut(VECTOR_LANES)
+        .zip(sums.chunks_exact_mut(VECTOR_LANES));
+    for (sb, (steps, sums)) in plan.list.iter().zip(lanes) {
+        for (l, &g) in sb.lane_group.iter().enumerate() {
+            let g = sb.first_group + g as usize;
+            steps[l] = group_steps[g];
+            let first = sb.lane_group.iter().position(|&h| h == sb.lane_group[l]) == Some(l);
+            sums[l] = if first { group_sums[g] } else { 0.0 };
         }
     }
 }
