@@ -1,22 +1,19 @@
 //! A weight row's code blocks taken together so that each i32 lane of the AVX-512 int8 kernel's
-//! sums stays in one quantisation group over several blocks (int8.rs).
+//! sums stays in one quantisation group over several blocks (int8_avx512.rs).
 //!
 //! In a block (64 code bytes) lane `l` holds columns `l·c..(l + 1)·c` (`c` = 8 for 4 bits, 4 for
 //! 8), so a group of 64 four-bit columns is a run of 8 lanes and a block holds two groups. A
 //! lane's integer sum can only run on while its group does: scaled by the group's scale every
 //! block, the kernel spent three float instructions (convert, scale, add) a block and input row
 //! per weight row beside two `vpdpbusd`, and was bound by them. Here `2^levels` blocks (a
-//! super-block) go through a network of two-source permutes that leaves every lane of every
-//! output vector in one group: each level pairs the runs of one group in two vectors, halving the
-//! runs, until they are one lane long. Then a lane sums its group's products over the whole
-//! super-block in integers, exactly, and is scaled once.
+//! super-block) go through a network of shuffles that leaves every lane of every output vector
+//! in one group: each level pairs the runs of one group in two vectors, halving the runs, until
+//! they are one lane long (or the super-block's blocks are used up). Then a lane sums its group's
+//! products over the whole super-block in integers, exactly, and is scaled once.
 //!
-//! Two ways to one sum. Where a weight row serves many input rows, its codes go through the
-//! network once ([`butterflies`]) and the inputs are laid out in the network's order when they are
-//! rounded; the kernel then runs `vpdpbusd` alone. Where it serves one to three, the kernel
-//! multiplies the blocks as they lie and puts the products' sums through the same network
-//! folded ([`folds`]: each pair's two outputs added). Selecting lanes is linear, so both give
-//! each lane the same integer: a row's result does not depend on how many rows share its pass.
+//! The network is given as indices ([`select`], [`butterflies`]), so the kernel's shuffles of the
+//! codes and the layout the inputs are rounded into follow one schedule; [`totals`] sums many
+//! vectors' lanes at once with the same shuffles.
 
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -153,8 +150,8 @@ pub(crate) struct Superblocks {
 }
 
 impl Superblocks {
-    /// The plan for a shape, made once: a decode step rounds hundreds of inputs, and making a
-    /// plan (the network run on labels) costs more than rounding a row.
+    /// The plan for a shape, made once: a decode step rounds hundreds of inputs, and making the
+    /// plan for each (the network run on labels) was ~4 % of a decode-sized product.
     pub fn shared(cols: usize, block_cols: usize, group: usize) -> Arc<Superblocks> {
         type Plans = Mutex<Vec<((usize, usize, usize), Arc<Superblocks>)>>;
         static PLANS: OnceLock<Plans> = OnceLock::new();
