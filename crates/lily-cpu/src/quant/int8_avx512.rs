@@ -3,8 +3,8 @@
 //!
 //! A weight row and an input row give, for each group `g`, the exact integer `I_g = Σ q·X` over
 //! the group's columns in the lanes the network gives it, then `I_g·(s_g·u_g)` plus the bias
-//! term in f32 a super-block, then the lanes' sum. Two passes compute those same integers in the
-//! same lanes, so the results are the same bits whichever runs:
+//! term in f32 a super-block, then the lanes' sum. Two kinds of pass compute those same integers
+//! in the same lanes, so the results are the same bits whichever runs:
 //!
 //! - packed, where more input rows than a pass takes share the weights (a prefill's projections
 //!   and most of its experts): each weight row's codes go through the network once into a
@@ -45,8 +45,8 @@ pub(super) unsafe fn product_rows<const P: usize, const B: usize>(
     let rows = x.rows();
     let net = Net::of(w, x.superblocks());
     let count = out_t.len() / rows;
-    // Weight rows go four at a time: each input block loaded feeds four of them, and their sums
-    // are independent chains.
+    // Weight rows go four at a time: in a packed pass each input vector loaded feeds four of
+    // them, and in either kind a pass's scales and its sums' fold are shared by its pairs.
     let quads = count / 4;
     let mut place = Tile { first, j: 0, at: 0 };
     if rows > rows_per_pass::<P>() {
