@@ -11,10 +11,10 @@
 //! `u` the step of `X` (`d_g`, or `d_g/128` with two parts),
 //! `W·x ≈ Σ_g u·(s_g·Σ_{c∈g} q_c·X_c + b_g·Σ_{c∈g} X_c)`, where with two parts the integer sum
 //! is `128·Σ q·h + Σ q·l`, exact in i32: a group's is at most 128·255·(128·127 + 64) < 2³¹ (128
-//! columns of 8-bit codes, the widest group), and no lane sums more than one group's. The bias term takes the sum of the
-//! rounded inputs (one per group and row, made once per product), as llama.cpp's q8_1 blocks
-//! carry it, not the exact sum: so the rounding error meets the whole weight `s·q + b`, centred
-//! on zero, rather than `s·q` alone, whose codes average 7.5. Measured on the tiny model's
+//! columns of 8-bit codes, the widest group), and no lane sums more than one group's. The bias
+//! term takes the sum of the rounded inputs (one per group and row, made once per product), as
+//! llama.cpp's q8_1 blocks carry it, not the exact sum: so the rounding error meets the whole
+//! weight `s·q + b`, centred on zero, rather than `s·q` alone, whose codes average 7.5. Measured on the tiny model's
 //! fixtures: 1.1-1.3e-4 of the largest logit from mlx-lm, against 4.0-4.4e-4 with the exact sum.
 //!
 //! A block is one vector of code bytes: with AVX-512, 64 bytes, 128 columns of 4 bits or 64 of

@@ -42,9 +42,10 @@ pub struct RoundedRows {
     group: usize,
     cols: usize,
     rows: usize,
-    /// Values of `steps` (and of `sums`) and of `r` a row, for the kernel's per-row lookups.
-    steps_per_row: usize,
+    /// Values of `r`, `steps` and `sums` a row, for the kernel's per-row lookups.
     parts_per_row: usize,
+    steps_per_row: usize,
+    sums_per_row: usize,
     /// The AVX-512 kernel's super-blocks (superblocks.rs); `None` for AVX2.
     superblocks: Option<Arc<Superblocks>>,
     /// `[rows, parts, cols]` int8: each row's high parts `h`, then (two parts) its low parts
@@ -146,8 +147,9 @@ impl RoundedRows {
             group,
             cols,
             rows,
-            steps_per_row,
             parts_per_row,
+            steps_per_row,
+            sums_per_row,
             superblocks,
             r,
             steps,
@@ -228,7 +230,7 @@ impl Picked<'_> {
 
     /// Row `i`'s sums of rounded inputs (see [`RoundedRows`]'s `sums`).
     pub(super) fn sums(&self, i: usize) -> &[f32] {
-        let per_row = self.x.sums.len() / self.x.rows.max(1);
+        let per_row = self.x.sums_per_row;
         &self.x.sums[self.source(i) * per_row..][..per_row]
     }
 }
