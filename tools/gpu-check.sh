@@ -108,7 +108,7 @@ if [ "$step" = ncu-detail ]; then
   .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cuda --tokens 1 --max-tokens 2 \
     --temperature 0 --ignore-eos > /dev/null 2>&1
   ncu --clock-control none --graph-profiling node \
-    --kernel-name "regex:^(${KERNELS:-gemv_q4_norm_t1|gemv_q4_add_t1|moe_route_b8|moe_gate_up_b4|moe_down_b4_r1})$" \
+    --kernel-name "regex:^(${KERNELS:-gemv_q4_norm_t1|gemv_q4_add_t1|moe_route_gate_up_b4_r8|moe_down_b4_r1})$" \
     --launch-skip "${SKIP:-30}" --launch-count "${COUNT:-5}" --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section SchedulerStats --section InstructionStats --section LaunchStats \
     --section MemoryWorkloadAnalysis .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cuda \

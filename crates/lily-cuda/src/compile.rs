@@ -116,12 +116,15 @@ pub const KERNEL_FILES: [KernelFile; 16] = [
         headers: &[GEMV_STAGED, ROUTE, MOE_DECODE],
         source: include_str!("kernels/moe.cu"),
         entries: &[
-            "moe_route_b4",
-            "moe_route_b8",
-            "moe_route_b32",
-            "moe_gate_up_b4",
-            "moe_gate_up_b8",
-            "moe_gate_up_b32",
+            "moe_route_gate_up_b4_r4",
+            "moe_route_gate_up_b4_r8",
+            "moe_route_gate_up_b4_r32",
+            "moe_route_gate_up_b8_r4",
+            "moe_route_gate_up_b8_r8",
+            "moe_route_gate_up_b8_r32",
+            "moe_route_gate_up_b32_r4",
+            "moe_route_gate_up_b32_r8",
+            "moe_route_gate_up_b32_r32",
             "moe_down_b4",
             "moe_down_b8",
             "moe_down_b32",
@@ -341,6 +344,7 @@ pub fn model_defines(c: &ModelConfig, kv: KvPrecision) -> Vec<(String, String)> 
         d("DK", c.linear_key_head_dim.to_string()),
         d("DV", c.linear_value_head_dim.to_string()),
         d("CONV_K", c.conv_kernel.to_string()),
+        d("HIDDEN", c.hidden_size.to_string()),
         d("NE", c.num_experts.to_string()),
         d("TOPK", c.experts_per_token.to_string()),
         d("NORM_TOPK", (c.norm_topk_prob as u8).to_string()),
@@ -437,7 +441,7 @@ mod tests {
     /// to a body that first reads only the kernel's own state (`gdn_step_cols`).
     #[test]
     fn every_kernel_waits_for_its_predecessor() {
-        const WAITING_BODIES: [&str; 13] = [
+        const WAITING_BODIES: [&str; 12] = [
             "gemv_staged<",
             "gemv_rows<",
             "gemv_mma<",
@@ -447,8 +451,7 @@ mod tests {
             "route_imma<",
             "gate_up_imma(",
             "down_imma(",
-            "route<",
-            "gate_up<",
+            "route_gate_up<",
             "down_combine<",
             "down_row<",
         ];

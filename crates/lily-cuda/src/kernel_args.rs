@@ -139,15 +139,11 @@ kernel_args! {
         part_acc: u64,
     }
     AttnCombine { part_ml: u64, part_acc: u64, pos: RowPtrs, nsplit: RowInts, qkv: u64, out: u64 }
-    /// `moe_route_b*`.
-    MoeRoute {
-        router: MatArg, sh_gate: MatArg, hidden: u64, norm_w: u64, eps: f32, logits: u64,
-        ids: u64, weights: u64, done: u64,
-    }
-    /// `moe_gate_up_b*`.
-    MoeGateUp {
-        gate: MatArg, up: MatArg, sh_gate: MatArg, sh_up: MatArg, inter: i32, ids: u64,
-        hidden: u64, norm_w: u64, eps: f32, act: u64,
+    /// `moe_route_gate_up_b*_r*`.
+    MoeRouteGateUp {
+        router: MatArg, shared_logit: MatArg, gate: MatArg, up: MatArg, shared_gate: MatArg,
+        shared_up: MatArg, inter: i32, hidden: u64, norm_w: u64, eps: f32, logits: u64, ids: u64,
+        weights: u64, sync: u64, act: u64,
     }
     /// `moe_route_imma_t*`.
     MoeRouteImma {
@@ -277,8 +273,11 @@ pub fn entries() -> Vec<Entry> {
     all.extend(each::<AttnPrep>(one("attn_prep")));
     all.extend(each::<AttnSplit>(one("attn_split")));
     all.extend(each::<AttnCombine>(one("attn_combine")));
-    all.extend(each::<MoeRoute>(bits("moe_route")));
-    all.extend(each::<MoeGateUp>(bits("moe_gate_up")));
+    all.extend(each::<MoeRouteGateUp>(
+        bits("moe_route_gate_up")
+            .into_iter()
+            .flat_map(|b| [4, 8, 32].map(|r| format!("{b}_r{r}"))),
+    ));
     all.extend(each::<MoeDown>(
         bits("moe_down")
             .into_iter()

@@ -77,7 +77,7 @@ pub(crate) fn experts_imma(
         logits: p(&s.router_logits),
         ids,
         weights: p(&s.weights),
-        done: ptr(&s.route_done, &gpu.stream),
+        done: ptr(&s.route_sync, &gpu.stream),
         split,
     };
     let bytes = imma_shared_bytes(h, tiles) as u32;

@@ -21,10 +21,10 @@ use crate::gemv_imma::{ConvOutput, GatedInput, IMMA_SLAB, gemv_gated, gemv_gdn_i
 use crate::gpu::{Gpu, MAX_ROWS, RowInts, RowPtrs, ptr};
 use crate::kernel_args::{
     ArgmaxFinal, ArgmaxPartial, AttnCombine, AttnPrep, AttnSplit, EmbedRows, GdnConv, GdnGatedNorm,
-    GdnStep, MoeDown, MoeGateUp, MoeRoute,
+    GdnStep, MoeDown, MoeRouteGateUp,
 };
 use crate::launch;
-use crate::mat::{XS_COLS, staged_shape, wave_shape};
+use crate::mat::{XS_COLS, wave_shape};
 use crate::moe_imma::{experts_imma, moe_imma_fits};
 use crate::state::{CudaState, LayerState};
 use crate::weights::{DeviceAttention, DeviceGdn, DeviceMixer, DeviceMoe, DeviceWeights};
@@ -47,8 +47,9 @@ pub struct Scratch {
     pub ids: CudaSlice<i32>,
     pub weights: CudaSlice<f32>,
     pub act: CudaSlice<f32>,
-    /// Blocks of a row's router launch that have finished (the last one routes and resets it).
-    pub route_done: CudaSlice<u32>,
+    /// Two words a row: the router barrier's arrivals and generation (kernels/moe.cu,
+    /// route_barrier); the integer path's router counts its finished blocks in the first.
+    pub route_sync: CudaSlice<u32>,
     pub logits: CudaSlice<f32>,
     pub arg_v: CudaSlice<f32>,
     pub arg_i: CudaSlice<i32>,
@@ -56,8 +57,6 @@ pub struct Scratch {
     pub chosen: CudaSlice<u32>,
 }
 
-/// Rows one warp of the router GEMV in `moe_route_b*` computes (kernels/moe.cu, ROUTE_ROWS).
-const ROUTE_ROWS: usize = 2;
 /// Output rows one warp of `moe_down_b*` computes at a time (kernels/moe_decode.cuh, DOWN_ROWS);
 /// `moe_down_b*_r1`, for one sequence, computes one.
 const DOWN_ROWS: usize = 2;
@@ -86,7 +85,7 @@ fn row_floats(c: &ModelConfig) -> [usize; 18] {
         c.experts_per_token,
         c.experts_per_token,
         c.experts_per_token * c.moe_intermediate_size + c.shared_intermediate_size,
-        1,
+        2,
         c.vocab_size,
         ARGMAX_BLOCKS as usize,
         ARGMAX_BLOCKS as usize,
@@ -110,7 +109,7 @@ impl Scratch {
             ids,
             weights,
             act,
-            route_done,
+            route_sync,
             logits,
             arg_v,
             arg_i,
@@ -130,7 +129,7 @@ impl Scratch {
             ids: gpu.zeros(ids)?,
             weights: gpu.zeros(weights)?,
             act: gpu.zeros(act)?,
-            route_done: gpu.zeros(route_done)?,
+            route_sync: gpu.zeros(route_sync)?,
             logits: gpu.zeros(logits)?,
             arg_v: gpu.zeros(arg_v)?,
             arg_i: gpu.zeros(arg_i)?,
@@ -206,9 +205,9 @@ impl Rows {
     }
 }
 
-/// The MoE block of one layer for every row: router + top-k, then the chosen and shared
-/// experts' gate/up, then their down projections, combined and added into the residual stream.
-/// Three launches, each over every row (the grid's y), on the integer tensor cores where the
+/// The MoE block of one layer for every row: router + top-k with the chosen and shared experts'
+/// gate/up in one launch, then their down projections, combined and added into the residual
+/// stream. Each launch over every row (the grid's y), on the integer tensor cores where the
 /// formats allow ([`moe_imma_fits`]), else on f32 FMAs.
 fn experts(
     gpu: &Gpu,
@@ -224,7 +223,7 @@ fn experts(
     let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
     let (h, eps) = (c.hidden_size, c.rms_norm_eps);
     let (inter, shared) = (c.moe_intermediate_size, c.shared_intermediate_size);
-    let (ids, done) = (ptr(&s.ids, &gpu.stream), ptr(&s.route_done, &gpu.stream));
+    let ids = ptr(&s.ids, &gpu.stream);
     let b = rows as u32;
     ensure!(
         m.router.bits == m.shared_gate.bits,
@@ -234,23 +233,6 @@ fn experts(
         h <= XS_COLS && c.experts_per_token * inter + shared <= XS_COLS,
         "the CUDA expert kernels stage at most {XS_COLS} inputs"
     );
-    let name = format!("moe_route_b{}", m.router.bits);
-    // ROUTE_ROWS rows per warp (moe.cu), whole units per matrix as the kernel counts them.
-    let units = m.router.rows.div_ceil(ROUTE_ROWS) + m.shared_gate.rows.div_ceil(ROUTE_ROWS);
-    let mut shape = staged_shape(units);
-    shape.grid.1 = b;
-    let route = MoeRoute {
-        router: m.router.arg(gpu),
-        sh_gate: m.shared_gate.arg(gpu),
-        hidden: p(&s.hidden),
-        norm_w: post_norm,
-        eps,
-        logits: p(&s.router_logits),
-        ids,
-        weights: p(&s.weights),
-        done,
-    };
-    gpu.launch(&name, shape, &route)?;
     let bits = m.gate.bits;
     ensure!(
         [&m.up, &m.down, &m.shared[0], &m.shared[1], &m.shared[2]]
@@ -258,26 +240,33 @@ fn experts(
             .all(|x| x.bits == bits),
         "routed and shared experts must share a format"
     );
-    // One (gate, up) row pair per warp and unit (moe.cu, PAIRS), eight warps a block, one wave
-    // over all the rows (three blocks an SM on the H200: __launch_bounds__(256, 3)).
+    // One (gate, up) row pair per warp and unit (moe_decode.cuh, PAIRS), eight warps a block. The
+    // blocks of a row meet at a barrier after the router (kernels/moe.cu, route_barrier), so every
+    // block of the launch must be resident at once: at most one wave, shared by the rows.
     let pairs = c.experts_per_token * inter + shared;
-    let name = format!("moe_gate_up_b{bits}");
-    let wave = gpu.resident_blocks_256(&name)?.div_ceil(b);
+    let name = format!("moe_route_gate_up_b{bits}_r{}", m.router.bits);
+    let wave = gpu.resident_blocks_256(&name)? / b;
+    ensure!(wave > 0, "{name}: {rows} rows do not fit one wave");
     let mut shape = wave_shape(pairs, 8, wave);
     shape.grid.1 = b;
-    let gate_up = MoeGateUp {
+    let route_gate_up = MoeRouteGateUp {
+        router: m.router.arg(gpu),
+        shared_logit: m.shared_gate.arg(gpu),
         gate: m.gate.arg(gpu),
         up: m.up.arg(gpu),
-        sh_gate: m.shared[0].arg(gpu),
-        sh_up: m.shared[1].arg(gpu),
+        shared_gate: m.shared[0].arg(gpu),
+        shared_up: m.shared[1].arg(gpu),
         inter: inter as i32,
-        ids,
         hidden: p(&s.hidden),
         norm_w: post_norm,
         eps,
+        logits: p(&s.router_logits),
+        ids,
+        weights: p(&s.weights),
+        sync: ptr(&s.route_sync, &gpu.stream),
         act: p(&s.act),
     };
-    gpu.launch(&name, shape, &gate_up)?;
+    gpu.launch(&name, shape, &route_gate_up)?;
     // Output rows per warp and unit, eight warps a block: one for one sequence, which would fill
     // half the GPU with two (kernels/moe_decode.cuh, DOWN_ROWS).
     let (name, rows_a_warp) = if rows == 1 && bits != 32 {

@@ -42,6 +42,15 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// The wait of pdl_wait() alone: the next kernel may not start yet. For a kernel that writes what
+// the next one reads before its own wait (moe_route_gate_up's choice of experts): it lets the next
+// kernel start through a later pdl_wait(), once that is written.
+__device__ __forceinline__ void pdl_wait_holding_next() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Loads of activations through L2 only (ld.global.cg). Within the persistent decode step a buffer
 // is rewritten by other SMs between two reads of it (every layer reuses the same scratch), and an
 // SM's L1 may still hold the earlier lines; L2 is coherent across the GPU.

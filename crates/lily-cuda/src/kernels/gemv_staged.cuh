@@ -28,9 +28,12 @@ __device__ __forceinline__ RowRef row_ref(const Mat& m, long r, int bits) {
 
 // Codes in one 16-byte chunk (1 for dense f32, which has no chunks).
 #define CHUNK_CODES(BITS) ((BITS) == 32 ? 1 : 128 / (BITS))
-// Floats of the staged x and of its chunk sums.
-#define XS_FLOATS(BITS) ((BITS) == 32 ? XS_COLS : XS_COLS / CHUNK_CODES(BITS) * (CHUNK_CODES(BITS) + XS_PAD))
-#define XSUM_FLOATS(BITS) ((BITS) == 32 ? 1 : XS_COLS / CHUNK_CODES(BITS))
+// Floats of a staged x of COLS inputs and of its chunk sums, and of the widest one.
+#define XS_FLOATS_OF(BITS, COLS) \
+    ((BITS) == 32 ? (COLS) : ((COLS) + CHUNK_CODES(BITS) - 1) / CHUNK_CODES(BITS) * (CHUNK_CODES(BITS) + XS_PAD))
+#define XSUM_FLOATS_OF(BITS, COLS) ((BITS) == 32 ? 1 : ((COLS) + CHUNK_CODES(BITS) - 1) / CHUNK_CODES(BITS))
+#define XS_FLOATS(BITS) XS_FLOATS_OF(BITS, XS_COLS)
+#define XSUM_FLOATS(BITS) XSUM_FLOATS_OF(BITS, XS_COLS)
 
 template <int BITS>
 __device__ __forceinline__ int xs_at(int c) {

@@ -1,32 +1,115 @@
 // Mixture of experts for one decode token. Constants: NE experts, TOPK chosen per token, NORM_TOPK
-// (renormalise the chosen weights). Routing stays on the device: the router logits, the chosen
-// ids and their weights never visit the host. Three launches: router + top-k, gate/up, down (which
-// adds into the residual stream). The first two normalise the residual stream themselves.
+// (renormalise the chosen weights), HIDDEN the residual stream's width. Routing stays on the
+// device: the router logits, the chosen ids and their weights never visit the host. Two
+// launches: the router, top-k and gate/up in one, then down (which adds into the residual stream).
 
-// Rows per warp of the router GEMV (step.rs, ROUTE_ROWS), and chunks per lane and row loaded
-// together: 4 covers a 2,048-wide 8-bit row (128 chunks), so each warp's whole share arrives in
-// one round trip, loaded before pdl_wait. Two rows instead of the GEMVs' four: the router is
-// latency-bound (257 rows), and twice the warps halve each warp's dequantisation.
-#define ROUTE_ROWS 2
+// Chunks per lane of a router row loaded together: 4 covers a 2,048-wide 8-bit row (128 chunks),
+// so each warp's row arrives in one round trip, requested before pdl_wait.
 #define ROUTE_BATCH 4
 
-// The router and shared-gate GEMV over RMSNorm(hidden) · norm_w, then top-k in the last block to
-// finish: each block publishes its logits (fence) and counts itself in `done`; the block that
-// counts last sees every logit and routes. It also resets `done`, so the next launch (next layer,
-// next graph replay) starts from zero.
-template <int BITS>
-__device__ void route(Mat router, Mat sh_gate, const float* hidden, const float* norm_w, float eps,
-                      float* logits, int* ids, float* weights, u32* done) {
-    __shared__ bool last;
-    gemv_staged<BITS, ROUTE_ROWS, ROUTE_BATCH>(router, sh_gate, Mat{}, Mat{}, hidden, norm_w, eps, logits, false);
-    __threadfence();
+// A barrier over the blocks of one launch's row (grid y), once a launch: sync[0] counts the
+// blocks that have arrived, sync[1] is the barrier's generation. A block reads the generation
+// before it arrives; the last to arrive resets the count for the next launch and moves the
+// generation on, which the others wait for. The arrivals' release and the waits' acquire order
+// every block's writes before the barrier (its logits) before every read after it. Every block of
+// the launch must be resident at once (the host launches at most one wave).
+__device__ __forceinline__ void route_barrier(u32* sync, u32 blocks) {
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+    if (threadIdx.x == 0) {
+        u32 gen, arrived;
+        asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(gen) : "l"(sync + 1) : "memory");
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(sync) : "memory");
+        if (arrived == blocks - 1) {
+            asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(sync) : "memory");
+            asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(sync + 1), "r"(gen + 1u) : "memory");
+        } else {
+            u32 seen;
+            do {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(sync + 1) : "memory");
+            } while (seen == gen);
+        }
+    }
     __syncthreads();
-    if (!last) return;
-    __threadfence();
-    if (threadIdx.x < WARP) route_topk(logits, threadIdx.x, ids, weights);
-    if (threadIdx.x == 0) *done = 0;
+}
+
+// The router, top-k and the experts' gate/up of one row, in one launch. Why one: routed as a
+// launch of its own, the router (0.56 MB) cost a step ~9.8 µs a layer (docs/BENCHMARKS.md,
+// 2026-12-03), a chain of its own end, gate/up's start, and a read of the choice back; here the
+// blocks that run gate/up compute the router's rows first (a row a warp), meet at a barrier, and
+// each routes for itself from the logits.
+//
+// x = RMSNorm(hidden) · norm_w is staged once a block for both (twice where the router's format
+// differs from the experts': a code's prescale and a chunk's width depend on its bits). Each
+// router row is the same expression as in a staged GEMV of its own (one lane's chunks in order,
+// then warp_sum), so every block sees the same logits and routes alike. Block 0 publishes the
+// choice (ids, weights) for moe_down, which reads it before its pdl_wait: so no block lets the
+// next kernel start until that is written (pdl_wait_holding_next, then gate/up's pdl_wait).
+template <int BITS, int RBITS>
+__device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Mat shared_gate, Mat shared_up,
+                              int inter, const float* hidden, const float* norm_w, float eps, float* logits,
+                              int* ids, float* weights, u32* sync, float* act) {
+    constexpr bool OWN = RBITS != BITS;
+    __shared__ __align__(16) float xs[XS_FLOATS_OF(BITS, HIDDEN)];
+    __shared__ float xsum[XSUM_FLOATS_OF(BITS, HIDDEN)];
+    __shared__ __align__(16) float rxs_own[OWN ? XS_FLOATS_OF(RBITS, HIDDEN) : 1];
+    __shared__ float rxsum_own[OWN ? XSUM_FLOATS_OF(RBITS, HIDDEN) : 1];
+    __shared__ float scratch[32];
+    __shared__ int sid[TOPK];
+    __shared__ float sw[TOPK];
+    const float* rxs = OWN ? rxs_own : xs;
+    const float* rxsum = OWN ? rxsum_own : xsum;
+    const int cols = router.cols, lane = threadIdx.x % WARP;
+    const long rows = (long)router.rows + shared_logit.rows;
+    const long stride = (long)gridDim.x * (blockDim.x / WARP);
+    // Block-fastest, as staged_units numbers units: the rows spread over every SM.
+    long u = (long)(threadIdx.x / WARP) * gridDim.x + blockIdx.x;
+    auto row_of = [&](long r) {
+        return r < router.rows ? row_ref(router, r, RBITS) : row_ref(shared_logit, r - router.rows, RBITS);
+    };
+    constexpr int NB = ROUTE_BATCH;
+    const int chunks = RBITS == 32 ? 0 : cols / (128 / RBITS);
+    Batch<RBITS == 32 ? 8 : RBITS, 1, NB> b;
+    RowRef row[1];
+    if constexpr (RBITS != 32) {
+        if (u < rows) {
+            row[0] = row_of(u);
+            load_batch<RBITS, 1, NB>(b, row, 0, chunks, router.group, lane);
+        }
+    }
+    pdl_wait_holding_next();
+    const float inv = block_inv_rms(hidden, cols, eps, scratch);
+    stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
+    if constexpr (OWN) stage_x_values<RBITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0);
+    __syncthreads();
+    for (; u < rows; u += stride) {
+        float acc[1] = {0.f};
+        if constexpr (RBITS == 32) {
+            const float* w = (const float*)row_of(u).w;
+            for (int c = lane; c < cols; c += WARP) acc[0] = __fmaf_rn(w[c], rxs[c], acc[0]);
+        } else {
+            const int xoff[1] = {0};
+            for (int base = 0; base < chunks; base += WARP * NB) {
+                if (base > 0) load_batch<RBITS, 1, NB>(b, row, base, chunks, router.group, lane);
+                dot_batch<RBITS, 1, NB, true>(b, base, chunks, xoff, rxs, rxsum, lane, acc);
+            }
+            if (u + stride < rows) {
+                row[0] = row_of(u + stride);
+                load_batch<RBITS, 1, NB>(b, row, 0, chunks, router.group, lane);
+            }
+        }
+        const float v = warp_sum(acc[0]);
+        if (lane == 0) logits[u < router.rows ? u : NE + (u - router.rows)] = v;
+    }
+    route_barrier(sync, gridDim.x);
+    if (threadIdx.x < WARP) route_topk(logits, lane, sid, sw);
+    __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x < TOPK) {
+        ids[threadIdx.x] = sid[threadIdx.x];
+        weights[threadIdx.x] = sw[threadIdx.x];
+        __threadfence();
+    }
+    __syncthreads();
+    gate_up_staged<BITS>(gate, up, shared_gate, shared_up, inter, sid, act, [] {}, xs, xsum, blockIdx.x, gridDim.x);
 }
 
 // The down projection of the step's row blockIdx.y, R output rows a warp.
@@ -42,23 +125,25 @@ __device__ void down_row(Mat down, Mat sh_down, int inter, int hidden, const int
 // Each launch runs every row of the step: the grid's y is the row, whose hidden state, router
 // logits (NE + 1 a row: the shared gate's last), choice (TOPK ids and weights) and act
 // (TOPK · inter + the shared expert's width) lie at its row of the step's buffers.
+// Each launch runs every row of the step: the grid's y is the row, whose hidden state, router
+// logits (NE + 1 a row: the shared gate's last), choice (TOPK ids and weights), barrier (two
+// words) and act (TOPK · inter + the shared expert's width) lie at its row of the step's buffers.
+// The router's bits (RBITS) and the experts' may differ.
+#define MOE_ROUTE_GATE_UP(BITS, RBITS)                                                            \
+    extern "C" __global__ void __launch_bounds__(256, 3) moe_route_gate_up_b##BITS##_r##RBITS(    \
+        Mat router, Mat shared_logit, Mat gate, Mat up, Mat shared_gate, Mat shared_up, int inter, \
+        const float* hidden, const float* norm_w, float eps, float* logits, int* ids, float* weights, \
+        u32* sync, float* act) {                                                                  \
+        route_gate_up<BITS, RBITS>(router, shared_logit, gate, up, shared_gate, shared_up, inter, \
+                                   hidden + (long)blockIdx.y * router.cols, norm_w, eps,          \
+                                   logits + blockIdx.y * (NE + 1), ids + blockIdx.y * TOPK,       \
+                                   weights + blockIdx.y * TOPK, sync + 2 * blockIdx.y,            \
+                                   act + (long)blockIdx.y * (TOPK * inter + shared_gate.rows));   \
+    }
 #define MOE(BITS)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(256) moe_route_b##BITS(                          \
-        Mat router, Mat sh_gate, const float* hidden, const float* norm_w, float eps, float* logits, \
-        int* ids, float* weights, u32* done) {                                                    \
-        route<BITS>(router, sh_gate, hidden + (long)blockIdx.y * router.cols, norm_w, eps, logits + blockIdx.y * (NE + 1), \
-                    ids + blockIdx.y * TOPK, weights + blockIdx.y * TOPK, done + blockIdx.y);                          \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256, 3) moe_gate_up_b##BITS(                     \
-        Mat gate, Mat up, Mat sh_gate, Mat sh_up, int inter, const int* ids, const float* hidden, \
-        const float* norm_w, float eps, float* act) {                                             \
-        __shared__ __align__(16) float xs[XS_FLOATS(BITS)];                                       \
-        __shared__ float xsum[XSUM_FLOATS(BITS)];                                                 \
-        __shared__ float scratch[32];                                                             \
-        gate_up<BITS>(gate, up, sh_gate, sh_up, inter, ids + blockIdx.y * TOPK, hidden + (long)blockIdx.y * gate.cols, norm_w, \
-                      eps, act + (long)blockIdx.y * (TOPK * inter + sh_gate.rows), xs, xsum, scratch, blockIdx.x, \
-                      gridDim.x);                                                                 \
-    }                                                                                             \
+    MOE_ROUTE_GATE_UP(BITS, 4)                                                                    \
+    MOE_ROUTE_GATE_UP(BITS, 8)                                                                    \
+    MOE_ROUTE_GATE_UP(BITS, 32)                                                                   \
     extern "C" __global__ void __launch_bounds__(256) moe_down_b##BITS(                           \
         Mat down, Mat sh_down, int inter, int hidden, const int* ids, const float* weights,       \
         const float* logits, const float* act, float* residual) {                                 \

@@ -7,13 +7,12 @@
 #define PAIRS 1
 
 // act = silu(gate · x) ⊙ (up · x) for the chosen experts' rows (slot-major, TOPK × inter) and
-// then the shared expert's rows, x = RMSNorm(hidden) · norm_w.
-// ids may be global or shared memory. xs, xsum, scratch: XS_FLOATS(BITS), XSUM_FLOATS(BITS) and
-// 32 floats of shared memory; the units spread over blocks blk of nblk.
-template <int BITS>
-__device__ void gate_up(Mat gate, Mat up, Mat sh_gate, Mat sh_up, int inter, const int* ids,
-                        const float* hidden, const float* norm_w, float eps, float* act, float* xs,
-                        float* xsum, float* scratch, int blk, int nblk) {
+// then the shared expert's rows, x as stage() stages it into xs and xsum (with stage_x; a no-op
+// where the caller has staged x already). ids may be global or shared memory; the units spread
+// over blocks blk of nblk.
+template <int BITS, class Stage>
+__device__ void gate_up_staged(Mat gate, Mat up, Mat sh_gate, Mat sh_up, int inter, const int* ids, float* act,
+                               Stage stage, const float* xs, const float* xsum, int blk, int nblk) {
     long pairs = (long)TOPK * inter + sh_gate.rows;
     long units = (pairs + PAIRS - 1) / PAIRS;
     auto rows_of = [&](long u, RowRef (&rows)[2 * PAIRS], int (&xoff)[2 * PAIRS]) {
@@ -34,7 +33,6 @@ __device__ void gate_up(Mat gate, Mat up, Mat sh_gate, Mat sh_up, int inter, con
             xoff[2 * i] = xoff[2 * i + 1] = 0;
         }
     };
-    auto stage = [&]() { stage_maybe_normed<BITS>(gate.cols, hidden, norm_w, eps, xs, xsum, scratch); };
     auto store = [&](long u, float (&acc)[2 * PAIRS]) {
 #pragma unroll
         for (int i = 0; i < PAIRS; i++) {
@@ -44,6 +42,16 @@ __device__ void gate_up(Mat gate, Mat up, Mat sh_gate, Mat sh_up, int inter, con
     };
     staged_units<BITS, 2 * PAIRS, GEMV_BATCH, true, false>(units, gate.cols, gate.group, rows_of, stage, store,
                                                      xs, xsum, blk, nblk);
+}
+
+// gate_up_staged with x = RMSNorm(hidden) · norm_w, staged by the blocks themselves. xs, xsum,
+// scratch: XS_FLOATS(BITS), XSUM_FLOATS(BITS) and 32 floats of shared memory.
+template <int BITS>
+__device__ void gate_up(Mat gate, Mat up, Mat sh_gate, Mat sh_up, int inter, const int* ids,
+                        const float* hidden, const float* norm_w, float eps, float* act, float* xs,
+                        float* xsum, float* scratch, int blk, int nblk) {
+    auto stage = [&]() { stage_maybe_normed<BITS>(gate.cols, hidden, norm_w, eps, xs, xsum, scratch); };
+    gate_up_staged<BITS>(gate, up, sh_gate, sh_up, inter, ids, act, stage, xs, xsum, blk, nblk);
 }
 
 // residual[h] += Σ_k w_k · down_{id_k}[h] · act_k + σ(shared gate logit) · shared_down[h] · act_shared,
@@ -161,12 +169,12 @@ __device__ __forceinline__ void load_down(Batch<BITS, R, NB>& b, const Mat& down
 // slot scaled by its weight (w_k, or the shared expert's gate), so every output row is one dot
 // product over its virtual row (load_down): all 32 lanes busy, one reduction per row.
 //
-// The routing (ids, weights, the shared gate logit) comes from moe_route, two launches back,
-// which has finished before this kernel can start: this kernel is launched once every
-// moe_gate_up block has passed pdl_wait, which returns only after moe_route has completed and
-// its writes are visible. So the routing (read through L2, never a stale L1 line) and the
-// first rows' weights are read before pdl_wait, while moe_gate_up still runs; only act (and the
-// residual stream) wait for it.
+// The routing (ids, weights, the shared gate logit) is written before this kernel can start:
+// moe_route_gate_up lets it be launched only once every block has passed its router barrier and
+// block 0 has written (and fenced) the choice (kernels/moe.cu). So the routing (read through L2,
+// never a stale L1 line) and the first rows' weights are read before pdl_wait, while gate/up
+// still runs; only act (and the residual stream) wait for it. In the persistent step a grid
+// barrier orders them.
 template <int BITS, int R>
 __device__ void down_combine_q(Mat down, Mat sh_down, int inter, int hidden, const int* ids,
                                const float* weights, const float* logits, const float* act,
