@@ -57,6 +57,7 @@ if [ "$step" = ab ]; then
   i=0
   for v in ${VARIANTS:?NAME:BINARY[:VAR=VALUE,...] ...}; do
     i=$((i + 1)); name=${v%%:*}; rest=${v#*:}; bin=${rest%%:*}; vars=${rest#"$bin"}; vars=${vars#:}
+    bin=${bin%.xz}   # a packed binary is named by what it unpacks to
     # shellcheck disable=SC2086
     env ${vars//,/ } ".gpu/$bin" bench --model synthetic:qwen3.6-35b-a3b --device cuda --prompt-lens 256 \
       --contexts "${CONTEXTS:-256,4096}" --batch "${BATCH:-1,8}" --runs 3 --json "$out/bench-$i-$name.json" \
