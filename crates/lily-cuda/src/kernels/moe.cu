@@ -123,9 +123,6 @@ __device__ void down_row(Mat down, Mat sh_down, int inter, int hidden, const int
 }
 
 // Each launch runs every row of the step: the grid's y is the row, whose hidden state, router
-// logits (NE + 1 a row: the shared gate's last), choice (TOPK ids and weights) and act
-// (TOPK · inter + the shared expert's width) lie at its row of the step's buffers.
-// Each launch runs every row of the step: the grid's y is the row, whose hidden state, router
 // logits (NE + 1 a row: the shared gate's last), choice (TOPK ids and weights), barrier (two
 // words) and act (TOPK · inter + the shared expert's width) lie at its row of the step's buffers.
 // The router's bits (RBITS) and the experts' may differ.
