@@ -29,8 +29,8 @@
 // consecutive codes of each of its rows, inputs 16t .. 16t + 15 (one 8-byte load; a quad reads a
 // row's 32 bytes of the slab). Which k of the mma a code stands for is free as long as x's fragment
 // uses the same one, so codes stay where the load put them: nibbles q and q + 4 of word wd form the
-// bf16 pair q of mma step 2·wd + q / 2 (a mask-and-or makes 128 + code, a bf16x2 fma subtracts 128
-// exactly). Staged x holds, per slab, word, tile and lane, the uint4 of the four pairs of that
+// bf16 pair q of mma step 2·wd + q / 2 (a mask-and-or makes 128 + code; code_pair says where the
+// 128 goes). Staged x holds, per slab, word, tile and lane, the uint4 of the four pairs of that
 // lane's B fragments, so that a warp's fragment load is 512 contiguous bytes.
 //
 // Work. A block's warps split K: in each pass over a unit of 16 rows, warp w takes MMA_SPW
@@ -195,10 +195,13 @@ __device__ __forceinline__ void mma_load(MmaLoad& l, const Mat& m, const MmaForm
     }
 }
 
-// The bf16 pair (code q, code q + 4) of word v, as exact bf16 integers. magic holds 0x43004300.
+// The bf16 pair (128 + code q, 128 + code q + 4) of word v, exact bf16 integers (magic holds
+// 0x43004300, 128 with the code in the low mantissa bits). The 128s are not taken off here, a
+// bf16x2 fma a pair (16 of a slab's ~70 instructions), but once a slab through its bias:
+// Σ (128 + c)·x · scale + (bias − 128·scale)·Σx = Σ c·x · scale + bias·Σx. The products stay
+// exact; the f32 sums grow ~16× for the same result, so they round ~4 bits coarser against it.
 __device__ __forceinline__ u32 code_pair(u32 v, int q, u32 magic) {
-    const u32 biased = mask_or(v >> (4 * q), 0x000f000fu, magic);  // 128 + code
-    return fma_bf16x2(biased, 0x3f803f80u, 0xc300c300u);           // · 1 − 128
+    return mask_or(v >> (4 * q), 0x000f000fu, magic);
 }
 
 // A lane's sums over its unit so far. The C fragment of tile τ holds, for rows g and g + 8, the
@@ -244,7 +247,9 @@ __device__ __forceinline__ void mma_slabs(const MmaLoad& l, int s0, int slabs, c
         const float2 sx = *(const float2*)(xsum + s * MAX_ROWS + 2 * t);
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            const float scale = slab_value(l.scale, i, h), bias = slab_value(l.bias, i, h);
+            const float scale = slab_value(l.scale, i, h);
+            // Exact where scale and bias lie within 2^16 of each other, as a group's do.
+            const float bias = __fmaf_rn(-128.f, scale, slab_value(l.bias, i, h));
 #pragma unroll
             for (int tile = 0; tile < TILES; tile++)
 #pragma unroll
