@@ -32,45 +32,6 @@ __device__ __forceinline__ void route_barrier(u32* sync, u32 blocks) {
     __syncthreads();
 }
 
-// x = RMSNorm(hidden) · norm_w staged for the experts (BITS) and, where its format differs, for
-// the router (RBITS), from one read of hidden: each thread keeps its float4s (and norm_w's) in
-// registers through the block's sum of squares, then stages them in both formats. Run as
-// block_inv_rms and one stage_x_values a format, that was three dependent L2 round trips and
-// their barriers at the head of the chain every block runs before its router rows (the staging
-// cost a step 110 µs at B = 1, docs/BENCHMARKS.md, 2026-12-06). The same expressions in the same
-// order (thread_sumsq's squares, stage_x_values's products), so the same bits. Quantised formats
-// and cols ≤ 4 · STAGE_UNROLL · blockDim.x only (route_gate_up checks); ends with a barrier.
-template <int BITS, int RBITS>
-__device__ void stage_route_x(int cols, const float* hidden, const float* norm_w, float eps, float* xs,
-                              float* xsum, float* rxs, float* rxsum, float* scratch) {
-    const int n4 = cols / 4, end = (n4 + WARP - 1) / WARP * WARP;
-    float4 v[STAGE_UNROLL], w[STAGE_UNROLL];
-    float ss = 0.f;
-#pragma unroll
-    for (int u = 0; u < STAGE_UNROLL; u++) {
-        const int j = threadIdx.x + u * blockDim.x;
-        v[u] = w[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (j < n4) {
-            v[u] = load_act4(hidden + 4 * j);
-            w[u] = ((const float4*)norm_w)[j];
-        }
-    }
-#pragma unroll
-    for (int u = 0; u < STAGE_UNROLL; u++) ss = add_squares(ss, v[u]);
-    const float f = rsqrtf(block_sum(ss, scratch) / cols + eps);
-    if (threadIdx.x < end) {
-#pragma unroll
-        for (int u = 0; u < STAGE_UNROLL; u++) {
-            const int j = threadIdx.x + u * blockDim.x;
-            const float4 x = make_float4(v[u].x * f * w[u].x, v[u].y * f * w[u].y, v[u].z * f * w[u].z,
-                                         v[u].w * f * w[u].w);
-            stage_float4<BITS>(x, j, n4, xs, xsum);
-            if constexpr (RBITS != BITS) stage_float4<RBITS>(x, j, n4, rxs, rxsum);
-        }
-    }
-    __syncthreads();
-}
-
 // The router, top-k and the experts' gate/up of one row, in one launch. Why one: routed as a
 // launch of its own, the router (0.56 MB) cost a step ~9.8 µs a layer (docs/BENCHMARKS.md,
 // 2026-12-03), a chain of its own end, gate/up's start, and a read of the choice back; here the
@@ -78,8 +39,7 @@ __device__ void stage_route_x(int cols, const float* hidden, const float* norm_w
 // each routes for itself from the logits.
 //
 // x = RMSNorm(hidden) · norm_w is staged once a block for both (twice where the router's format
-// differs from the experts': a code's prescale and a chunk's width depend on its bits), from one
-// read of hidden (stage_route_x). Each
+// differs from the experts': a code's prescale and a chunk's width depend on its bits). Each
 // router row is the same expression as in a staged GEMV of its own (one lane's chunks in order,
 // then warp_sum), so every block sees the same logits and routes alike. Block 0 publishes the
 // choice (ids, weights) for moe_down, which reads it before its pdl_wait: so no block lets the
@@ -117,19 +77,10 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
         }
     }
     pdl_wait_holding_next();
-    bool staged = false;
-    if constexpr (BITS != 32 && RBITS != 32) {
-        if (cols <= 4 * STAGE_UNROLL * (int)blockDim.x) {
-            stage_route_x<BITS, RBITS>(cols, hidden, norm_w, eps, xs, xsum, rxs_own, rxsum_own, scratch);
-            staged = true;
-        }
-    }
-    if (!staged) {
-        const float inv = block_inv_rms(hidden, cols, eps, scratch);
-        stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
-        if constexpr (OWN) stage_x_values<RBITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0);
-        __syncthreads();
-    }
+    const float inv = block_inv_rms(hidden, cols, eps, scratch);
+    stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
+    if constexpr (OWN) stage_x_values<RBITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0);
+    __syncthreads();
     for (; u < rows; u += stride) {
         float acc[1] = {0.f};
         if constexpr (RBITS == 32) {
