@@ -39,6 +39,6 @@ cubin=$out/$file.cubin
 if [ -n "$kernel" ]; then
   PATH="$bin:$PATH" "$bin/cuobjdump" -sass -fun "$kernel" "$cubin" > "$out/$kernel.sass"
   echo "== $kernel: $out/$kernel.sass"
-  grep -oE '^\s+/\*[0-9a-f]{4}\*/\s+(@!?U?P[T0-9] )?[A-Z][A-Z0-9_]+' "$out/$kernel.sass" | awk '{print $NF}' \
+  grep -oE '^\s+/\*[0-9a-f]{4,}\*/\s+(@!?U?P[T0-9] )?[A-Z][A-Z0-9_]+' "$out/$kernel.sass" | awk '{print $NF}' \
     | sort | uniq -c | sort -rn | awk '{n += $1; printf "%s %s  ", $2, $1} END {print "\ninstructions: " n}'
 fi
