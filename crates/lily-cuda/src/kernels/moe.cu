@@ -128,8 +128,10 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     }
     pdl_wait_holding_next();
     const float inv = block_inv_rms(hidden, cols, eps, scratch);
-    stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
-    if constexpr (OWN) stage_x_values<RBITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0);
+    if constexpr (OWN)
+        stage_x_values<RBITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0);
+    else
+        stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
     __syncthreads();
 #if ROUTE_IN_CLUSTER
     // Every block of the cluster has started (long since: they start together).
@@ -160,11 +162,14 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
         if (lane == 0) logits[at] = v;
 #endif
     }
+    // The experts' x in their own format is staged while the other blocks finish their rows.
 #if ROUTE_IN_CLUSTER
     cluster_arrive();
+    if constexpr (OWN) stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
     cluster_wait();
     if (threadIdx.x < WARP) route_topk_by([&](int e) { return slogits[e]; }, lane, sid, sw);
 #else
+    if constexpr (OWN) stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
     route_barrier(sync, gridDim.x);
     if (threadIdx.x < WARP) route_topk(logits, lane, sid, sw);
 #endif
