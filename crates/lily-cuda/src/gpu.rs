@@ -41,11 +41,6 @@ pub struct Gpu {
     pub gdn_prefill_route: Option<crate::gdn_prefill::GdnPrefillRoute>,
     /// Which kernels run the 4-bit prefill GEMMs ([`Gpu::set_gemm_path`]).
     gemm_path: GemmPath,
-    /// Blocks a cluster of the decode router (kernels/moe.cu), 0 below sm_90, where it meets at
-    /// a grid barrier instead.
-    pub route_cluster: u32,
-    /// Clusters of `route_cluster` blocks of each router kernel the GPU holds at once.
-    resident_clusters: HashMap<String, u32>,
     /// Partial sums of dense GEMMs split along K ([`crate::gemm::gemm`]); one launch at a time
     /// uses it, in stream order.
     pub(crate) gemm_partials: CudaSlice<f32>,
@@ -140,18 +135,6 @@ impl Gpu {
                 resident_256.insert(entry.clone(), blocks);
             }
         }
-        let route_cluster = if major >= 9 { options.route_cluster } else { 0 };
-        let mut resident_clusters = HashMap::new();
-        if route_cluster > 0 {
-            for (entry, f) in functions
-                .iter()
-                .filter(|(e, _)| e.starts_with("moe_route_gate_up"))
-            {
-                let clusters = max_active_clusters(f, route_cluster, &stream)
-                    .with_context(|| format!("kernel {entry} in clusters of {route_cluster}"))?;
-                resident_clusters.insert(entry.clone(), clusters);
-            }
-        }
         let gemm_partials = stream.alloc_zeros(crate::gemm::partial_floats(sms))?;
         Ok(Gpu {
             ctx,
@@ -169,8 +152,6 @@ impl Gpu {
             decode_kernels: options.decode_kernels,
             gdn_prefill_route: options.gdn_prefill,
             gemm_path,
-            route_cluster,
-            resident_clusters,
         })
     }
 
@@ -219,15 +200,6 @@ impl Gpu {
             .get(name)
             .with_context(|| format!("no occupancy for kernel {name} at 256 threads"))?;
         Ok((*per_sm).max(1) * self.sms)
-    }
-
-    /// Clusters of [`Gpu::route_cluster`] blocks (256 threads each) of kernel `name` that the
-    /// whole GPU holds at once.
-    pub fn resident_clusters(&self, name: &str) -> Result<u32> {
-        self.resident_clusters
-            .get(name)
-            .copied()
-            .with_context(|| format!("no cluster occupancy for kernel {name}"))
     }
 
     /// Free and total device memory in bytes.
@@ -365,7 +337,17 @@ impl Gpu {
     ) -> Result<()> {
         // The driver reads each argument through a pointer; `values` outlives the call.
         let mut values = args.to_vec();
-        let mut params = arg_pointers(&mut values);
+        let mut params: Vec<*mut c_void> = values
+            .iter_mut()
+            .map(|a| match a {
+                KArg::Ptr(v) => v as *mut u64 as *mut c_void,
+                KArg::I32(v) => v as *mut i32 as *mut c_void,
+                KArg::F32(v) => v as *mut f32 as *mut c_void,
+                KArg::Mat(v) => v as *mut MatArg as *mut c_void,
+                KArg::Rows(v) => v as *mut RowPtrs as *mut c_void,
+                KArg::Ints(v) => v as *mut RowInts as *mut c_void,
+            })
+            .collect();
         self.launch_raw(
             f,
             (shape.grid, shape.block),
@@ -375,55 +357,33 @@ impl Gpu {
         )
     }
 
-    /// Launches kernel `name` in thread-block clusters of `cluster` blocks along the grid's x
-    /// (sm_90+; the grid's x a multiple of it), programmatic while [`Gpu::programmatic`] runs.
-    pub fn launch_cluster(
-        &self,
-        name: &str,
-        shape: Shape,
-        cluster: u32,
-        args: &impl KernelArgs,
-    ) -> Result<()> {
-        let f = self.function(name)?;
-        let mut values = args.args().to_vec();
-        let mut params = arg_pointers(&mut values);
-        let kind = if self.pdl_now.load(Ordering::Relaxed) {
-            LaunchKind::Programmatic
-        } else {
-            LaunchKind::Plain
-        };
-        self.launch_ex(f, (shape.grid, shape.block), 0, &mut params, kind, cluster)
-            .with_context(|| format!("kernel {name} in clusters of {cluster}"))
-    }
-
     /// Launches `f` with its arguments given as pointers to their values (`params`, in the
     /// kernel's parameter order), as `kind` says.
     pub fn launch_raw(
-        &self,
-        f: &CudaFunction,
-        dims: ((u32, u32, u32), u32),
-        shared: u32,
-        params: &mut [*mut c_void],
-        kind: LaunchKind,
-    ) -> Result<()> {
-        self.launch_ex(f, dims, shared, params, kind, 1)
-    }
-
-    fn launch_ex(
         &self,
         f: &CudaFunction,
         (grid, block): ((u32, u32, u32), u32),
         shared: u32,
         params: &mut [*mut c_void],
         kind: LaunchKind,
-        cluster: u32,
     ) -> Result<()> {
         use cudarc::driver::sys;
         self.ctx.bind_to_thread()?;
-        let mut attrs: Vec<sys::CUlaunchAttribute> = kind.attribute().into_iter().collect();
-        if cluster > 1 {
-            attrs.push(cluster_attribute(cluster));
-        }
+        let mut attr = match kind {
+            LaunchKind::Plain => None,
+            LaunchKind::Programmatic => Some(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue {
+                    programmaticStreamSerializationAllowed: 1,
+                },
+            }),
+            LaunchKind::Cooperative => Some(sys::CUlaunchAttribute {
+                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
+                pad: [0; 4],
+                value: sys::CUlaunchAttributeValue { cooperative: 1 },
+            }),
+        };
         let config = sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -433,8 +393,8 @@ impl Gpu {
             blockDimZ: 1,
             sharedMemBytes: shared,
             hStream: self.stream.cu_stream(),
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: attrs.len() as u32,
+            attrs: attr.as_mut().map_or(std::ptr::null_mut(), |a| a as *mut _),
+            numAttrs: attr.is_some() as u32,
         };
         // SAFETY: the caller passes pointers to values matching the kernel's signature, alive
         // until the call returns (the driver copies the values).
@@ -459,91 +419,6 @@ pub enum LaunchKind {
     Programmatic,
     /// Every block resident at once, or the launch fails (a grid barrier needs it).
     Cooperative,
-}
-
-impl LaunchKind {
-    fn attribute(self) -> Option<cudarc::driver::sys::CUlaunchAttribute> {
-        use cudarc::driver::sys::{CUlaunchAttribute, CUlaunchAttributeID, CUlaunchAttributeValue};
-        match self {
-            LaunchKind::Plain => None,
-            LaunchKind::Programmatic => Some(CUlaunchAttribute {
-                id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-                pad: [0; 4],
-                value: CUlaunchAttributeValue {
-                    programmaticStreamSerializationAllowed: 1,
-                },
-            }),
-            LaunchKind::Cooperative => Some(CUlaunchAttribute {
-                id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
-                pad: [0; 4],
-                value: CUlaunchAttributeValue { cooperative: 1 },
-            }),
-        }
-    }
-}
-
-/// Clusters of `size` blocks along the grid's x.
-fn cluster_attribute(size: u32) -> cudarc::driver::sys::CUlaunchAttribute {
-    use cudarc::driver::sys::{
-        CUlaunchAttribute, CUlaunchAttributeID, CUlaunchAttributeValue,
-        CUlaunchAttributeValue_union__bindgen_ty_1 as Dim,
-    };
-    CUlaunchAttribute {
-        id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-        pad: [0; 4],
-        value: CUlaunchAttributeValue {
-            clusterDim: Dim {
-                x: size,
-                y: 1,
-                z: 1,
-            },
-        },
-    }
-}
-
-/// Clusters of `size` blocks of 256 threads of `f` that the GPU holds at once; sizes above the
-/// portable 8 are allowed first (sm_90 takes 16).
-fn max_active_clusters(f: &CudaFunction, size: u32, stream: &CudaStream) -> Result<u32> {
-    use cudarc::driver::sys;
-    if size > 8 {
-        f.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-            1,
-        )
-        .map_err(|e| anyhow::anyhow!("clusters above 8 blocks: {e:?}"))?;
-    }
-    let mut attr = cluster_attribute(size);
-    let config = sys::CUlaunchConfig {
-        gridDimX: size,
-        gridDimY: 1,
-        gridDimZ: 1,
-        blockDimX: 256,
-        blockDimY: 1,
-        blockDimZ: 1,
-        sharedMemBytes: 0,
-        hStream: stream.cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    let mut clusters = 0i32;
-    // SAFETY: `config` and its attribute outlive the call, which only reads them.
-    unsafe { sys::cuOccupancyMaxActiveClusters(&mut clusters, f.cu_function(), &config).result()? };
-    Ok(clusters.max(0) as u32)
-}
-
-/// Pointers to each argument's value, as the driver takes them; `values` must outlive their use.
-fn arg_pointers(values: &mut [KArg]) -> Vec<*mut c_void> {
-    values
-        .iter_mut()
-        .map(|a| match a {
-            KArg::Ptr(v) => v as *mut u64 as *mut c_void,
-            KArg::I32(v) => v as *mut i32 as *mut c_void,
-            KArg::F32(v) => v as *mut f32 as *mut c_void,
-            KArg::Mat(v) => v as *mut MatArg as *mut c_void,
-            KArg::Rows(v) => v as *mut RowPtrs as *mut c_void,
-            KArg::Ints(v) => v as *mut RowInts as *mut c_void,
-        })
-        .collect()
 }
 
 /// `launch!(gpu, "name", grid, block, Args { .. })`: launches with a kernel's argument struct.

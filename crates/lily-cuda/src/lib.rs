@@ -188,12 +188,6 @@ impl CudaBackend {
         self.step_rows
     }
 
-    /// Blocks a thread-block cluster of the graph step's router (kernels/moe.cu); 0 below sm_90,
-    /// where the router's blocks meet at a grid barrier instead.
-    pub fn route_cluster(&self) -> u32 {
-        self.gpu.route_cluster
-    }
-
     /// Whether decode steps run the persistent kernel (else the graph of launches).
     pub fn persistent_decode(&self) -> bool {
         self.persistent.is_some()

@@ -44,14 +44,7 @@ pub struct CudaOptions {
     /// One GDN prefill route for every chunk; None: chosen by chunk length
     /// (`LILY_GDN_PREFILL=scan|chunked`).
     pub gdn_prefill: Option<GdnPrefillRoute>,
-    /// Blocks a thread-block cluster of the decode router on sm_90+, 1 to 16 (kernels/moe.cu,
-    /// `LILY_ROUTE_CLUSTER=N`); each cluster computes all the router's rows. Older GPUs ignore it.
-    pub route_cluster: u32,
 }
-
-/// The largest thread-block cluster a launch may ask for (16 on sm_90 with the non-portable
-/// attribute; 8 is the portable size).
-pub const MAX_CLUSTER: u32 = 16;
 
 impl Default for CudaOptions {
     fn default() -> Self {
@@ -66,7 +59,6 @@ impl Default for CudaOptions {
             pdl: true,
             gemm: None,
             gdn_prefill: None,
-            route_cluster: 8,
         }
     }
 }
@@ -128,14 +120,6 @@ impl CudaOptions {
                 _ => bail!("LILY_GDN_PREFILL={v:?}: expected scan or chunked"),
             });
         }
-        if let Some(v) = var("LILY_ROUTE_CLUSTER") {
-            o.route_cluster = match v.parse::<u32>() {
-                Ok(n) if (1..=MAX_CLUSTER).contains(&n) => n,
-                _ => bail!(
-                    "LILY_ROUTE_CLUSTER={v:?}: expected a cluster size from 1 to {MAX_CLUSTER}"
-                ),
-            };
-        }
         Ok(o)
     }
 
@@ -176,7 +160,6 @@ mod tests {
             ("LILY_PDL", "0"),
             ("LILY_GEMM", "mma"),
             ("LILY_GDN_PREFILL", "scan"),
-            ("LILY_ROUTE_CLUSTER", "16"),
         ]))
         .unwrap();
         let want = CudaOptions {
@@ -187,7 +170,6 @@ mod tests {
             pdl: false,
             gemm: Some(GemmPath::MmaSync),
             gdn_prefill: Some(GdnPrefillRoute::Scan),
-            route_cluster: 16,
         };
         assert_eq!(o, want);
     }
@@ -203,8 +185,6 @@ mod tests {
             ("LILY_PDL", "yes"),
             ("LILY_GEMM", "cublas"),
             ("LILY_GDN_PREFILL", "wy"),
-            ("LILY_ROUTE_CLUSTER", "0"),
-            ("LILY_ROUTE_CLUSTER", "17"),
         ] {
             let err = CudaOptions::from_vars(vars(&[(name, value)])).unwrap_err();
             let text = format!("{err:#}");

@@ -18,7 +18,7 @@ use lily_core::config::ModelConfig;
 use crate::compile::MAX_ATTN_SPLITS;
 use crate::gemv::{GemvForm, GemvRoute, gemv, mat_route};
 use crate::gemv_imma::{ConvOutput, GatedInput, IMMA_SLAB, gemv_gated, gemv_gdn_in};
-use crate::gpu::{Gpu, MAX_ROWS, RowInts, RowPtrs, Shape, ptr};
+use crate::gpu::{Gpu, MAX_ROWS, RowInts, RowPtrs, ptr};
 use crate::kernel_args::{
     ArgmaxFinal, ArgmaxPartial, AttnCombine, AttnPrep, AttnSplit, EmbedRows, GdnConv, GdnGatedNorm,
     GdnStep, MoeDown, MoeRouteGateUp,
@@ -240,14 +240,15 @@ fn experts(
             .all(|x| x.bits == bits),
         "routed and shared experts must share a format"
     );
-    ensure!(
-        m.router.rows == c.num_experts && m.shared_gate.rows == 1,
-        "the router has a row an expert and the shared expert's gate one"
-    );
-    // One (gate, up) row pair per warp and unit (moe_decode.cuh, PAIRS), eight warps a block, at
-    // most one wave shared by the rows: gate/up spreads its units over the blocks evenly.
+    // One (gate, up) row pair per warp and unit (moe_decode.cuh, PAIRS), eight warps a block. The
+    // blocks of a row meet at a barrier after the router (kernels/moe.cu, route_barrier), so every
+    // block of the launch must be resident at once: at most one wave, shared by the rows.
     let pairs = c.experts_per_token * inter + shared;
     let name = format!("moe_route_gate_up_b{bits}_r{}", m.router.bits);
+    let wave = gpu.resident_blocks_256(&name)? / b;
+    ensure!(wave > 0, "{name}: {rows} rows do not fit one wave");
+    let mut shape = wave_shape(pairs, 8, wave);
+    shape.grid.1 = b;
     let route_gate_up = MoeRouteGateUp {
         router: m.router.arg(gpu),
         shared_logit: m.shared_gate.arg(gpu),
@@ -265,26 +266,7 @@ fn experts(
         sync: ptr(&s.route_sync, &gpu.stream),
         act: p(&s.act),
     };
-    let cluster = gpu.route_cluster;
-    if cluster > 0 {
-        // Each cluster routes for itself (kernels/moe.cu), so a row's blocks need not be
-        // resident together; whole clusters, at least one a row.
-        let wave = (gpu.resident_clusters(&name)? / b).max(1);
-        let clusters = (pairs.div_ceil(8) as u32).div_ceil(cluster).min(wave);
-        let shape = Shape {
-            grid: (clusters * cluster, b, 1),
-            block: 256,
-        };
-        gpu.launch_cluster(&name, shape, cluster, &route_gate_up)?;
-    } else {
-        // The blocks of a row meet at a barrier after the router (route_barrier), so every block
-        // of the launch must be resident at once.
-        let wave = gpu.resident_blocks_256(&name)? / b;
-        ensure!(wave > 0, "{name}: {rows} rows do not fit one wave");
-        let mut shape = wave_shape(pairs, 8, wave);
-        shape.grid.1 = b;
-        gpu.launch(&name, shape, &route_gate_up)?;
-    }
+    gpu.launch(&name, shape, &route_gate_up)?;
     // Output rows per warp and unit, eight warps a block: one for one sequence, which would fill
     // half the GPU with two (kernels/moe_decode.cuh, DOWN_ROWS).
     let (name, rows_a_warp) = if rows == 1 && bits != 32 {

@@ -14,7 +14,7 @@ use lily_core::model_ref::SYNTHETIC_SEED;
 use lily_core::sampling::{Sampler, SamplingParams};
 use lily_core::synthetic::synthetic_config;
 use lily_cuda::synthetic::SyntheticWeights;
-use lily_cuda::{CudaBackend, CudaOptions, CudaState, KvPrecision};
+use lily_cuda::{CudaBackend, CudaState, KvPrecision};
 use support::{argmax, options, tokens};
 
 const STEPS: usize = 12;
@@ -187,60 +187,4 @@ fn batched_steps_give_each_sequence_what_it_gives_alone_tiny() {
 #[ignore = "needs a CUDA GPU"]
 fn batched_steps_give_each_sequence_what_it_gives_alone_full_size() {
     check_batches("qwen3.6-35b-a3b", &[8]);
-}
-
-/// The graph step's router runs in thread-block clusters on sm_90+ (kernels/moe.cu): each
-/// cluster computes every router row, a few a warp, and its blocks route from their own copy of
-/// the logits. How many blocks a cluster has (ragged 3 included: 257 rows over 24 warps) must
-/// move no token and no bit of the logits, alone or in a batch.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn the_router_cluster_size_moves_no_bits_full_size() {
-    let config = synthetic_config("qwen3.6-35b-a3b").unwrap();
-    let rows = 4;
-    let mut reference: Option<Vec<(Vec<u32>, Vec<f32>)>> = None;
-    for size in [8, 1, 3, 16] {
-        let mut source = SyntheticWeights::new(SYNTHETIC_SEED);
-        let o = CudaOptions {
-            route_cluster: size,
-            ..options(KvPrecision::F32, 128)
-        };
-        let b = CudaBackend::from_source(config.clone(), &mut source, &o).unwrap();
-        if b.route_cluster() == 0 {
-            eprintln!(
-                "{}: below sm_90 the router meets at a grid barrier, with no clusters: NOT RUN",
-                b.device_name()
-            );
-            return;
-        }
-        assert_eq!(b.route_cluster(), size);
-        let got: Vec<(Vec<u32>, Vec<f32>)> = (0..rows).map(|i| alone(&b, i)).collect();
-        for (i, toks) in together(&b, rows).iter().enumerate() {
-            assert_eq!(
-                toks, &got[i].0,
-                "clusters of {size}: row {i} in a batch of {rows}"
-            );
-        }
-        match &reference {
-            None => reference = Some(got),
-            Some(want) => {
-                for (i, ((toks, logits), (want_toks, want_logits))) in
-                    got.iter().zip(want).enumerate()
-                {
-                    assert_eq!(toks, want_toks, "clusters of {size}: row {i}'s tokens");
-                    let same = logits
-                        .iter()
-                        .zip(want_logits)
-                        .all(|(a, b)| a.to_bits() == b.to_bits());
-                    assert!(
-                        same,
-                        "clusters of {size}: row {i}'s logits differ from clusters of 8"
-                    );
-                }
-            }
-        }
-        eprintln!(
-            "clusters of {size}: {rows} rows alone and batched, the tokens and logits of clusters of 8"
-        );
-    }
 }

@@ -32,52 +32,11 @@ __device__ __forceinline__ void route_barrier(u32* sync, u32 blocks) {
     __syncthreads();
 }
 
-#if __CUDA_ARCH__ >= 900
-// Thread-block clusters (sm_90+): the blocks of a cluster are resident together, may write into
-// each other's shared memory and meet at a hardware barrier.
-#define ROUTE_IN_CLUSTER 1
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ u32 cluster_blocks() {
-    u32 n;
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-    return n;
-}
-// Arrival without a wait, every thread of the block. Relaxed: the first one only says that the
-// block has started, so that the others may write into its shared memory once they have waited.
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-// v into the variable at `local` in the shared memory of the cluster's block `rank`.
-__device__ __forceinline__ void st_cluster(float* local, u32 rank, float v) {
-    u32 remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
-                 : "=r"(remote)
-                 : "r"((u32)__cvta_generic_to_shared(local)), "r"(rank));
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory");
-}
-#else
-#define ROUTE_IN_CLUSTER 0
-#endif
-
 // The router, top-k and the experts' gate/up of one row, in one launch. Why one: routed as a
 // launch of its own, the router (0.56 MB) cost a step ~9.8 µs a layer (docs/BENCHMARKS.md,
 // 2026-12-03), a chain of its own end, gate/up's start, and a read of the choice back; here the
-// blocks that run gate/up compute the router's rows first, and each block routes for itself.
-//
-// How the blocks share the logits. On sm_90+ each thread-block cluster (step.rs chooses its
-// size) computes all NE + 1 rows, a few a warp, and every warp writes its rows' logits into the
-// shared memory of every block of its cluster; after the cluster's barrier each block's top-k
-// reads its own shared memory. Nothing waits on a block outside its cluster, so the launch need
-// not be resident at once, and no line of L2 is read or polled by every block. The router's
-// weights are read once a cluster (from L2 after the first). Below sm_90 the grid computes each
-// row once, a warp a row, and its blocks meet at route_barrier (one wave at most) and read the
-// logits back through L2.
+// blocks that run gate/up compute the router's rows first (a row a warp), meet at a barrier, and
+// each routes for itself from the logits.
 //
 // x = RMSNorm(hidden) · norm_w is staged once a block for both (twice where the router's format
 // differs from the experts': a code's prescale and a chunk's width depend on its bits). Each
@@ -99,20 +58,11 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     __shared__ float sw[TOPK];
     const float* rxs = OWN ? rxs_own : xs;
     const float* rxsum = OWN ? rxsum_own : xsum;
-    const int cols = router.cols, lane = threadIdx.x % WARP, warps = blockDim.x / WARP;
+    const int cols = router.cols, lane = threadIdx.x % WARP;
     const long rows = (long)router.rows + shared_logit.rows;
-#if ROUTE_IN_CLUSTER
-    __shared__ float slogits[NE + 1];
-    cluster_arrive_relaxed();
-    const u32 ranks = cluster_blocks();
-    // Warp-fastest within the cluster: a block's warps take neighbouring rows.
-    long u = (long)cluster_rank() * warps + threadIdx.x / WARP;
-    const long stride = (long)ranks * warps;
-#else
+    const long stride = (long)gridDim.x * (blockDim.x / WARP);
     // Block-fastest, as staged_units numbers units: the rows spread over every SM.
     long u = (long)(threadIdx.x / WARP) * gridDim.x + blockIdx.x;
-    const long stride = (long)gridDim.x * warps;
-#endif
     auto row_of = [&](long r) {
         return r < router.rows ? row_ref(router, r, RBITS) : row_ref(shared_logit, r - router.rows, RBITS);
     };
@@ -128,15 +78,9 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     }
     pdl_wait_holding_next();
     const float inv = block_inv_rms(hidden, cols, eps, scratch);
-    if constexpr (OWN)
-        stage_x_values<RBITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0);
-    else
-        stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
+    stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
+    if constexpr (OWN) stage_x_values<RBITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0);
     __syncthreads();
-#if ROUTE_IN_CLUSTER
-    // Every block of the cluster has started (long since: they start together).
-    cluster_wait();
-#endif
     for (; u < rows; u += stride) {
         float acc[1] = {0.f};
         if constexpr (RBITS == 32) {
@@ -154,35 +98,14 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
             }
         }
         const float v = warp_sum(acc[0]);
-        const long at = u < router.rows ? u : NE + (u - router.rows);
-#if ROUTE_IN_CLUSTER
-        // Lane r writes block r's copy: one store instruction for the whole cluster.
-        for (u32 r = lane; r < ranks; r += WARP) st_cluster(slogits + at, r, v);
-#else
-        if (lane == 0) logits[at] = v;
-#endif
+        if (lane == 0) logits[u < router.rows ? u : NE + (u - router.rows)] = v;
     }
-    // The experts' x in their own format is staged while the other blocks finish their rows.
-#if ROUTE_IN_CLUSTER
-    cluster_arrive();
-    if constexpr (OWN) stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
-    cluster_wait();
-    if (threadIdx.x < WARP) route_topk_by([&](int e) { return slogits[e]; }, lane, sid, sw);
-#else
-    if constexpr (OWN) stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
     route_barrier(sync, gridDim.x);
     if (threadIdx.x < WARP) route_topk(logits, lane, sid, sw);
-#endif
     __syncthreads();
-    if (blockIdx.x == 0) {
-#if ROUTE_IN_CLUSTER
-        // moe_down reads the shared expert's gate logit (tests read them all).
-        for (int e = threadIdx.x; e <= NE; e += blockDim.x) logits[e] = slogits[e];
-#endif
-        if (threadIdx.x < TOPK) {
-            ids[threadIdx.x] = sid[threadIdx.x];
-            weights[threadIdx.x] = sw[threadIdx.x];
-        }
+    if (blockIdx.x == 0 && threadIdx.x < TOPK) {
+        ids[threadIdx.x] = sid[threadIdx.x];
+        weights[threadIdx.x] = sw[threadIdx.x];
         __threadfence();
     }
     __syncthreads();

@@ -3,16 +3,15 @@
 // Routes one token with one warp, the same code in prefill and decode (so a token picks the same
 // experts in both): softmax with probabilities in registers, TOPK rounds of warp argmax (lowest
 // id wins ties, as the CPU reference), then renormalise. Lane 0 writes the TOPK ids and weights
-// (global or shared memory). logit(e) gives expert e's logit.
+// (global or shared memory). The logits (another kernel's or another SM's) are read through L2.
 #define ROUTE_PER_LANE ((NE + WARP - 1) / WARP)
-template <class Logit>
-__device__ void route_topk_by(Logit logit, int lane, int* ids, float* weights) {
+__device__ void route_topk(const float* logits, int lane, int* ids, float* weights) {
     float p[ROUTE_PER_LANE];
     float mx = -INFINITY;
 #pragma unroll
     for (int i = 0; i < ROUTE_PER_LANE; i++) {
         int e = lane + i * WARP;
-        p[i] = e < NE ? logit(e) : -INFINITY;
+        p[i] = e < NE ? ldcg(logits + e) : -INFINITY;
         mx = fmaxf(mx, p[i]);
     }
     mx = warp_max(mx);
@@ -62,10 +61,4 @@ __device__ void route_topk_by(Logit logit, int lane, int* ids, float* weights) {
             weights[k] = NORM_TOPK ? chosen[k] / total : chosen[k];
         }
     }
-}
-
-// route_topk_by with the logits in global memory (another kernel's or another SM's), read
-// through L2.
-__device__ void route_topk(const float* logits, int lane, int* ids, float* weights) {
-    route_topk_by([&](int e) { return ldcg(logits + e); }, lane, ids, weights);
 }
