@@ -48,7 +48,8 @@ if [ "$step" = ab ]; then
   # A/B in one lease: the test binaries named in TESTS first, then the decode bench of each of
   # VARIANTS in turn, NAME:BINARY[:VAR=VALUE,...] with BINARY under .gpu/ (a .xz there is unpacked
   # first), e.g. VARIANTS="base:lily-base: new:lily: base:lily-base: new:lily:". One line each
-  # with its decode tok/s (B = 1 and 8 at each context, in the table's order); JSON into $out.
+  # with its decode tok/s (B = 1 and 8 at each context, in the table's order); JSON into $out;
+  # FAMILIES=1 adds each variant's per-family step profile.
   (cd .gpu && for f in *.xz; do [ -e "${f%.xz}" ] || xz -dk "$f"; chmod +x "${f%.xz}"; done) 2>/dev/null
   for t in ${TESTS:-}; do
     timeout "${TEST_TIMEOUT:-300}" ".gpu/$t" --include-ignored --nocapture --test-threads 1 > "$out/$t.log" 2>&1
@@ -63,6 +64,9 @@ if [ "$step" = ab ]; then
       --contexts "${CONTEXTS:-256,4096}" --batch "${BATCH:-1,8}" --runs 3 --json "$out/bench-$i-$name.json" \
       > "/tmp/bench-$i-$name.txt" 2>&1
     echo "== $i $name $(grep -E '^\| decode' "/tmp/bench-$i-$name.txt" | awk -F'|' '{printf "%s ", $5}')"
+    # FAMILIES=1: bench's per-family profile of a step too (kernels launched one by one), in the
+    # output rather than as files, which a call returns only a few of.
+    if [ -n "${FAMILIES:-}" ]; then sed -n '/^per decode step/,/^$/p' "/tmp/bench-$i-$name.txt"; fi
   done
 fi
 if [ "$step" = all ] || [ "$step" = bench ]; then
