@@ -48,7 +48,7 @@ pub struct Scratch {
     pub weights: CudaSlice<f32>,
     pub act: CudaSlice<f32>,
     /// Two words a row: the router barrier's arrivals and generation (kernels/moe.cu,
-    /// route_barrier); the integer path's router counts its finished blocks in the first.
+    /// route_arrive); the integer path's router counts its finished blocks in the first.
     pub route_sync: CudaSlice<u32>,
     pub logits: CudaSlice<f32>,
     pub arg_v: CudaSlice<f32>,
@@ -241,7 +241,7 @@ fn experts(
         "routed and shared experts must share a format"
     );
     // One (gate, up) row pair per warp and unit (moe_decode.cuh, PAIRS), eight warps a block. The
-    // blocks of a row meet at a barrier after the router (kernels/moe.cu, route_barrier), so every
+    // blocks of a row meet at a barrier after the router (kernels/moe.cu, route_arrive), so every
     // block of the launch must be resident at once: at most one wave, shared by the rows.
     let pairs = c.experts_per_token * inter + shared;
     let name = format!("moe_route_gate_up_b{bits}_r{}", m.router.bits);

@@ -7,27 +7,35 @@
 // so each warp's row arrives in one round trip, requested before pdl_wait.
 #define ROUTE_BATCH 4
 
-// A barrier over the blocks of one launch's row (grid y), once a launch: sync[0] counts the
-// blocks that have arrived, sync[1] is the barrier's generation. A block reads the generation
-// before it arrives; the last to arrive resets the count for the next launch and moves the
-// generation on, which the others wait for. The arrivals' release and the waits' acquire order
-// every block's writes before the barrier (its logits) before every read after it. Every block of
-// the launch must be resident at once (the host launches at most one wave).
-__device__ __forceinline__ void route_barrier(u32* sync, u32 blocks) {
+// A barrier over the blocks of one launch's row (grid y), once a launch, in two halves so that a
+// block can work between its arrival and its wait: sync[0] counts the blocks that have arrived,
+// sync[1] is the barrier's generation. A block reads the generation before it arrives; the last
+// to arrive resets the count for the next launch and moves the generation on, which the others
+// wait for (the last finds it moved at once). The arrivals' release and the waits' acquire order
+// every block's writes before its arrival (its logits) before every read after the wait. Every
+// block of the launch must be resident at once (the host launches at most one wave).
+__device__ __forceinline__ u32 route_arrive(u32* sync, u32 blocks) {
     __syncthreads();
+    u32 gen = 0;
     if (threadIdx.x == 0) {
-        u32 gen, arrived;
+        u32 arrived;
         asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(gen) : "l"(sync + 1) : "memory");
         asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(sync) : "memory");
         if (arrived == blocks - 1) {
             asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(sync) : "memory");
             asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(sync + 1), "r"(gen + 1u) : "memory");
-        } else {
-            u32 seen;
-            do {
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(sync + 1) : "memory");
-            } while (seen == gen);
         }
+    }
+    return gen;
+}
+
+// The wait for route_arrive's generation `gen` (thread 0's) to move on.
+__device__ __forceinline__ void route_wait(const u32* sync, u32 gen) {
+    if (threadIdx.x == 0) {
+        u32 seen;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(sync + 1) : "memory");
+        } while (seen == gen);
     }
     __syncthreads();
 }
@@ -39,7 +47,8 @@ __device__ __forceinline__ void route_barrier(u32* sync, u32 blocks) {
 // each routes for itself from the logits.
 //
 // x = RMSNorm(hidden) · norm_w is staged once a block for both (twice where the router's format
-// differs from the experts': a code's prescale and a chunk's width depend on its bits). Each
+// differs from the experts': a code's prescale and a chunk's width depend on its bits; the
+// experts' copy is then staged between the block's arrival at the barrier and its wait). Each
 // router row is the same expression as in a staged GEMV of its own (one lane's chunks in order,
 // then warp_sum), so every block sees the same logits and routes alike. Block 0 publishes the
 // choice (ids, weights) for moe_down, which reads it before its pdl_wait: so no block lets the
@@ -78,8 +87,10 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     }
     pdl_wait_holding_next();
     const float inv = block_inv_rms(hidden, cols, eps, scratch);
-    stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
-    if constexpr (OWN) stage_x_values<RBITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0);
+    if constexpr (OWN)
+        stage_x_values<RBITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0);
+    else
+        stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
     __syncthreads();
     for (; u < rows; u += stride) {
         float acc[1] = {0.f};
@@ -100,7 +111,11 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
         const float v = warp_sum(acc[0]);
         if (lane == 0) logits[u < router.rows ? u : NE + (u - router.rows)] = v;
     }
-    route_barrier(sync, gridDim.x);
+    // The experts' x in their own format is staged between the block's arrival and its wait, off
+    // the chain from the last router row to top-k.
+    const u32 gen = route_arrive(sync, gridDim.x);
+    if constexpr (OWN) stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
+    route_wait(sync, gen);
     if (threadIdx.x < WARP) route_topk(logits, lane, sid, sw);
     __syncthreads();
     if (blockIdx.x == 0 && threadIdx.x < TOPK) {
