@@ -17,7 +17,7 @@ fn main() -> Result<()> {
     };
     let config = synthetic_config(model)?;
     std::fs::create_dir_all(out).with_context(|| format!("creating {out}"))?;
-    for (file, target, ptx) in compile_all(&config, KvPrecision::Bf16, arch)? {
+    for (file, target, ptx) in compile_all(&config, KvPrecision::Bf16, arch, false)? {
         let path = std::path::Path::new(out).join(format!("{}.{target}.ptx", file.name));
         std::fs::write(&path, ptx.to_src())
             .with_context(|| format!("writing {}", path.display()))?;

@@ -412,14 +412,24 @@ fn cache_path(name: &str, source: &str, options: &[String]) -> Option<PathBuf> {
     Some(base.join(format!("{name}-{:016x}.ptx", h.finish())))
 }
 
+/// The model's defines, and LILY_STAMPS where the kernels are to stamp their waits (stamps.rs).
+pub fn kernel_defines(c: &ModelConfig, kv: KvPrecision, stamps: bool) -> Vec<(String, String)> {
+    let mut defines = model_defines(c, kv);
+    if stamps {
+        defines.push(("LILY_STAMPS".into(), "1".into()));
+    }
+    defines
+}
+
 /// Compiles every kernel file a GPU of `arch` runs, each for its target (`KernelFile::target`):
 /// the file, the target and the PTX. Used by the CI check that needs no GPU.
 pub fn compile_all(
     c: &ModelConfig,
     kv: KvPrecision,
     arch: &str,
+    stamps: bool,
 ) -> Result<Vec<(&'static KernelFile, String, Ptx)>> {
-    let defines = model_defines(c, kv);
+    let defines = kernel_defines(c, kv, stamps);
     KERNEL_FILES
         .iter()
         .filter_map(|file| file.target(arch).map(|target| (file, target)))

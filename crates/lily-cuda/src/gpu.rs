@@ -2,8 +2,8 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result, bail};
 use cudarc::driver::{
@@ -12,7 +12,7 @@ use cudarc::driver::{
 };
 use lily_core::config::ModelConfig;
 
-use crate::compile::{KERNEL_FILES, KvPrecision, compile, model_defines};
+use crate::compile::{KERNEL_FILES, KvPrecision, compile, kernel_defines};
 use crate::gemm_wgmma::GemmPath;
 use crate::kernel_args::KernelArgs;
 use crate::mat::MatArg;
@@ -44,6 +44,10 @@ pub struct Gpu {
     /// Partial sums of dense GEMMs split along K ([`crate::gemm::gemm`]); one launch at a time
     /// uses it, in stream order.
     pub(crate) gemm_partials: CudaSlice<f32>,
+    /// Where the kernels append their wait stamps, when compiled to ([`CudaOptions::stamps`]).
+    pub(crate) stamps: Option<Mutex<CudaSlice<u64>>>,
+    /// The names of the kernels launched while [`Gpu::logging_launches`] runs.
+    launch_log: Mutex<Option<Vec<String>>>,
 }
 
 /// Whether a CUDA driver and at least one GPU are present (without panicking when not).
@@ -85,7 +89,14 @@ impl Gpu {
         let sms = ctx.attribute(
             cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
         )? as u32;
-        let defines = model_defines(config, kv);
+        let defines = kernel_defines(config, kv, options.stamps);
+        let stamps = if options.stamps {
+            let mut words = vec![0u64; crate::stamps::buffer_words()];
+            words[1] = crate::stamps::STAMP_RECORDS as u64;
+            Some(stream.clone_htod(&words)?)
+        } else {
+            None
+        };
         let mut functions = HashMap::new();
         // Every file the GPU can run; an architecture-specific one for its own target (sm_90a),
         // a file of one kind of decode kernels where the options select them.
@@ -98,6 +109,15 @@ impl Gpu {
             let module = ctx
                 .load_module(ptx)
                 .with_context(|| format!("loading kernels {}.cu", file.name))?;
+            if let Some(buffer) = &stamps {
+                // Each module has its own copy of the pointer the stamps go through.
+                let at = ptr(buffer, &stream);
+                let mut global = module.get_global("lily_stamps", &stream)?;
+                // SAFETY: lily_stamps is one 8-byte pointer in every module (common.cuh).
+                let mut pointer = unsafe { global.transmute_mut::<u64>(1) }
+                    .context("lily_stamps is not a pointer")?;
+                stream.memcpy_htod(&[at], &mut pointer)?;
+            }
             for entry in file.entries {
                 let f = module
                     .load_function(entry)
@@ -152,7 +172,37 @@ impl Gpu {
             decode_kernels: options.decode_kernels,
             gdn_prefill_route: options.gdn_prefill,
             gemm_path,
+            stamps: stamps.map(Mutex::new),
+            launch_log: Mutex::new(None),
         })
+    }
+
+    /// Runs `encode` with the names of the kernels it launches logged, and returns them too.
+    pub(crate) fn logging_launches<T>(
+        &self,
+        encode: impl FnOnce() -> Result<T>,
+    ) -> Result<(T, Vec<String>)> {
+        self.set_launch_log(Some(Vec::new()))?;
+        let done = encode();
+        let names = self.set_launch_log(None)?.unwrap_or_default();
+        Ok((done?, names))
+    }
+
+    fn set_launch_log(&self, log: Option<Vec<String>>) -> Result<Option<Vec<String>>> {
+        let mut held = self
+            .launch_log
+            .lock()
+            .map_err(|_| anyhow::anyhow!("launch log lock poisoned"))?;
+        Ok(std::mem::replace(&mut *held, log))
+    }
+
+    /// Kernels launched so far while launches are logged (0 when they are not).
+    pub(crate) fn launches_logged(&self) -> usize {
+        self.launch_log
+            .lock()
+            .ok()
+            .and_then(|l| l.as_ref().map(Vec::len))
+            .unwrap_or(0)
     }
 
     /// Which kernels run the 4-bit prefill GEMMs: the options' choice, else the GPU's fastest.
@@ -300,6 +350,11 @@ impl Gpu {
     ) -> Result<()> {
         let args = &args.args();
         let f = self.function(name)?;
+        if let Ok(mut log) = self.launch_log.lock()
+            && let Some(names) = log.as_mut()
+        {
+            names.push(name.to_string());
+        }
         if self.pdl_now.load(Ordering::Relaxed) {
             return self
                 .launch_pdl(f, &shape, shared, args)

@@ -23,6 +23,7 @@ pub mod moe_prefill;
 pub mod options;
 pub mod pick;
 mod prefill;
+pub mod stamps;
 mod state;
 mod step;
 mod step_constants;
@@ -366,6 +367,94 @@ impl CudaBackend {
         totals.iter_mut().for_each(|(_, ms)| *ms /= steps as f64);
         totals.retain(|(family, _)| *family != "start");
         Ok(totals)
+    }
+
+    /// Whether the kernels stamp their waits ([`Self::stamp_decode`]).
+    pub fn stamping(&self) -> bool {
+        self.gpu.stamps.is_some()
+    }
+
+    /// The graph step of `states` (as [`Self::profile_decode`] takes them) by kernel family, from
+    /// the stamps its kernels take inside the graph (kernels compiled with
+    /// [`options::CudaOptions::stamps`]): warmed up, then replays stamped and the last but one
+    /// summed (stamps.rs).
+    pub fn stamp_decode(&self, states: &mut [&mut CudaState]) -> Result<Vec<stamps::FamilyStamps>> {
+        const WARM: usize = 3;
+        const REPLAYS: usize = 3;
+        let buffer = self
+            .gpu
+            .stamps
+            .as_ref()
+            .context("the kernels were not compiled to stamp their waits (LILY_STAMPS=1)")?;
+        ensure!(
+            self.persistent.is_none(),
+            "stamps time the graph step, not the persistent one"
+        );
+        ensure!(
+            (1..=self.step_rows.max(1)).contains(&states.len()),
+            "a stamped step takes 1 to {} sequences, not {}",
+            self.step_rows.max(1),
+            states.len()
+        );
+        ensure!(
+            states.iter().all(|s| s.len + WARM + REPLAYS <= s.max_seq),
+            "no room for {} stamped steps",
+            WARM + REPLAYS
+        );
+        let scratch = self.lock()?;
+        let mut timeline = Timeline::by_launch();
+        let rows: Vec<StepRow<'_>> = states
+            .iter()
+            .map(|state| StepRow {
+                state,
+                choices: self.config.vocab_size,
+            })
+            .collect();
+        let (graph, names) = self.gpu.logging_launches(|| {
+            self.gpu
+                .stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let encoded = self.gpu.programmatic(|| {
+                let (gpu, c, w) = (&self.gpu, &self.config, &self.weights);
+                encode_step(gpu, c, w, &scratch.decode, &rows, Some(&mut timeline))
+            });
+            let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0));
+            encoded?;
+            graph?.context("graph capture produced no graph")
+        })?;
+        let families = timeline.launch_families()?;
+        ensure!(
+            families.len() == names.len(),
+            "{} launches, {} of them in a family",
+            names.len(),
+            families.len()
+        );
+        let labels: Vec<String> = families
+            .iter()
+            .zip(&names)
+            .map(|(family, name)| format!("{family} · {name}"))
+            .collect();
+        let header = [0u64, stamps::STAMP_RECORDS as u64];
+        let run = |replays: usize, states: &mut [&mut CudaState]| -> Result<()> {
+            for _ in 0..replays {
+                graph.launch()?;
+                states.iter_mut().for_each(|s| s.len += 1);
+            }
+            Ok(())
+        };
+        let mut buffer = buffer
+            .lock()
+            .map_err(|_| anyhow::anyhow!("stamp buffer lock poisoned"))?;
+        run(WARM, states)?;
+        self.gpu
+            .stream
+            .memcpy_htod(&header, &mut buffer.slice_mut(..2))?;
+        // One replay more than summed: its first wait ends the last summed one's chain.
+        run(REPLAYS + 1, states)?;
+        self.gpu.sync()?;
+        states.iter_mut().for_each(|s| s.device_token = None);
+        let launched = stamps::launches(&self.gpu.download(&buffer)?)?;
+        stamps::step_families(&launched, &labels, REPLAYS + 1)
     }
 
     /// One persistent step of `state` (its table made at its first step), its choice over the

@@ -44,6 +44,9 @@ pub struct CudaOptions {
     /// One GDN prefill route for every chunk; None: chosen by chunk length
     /// (`LILY_GDN_PREFILL=scan|chunked`).
     pub gdn_prefill: Option<GdnPrefillRoute>,
+    /// Kernels compiled to timestamp every block's wait, for `lily bench`'s in-graph breakdown of
+    /// a decode step (stamps.rs; `LILY_STAMPS=0|1`).
+    pub stamps: bool,
 }
 
 impl Default for CudaOptions {
@@ -59,6 +62,7 @@ impl Default for CudaOptions {
             pdl: true,
             gemm: None,
             gdn_prefill: None,
+            stamps: false,
         }
     }
 }
@@ -104,6 +108,13 @@ impl CudaOptions {
                 "1" => true,
                 "0" => false,
                 _ => bail!("LILY_PDL={v:?}: expected 0 or 1"),
+            };
+        }
+        if let Some(v) = var("LILY_STAMPS") {
+            o.stamps = match v.as_str() {
+                "1" => true,
+                "0" => false,
+                _ => bail!("LILY_STAMPS={v:?}: expected 0 or 1"),
             };
         }
         if let Some(v) = var("LILY_GEMM") {
@@ -160,6 +171,7 @@ mod tests {
             ("LILY_PDL", "0"),
             ("LILY_GEMM", "mma"),
             ("LILY_GDN_PREFILL", "scan"),
+            ("LILY_STAMPS", "1"),
         ]))
         .unwrap();
         let want = CudaOptions {
@@ -170,6 +182,7 @@ mod tests {
             pdl: false,
             gemm: Some(GemmPath::MmaSync),
             gdn_prefill: Some(GdnPrefillRoute::Scan),
+            stamps: true,
         };
         assert_eq!(o, want);
     }
@@ -185,6 +198,7 @@ mod tests {
             ("LILY_PDL", "yes"),
             ("LILY_GEMM", "cublas"),
             ("LILY_GDN_PREFILL", "wy"),
+            ("LILY_STAMPS", "on"),
         ] {
             let err = CudaOptions::from_vars(vars(&[(name, value)])).unwrap_err();
             let text = format!("{err:#}");

@@ -147,18 +147,39 @@ fn round_up_warp(n: usize) -> u32 {
     (n.div_ceil(32) * 32).min(1024) as u32
 }
 
-/// GPU-timeline events between the kernel families of a step, for `lily bench`'s breakdown.
+/// Where the kernel families of a step begin and end, for `lily bench`'s breakdowns: events on
+/// the GPU's timeline between them (launched one by one), or, for a step captured as a graph,
+/// how many kernels had been launched at each mark (stamps.rs).
 #[derive(Default)]
 pub struct Timeline {
-    marks: Vec<(&'static str, CudaEvent)>,
+    marks: Vec<(&'static str, Mark)>,
+    by_launch: bool,
+}
+
+enum Mark {
+    Event(CudaEvent),
+    Launches(usize),
 }
 
 impl Timeline {
+    /// A timeline of launch counts (nothing enqueued, so a graph capture may record it).
+    pub fn by_launch() -> Self {
+        Timeline {
+            marks: Vec::new(),
+            by_launch: true,
+        }
+    }
+
     /// Records that the work enqueued since the previous mark belongs to `family`.
     pub(crate) fn mark(&mut self, gpu: &Gpu, family: &'static str) -> Result<()> {
-        let event = gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        event.record(&gpu.stream)?;
-        self.marks.push((family, event));
+        let mark = if self.by_launch {
+            Mark::Launches(gpu.launches_logged())
+        } else {
+            let event = gpu.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+            event.record(&gpu.stream)?;
+            Mark::Event(event)
+        };
+        self.marks.push((family, mark));
         Ok(())
     }
 
@@ -166,13 +187,28 @@ impl Timeline {
     pub fn totals(&self) -> Result<Vec<(&'static str, f64)>> {
         let mut totals: Vec<(&'static str, f64)> = Vec::new();
         for pair in self.marks.windows(2) {
-            let ms = pair[0].1.elapsed_ms(&pair[1].1)? as f64;
+            let (Mark::Event(a), Mark::Event(b)) = (&pair[0].1, &pair[1].1) else {
+                bail!("a timeline of launch counts has no times");
+            };
+            let ms = a.elapsed_ms(b)? as f64;
             match totals.iter_mut().find(|(f, _)| *f == pair[1].0) {
                 Some((_, t)) => *t += ms,
                 None => totals.push((pair[1].0, ms)),
             }
         }
         Ok(totals)
+    }
+
+    /// The family of each launch, in order: a launch belongs to the first mark after it.
+    pub fn launch_families(&self) -> Result<Vec<&'static str>> {
+        let mut families = Vec::new();
+        for (family, mark) in &self.marks {
+            let Mark::Launches(n) = mark else {
+                bail!("a timeline of events has no launch counts");
+            };
+            families.resize(*n, *family);
+        }
+        Ok(families)
     }
 }
 

@@ -47,7 +47,7 @@ fn every_kernel_compiles_for_every_architecture() {
                 &[KvPrecision::Bf16]
             };
             for &kv in kvs {
-                let compiled = compile_all(&config, kv, arch)
+                let compiled = compile_all(&config, kv, arch, false)
                     .unwrap_or_else(|e| panic!("{name} for {arch}: {e:#}"));
                 // Every file the GPU runs, the sm_90a-only ones included on sm_90.
                 let expected: Vec<&str> = KERNEL_FILES
@@ -208,6 +208,39 @@ fn the_pick_kernels_take_the_hosts_argument_layout() {
             "{entry}: no parameter of {} bytes",
             pick_args_bytes()
         );
+    }
+    let _ = std::fs::remove_dir_all(cache);
+}
+
+/// With stamps (`LILY_STAMPS=1`, stamps.rs) every file compiles, for the GPU that runs them and
+/// the oldest one, and each module holds the pointer the host points at the stamp buffer: a
+/// module without it would fail the backend at start.
+#[test]
+#[ignore = "needs libnvrtc.so.13 on LD_LIBRARY_PATH; scripts/test.sh installs it and runs this"]
+fn the_stamped_kernels_compile_and_each_module_holds_the_stamp_pointer() {
+    let cache = std::env::temp_dir().join(format!("lily-nvrtc-stamps-{}", std::process::id()));
+    // SAFETY: set before any thread of this test binary reads the environment.
+    unsafe { std::env::set_var("LILY_KERNEL_CACHE", &cache) };
+    let config = synthetic_config("qwen3.6-35b-a3b").unwrap();
+    for arch in ["sm_80", "sm_90"] {
+        let compiled = compile_all(&config, KvPrecision::Bf16, arch, true)
+            .unwrap_or_else(|e| panic!("stamped, for {arch}: {e:#}"));
+        for (file, _, ptx) in &compiled {
+            let text = ptx.to_src();
+            assert!(
+                text.contains(".global .align 8 .u64 lily_stamps"),
+                "{arch}/{}: no lily_stamps",
+                file.name
+            );
+            // On sm_90 the waits stamp: the timer is read in every file that waits.
+            if arch == "sm_90" && file.source.contains("pdl_wait") {
+                assert!(
+                    text.contains("%globaltimer"),
+                    "{arch}/{}: no stamps",
+                    file.name
+                );
+            }
+        }
     }
     let _ = std::fs::remove_dir_all(cache);
 }

@@ -30,6 +30,44 @@ __device__ __forceinline__ float kv_load(kv_t v) { return bf16_to_f32(v); }
 __device__ __forceinline__ kv_t kv_store(float f) { return f32_to_bf16(f); }
 #endif
 
+// In-graph timestamps (CudaOptions::stamps; stamps.rs reads them): with LILY_STAMPS defined,
+// thread 0 of every block that reaches a wait appends one record to the buffer the host points
+// lily_stamps at (a count, then records of four words): the launch (%gridid), when the block
+// reached the wait (its weights already requested), when the wait returned (the kernel before
+// it done), and the block's index and SM. Without the define the waits are as they were.
+#ifdef LILY_STAMPS
+typedef unsigned long long u64;
+#define STAMP_WORDS 4
+__device__ u64* lily_stamps;
+__device__ __forceinline__ u64 global_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ void stamp_wait(u64 reached) {
+    if (threadIdx.x != 0 || lily_stamps == nullptr) return;
+    const u64 ready = global_ns();
+    u64 grid;
+    u32 sm;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    const u64 capacity = lily_stamps[1];
+    const u64 at = atomicAdd(lily_stamps, 1ull);
+    if (at >= capacity) return;
+    u64* r = lily_stamps + 2 + STAMP_WORDS * at;
+    const u64 block = blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z);
+    r[0] = grid;
+    r[1] = reached;
+    r[2] = ready;
+    r[3] = block | (u64)sm << 40;
+}
+#define STAMP_REACHED const u64 stamp_reached = global_ns();
+#define STAMP_READY stamp_wait(stamp_reached);
+#else
+#define STAMP_REACHED
+#define STAMP_READY
+#endif
+
 // Programmatic dependent launch (gpu.rs launches every kernel allowed to start before the previous
 // one ends, on sm_90+). Before pdl_wait() a kernel may read only weights, which no kernel writes;
 // pdl_wait() returns once the previous kernel has finished and its writes are visible, and then
@@ -37,7 +75,9 @@ __device__ __forceinline__ kv_t kv_store(float f) { return f32_to_bf16(f); }
 // one runs (one kernel ahead, never more). No-ops below sm_90 and on a normal launch.
 __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
+    STAMP_REACHED
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    STAMP_READY
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
@@ -47,7 +87,9 @@ __device__ __forceinline__ void pdl_wait() {
 // kernel start through a later pdl_wait(), once that is written.
 __device__ __forceinline__ void pdl_wait_holding_next() {
 #if __CUDA_ARCH__ >= 900
+    STAMP_REACHED
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    STAMP_READY
 #endif
 }
 

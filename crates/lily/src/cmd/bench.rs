@@ -241,7 +241,8 @@ pub fn run(args: Args) -> Result<()> {
         for batch in batches.filter(|&b| b == 1 || !gpu.persistent_decode()) {
             let mut states = Vec::with_capacity(batch);
             for _ in 0..batch {
-                let mut state = backend.new_state(ctx + steps + 1)?;
+                // Room for the profiled steps and the stamped ones (stamp_decode's 7).
+                let mut state = backend.new_state(ctx + steps + 8)?;
                 prefill(&backend, &mut state, &tokens[..ctx], LogitRows::None)?;
                 states.push(state);
             }
@@ -263,6 +264,9 @@ pub fn run(args: Args) -> Result<()> {
                 "\nper decode step of {batch} sequence(s) at context {ctx}, {how}: {total:.3} ms"
             );
             print_families(&families, total, "µs per step", 1e3);
+            if gpu.stamping() && !gpu.persistent_decode() {
+                print_stamps(batch, ctx, &gpu.stamp_decode(&mut rows)?);
+            }
         }
     }
     if let (AnyBackend::Cuda(gpu), Some(&len)) = (&backend, args.prompt_lens.iter().max()) {
@@ -349,6 +353,33 @@ fn print_families(families: &[(&str, f64)], total: f64, unit: &str, scale: f64) 
             "| {family} | {:.2} | {:.0} % |",
             ms * scale,
             100.0 * ms / total
+        );
+    }
+}
+
+/// The in-graph breakdown of a step (lily_cuda::stamps): what each family costs the chain of
+/// launches, how long its blocks sat resident before their inputs were ready, and how long its
+/// last blocks waited for room after that.
+fn print_stamps(batch: usize, ctx: usize, families: &[lily_cuda::stamps::FamilyStamps]) {
+    let total: f64 = families.iter().map(|f| f.chain_us).sum();
+    println!(
+        "\nper decode step of {batch} sequence(s) at context {ctx}, in the graph, from the kernels' \
+         stamps: {:.3} ms",
+        total / 1e3
+    );
+    println!(
+        "| kernel family | launches | µs on the chain | share | µs resident before ready | µs last block late |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
+    for f in families {
+        println!(
+            "| {} | {} | {:.1} | {:.0} % | {:.1} | {:.1} |",
+            f.family,
+            f.launches,
+            f.chain_us,
+            100.0 * f.chain_us / total.max(1e-9),
+            f.resident_us,
+            f.late_us
         );
     }
 }

@@ -1,0 +1,213 @@
+//! In-graph timestamps of a decode step (`LILY_STAMPS=1`, [`crate::options::CudaOptions::stamps`]).
+//!
+//! Launched one by one (`lily bench`'s other breakdown), each kernel family pays its launch and
+//! its start-up in full; in the captured graph, programmatic launch overlaps them with the kernel
+//! ahead. These stamps are taken inside the graph: every block of every launch records, at its
+//! wait (kernels/common.cuh, `stamp_wait`), when it reached the wait and when the wait returned.
+//! A launch's first return is the moment the kernel before it ended, so the time between two
+//! launches' first returns is what that launch costs the step's chain; the time from its first
+//! block's arrival to that return is how long its blocks sat resident with their weights
+//! requested; a block that arrives after the first return found no room beside the kernel
+//! ahead and started late.
+
+use std::collections::HashMap;
+
+use anyhow::{Result, bail, ensure};
+
+/// Words of one record (kernels/common.cuh, `STAMP_WORDS`).
+pub const STAMP_WORDS: usize = 4;
+/// Records the buffer holds: three replays of a step of ~300 launches of up to ~400 blocks.
+pub const STAMP_RECORDS: usize = 1 << 20;
+
+/// The device buffer's length in u64 words: the count, the capacity, then the records.
+pub fn buffer_words() -> usize {
+    2 + STAMP_WORDS * STAMP_RECORDS
+}
+
+/// One launch of a stamped run, from its blocks' records (times in ns of the GPU's global timer).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LaunchStamps {
+    pub blocks: usize,
+    /// The first and last block's arrival at the wait.
+    pub first_reached: u64,
+    pub last_reached: u64,
+    /// The first and last block's return from the wait (its first wait, for a kernel with two).
+    pub first_ready: u64,
+    pub last_ready: u64,
+}
+
+/// The launches of a run in the order they were scheduled, from the buffer's words (the count,
+/// the capacity, records). A block that waits twice (moe_route_gate_up) counts once, at its first.
+pub fn launches(words: &[u64]) -> Result<Vec<LaunchStamps>> {
+    ensure!(words.len() >= 2, "no stamp header");
+    let (count, capacity) = (words[0] as usize, words[1] as usize);
+    if count > capacity {
+        bail!("{count} stamps for room of {capacity}: the run overflowed the buffer");
+    }
+    ensure!(
+        words.len() >= 2 + STAMP_WORDS * count,
+        "{count} stamps in {} words",
+        words.len()
+    );
+    // (launch, block) -> its earliest record.
+    let mut first: HashMap<(u64, u64), (u64, u64)> = HashMap::new();
+    for r in words[2..2 + STAMP_WORDS * count].chunks_exact(STAMP_WORDS) {
+        let (grid, reached, ready, block) = (r[0], r[1], r[2], r[3] & ((1 << 40) - 1));
+        let e = first.entry((grid, block)).or_insert((reached, ready));
+        if ready < e.1 {
+            *e = (reached, ready);
+        }
+    }
+    let mut by_grid: HashMap<u64, LaunchStamps> = HashMap::new();
+    for ((grid, _), (reached, ready)) in first {
+        let l = by_grid.entry(grid).or_insert(LaunchStamps {
+            blocks: 0,
+            first_reached: u64::MAX,
+            last_reached: 0,
+            first_ready: u64::MAX,
+            last_ready: 0,
+        });
+        l.blocks += 1;
+        l.first_reached = l.first_reached.min(reached);
+        l.last_reached = l.last_reached.max(reached);
+        l.first_ready = l.first_ready.min(ready);
+        l.last_ready = l.last_ready.max(ready);
+    }
+    // A launch is scheduled only once every block of the one before it has reached its wait, so
+    // the first arrivals order the launches.
+    let mut all: Vec<LaunchStamps> = by_grid.into_values().collect();
+    all.sort_by_key(|l| l.first_reached);
+    Ok(all)
+}
+
+/// One kernel's share of a stamped step, summed over its launches (µs).
+#[derive(Clone, Debug, PartialEq)]
+pub struct FamilyStamps {
+    /// The family and the kernel, as "family · kernel".
+    pub family: String,
+    pub launches: usize,
+    /// From each launch's first return to the next launch's: its cost to the step's chain.
+    pub chain_us: f64,
+    /// From each launch's first arrival to its first return: how long it sat requested.
+    pub resident_us: f64,
+    /// From each launch's first return to its last block's arrival, where that is later: how
+    /// long blocks waited for room after the kernel ahead had ended.
+    pub late_us: f64,
+}
+
+/// The step's families from the launches of `replays` consecutive replays of one graph of
+/// `families.len()` launches (`families[i]` is launch i's label): the last but one replay's
+/// launches, the last of them ending its chain at the last replay's first return.
+pub fn step_families(
+    launches: &[LaunchStamps],
+    families: &[String],
+    replays: usize,
+) -> Result<Vec<FamilyStamps>> {
+    let n = families.len();
+    ensure!(replays >= 2 && n > 0, "stamps need two replays of a graph");
+    ensure!(
+        launches.len() == replays * n,
+        "{} stamped launches for {replays} replays of {n} launches: some kernel did not stamp",
+        launches.len()
+    );
+    let step = &launches[(replays - 2) * n..];
+    let mut out: Vec<FamilyStamps> = Vec::new();
+    for (i, family) in families.iter().enumerate() {
+        let (l, next) = (&step[i], &step[i + 1]);
+        let us = |a: u64, b: u64| b.saturating_sub(a) as f64 / 1e3;
+        let f = match out.iter_mut().position(|f| f.family == *family) {
+            Some(at) => &mut out[at],
+            None => {
+                out.push(FamilyStamps {
+                    family: family.clone(),
+                    launches: 0,
+                    chain_us: 0.0,
+                    resident_us: 0.0,
+                    late_us: 0.0,
+                });
+                out.last_mut().expect("just pushed")
+            }
+        };
+        f.launches += 1;
+        f.chain_us += us(l.first_ready, next.first_ready);
+        f.resident_us += us(l.first_reached, l.first_ready);
+        f.late_us += us(l.first_ready, l.last_reached);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(words: &mut Vec<u64>, grid: u64, block: u64, sm: u64, reached: u64, ready: u64) {
+        words.extend([grid, reached, ready, block | sm << 40]);
+        words[0] += 1;
+    }
+
+    #[test]
+    fn launches_are_ordered_by_first_arrival_and_a_second_wait_counts_once() {
+        let mut w = vec![0, 100];
+        // Launch 7 (scheduled second) and launch 3 (first), records interleaved.
+        record(&mut w, 7, 0, 5, 2_000, 5_000);
+        record(&mut w, 3, 1, 9, 1_200, 2_500);
+        record(&mut w, 3, 0, 2, 1_000, 2_400);
+        record(&mut w, 7, 1, 2, 3_000, 5_100);
+        // Block 0 of launch 7 waits again later: ignored.
+        record(&mut w, 7, 0, 5, 6_000, 6_100);
+        let l = launches(&w).unwrap();
+        assert_eq!(l.len(), 2);
+        assert_eq!(
+            l[0],
+            LaunchStamps {
+                blocks: 2,
+                first_reached: 1_000,
+                last_reached: 1_200,
+                first_ready: 2_400,
+                last_ready: 2_500
+            }
+        );
+        assert_eq!(
+            (l[1].blocks, l[1].first_ready, l[1].last_ready),
+            (2, 5_000, 5_100)
+        );
+        assert_eq!(l[1].last_reached, 3_000);
+    }
+
+    #[test]
+    fn an_overflowed_buffer_is_an_error() {
+        let w = vec![5, 4];
+        assert!(launches(&w).unwrap_err().to_string().contains("overflowed"));
+    }
+
+    #[test]
+    fn families_sum_the_last_but_one_replay_whose_chain_ends_at_the_last() {
+        // Three replays of a graph of three launches: a, b, a.
+        let mut l = Vec::new();
+        for r in 0..3u64 {
+            let t0 = r * 100_000;
+            for (i, ready) in [10_000u64, 14_000, 30_000].into_iter().enumerate() {
+                l.push(LaunchStamps {
+                    blocks: 4,
+                    first_reached: t0 + ready - 3_000 + i as u64,
+                    last_reached: t0 + ready + 500,
+                    first_ready: t0 + ready,
+                    last_ready: t0 + ready + 800,
+                });
+            }
+        }
+        let labels = ["a", "b", "a"].map(String::from);
+        let f = step_families(&l, &labels, 3).unwrap();
+        assert_eq!(f.len(), 2);
+        // a: 10→14 (4 µs) and 30→110 (the next replay's first return): 84 µs.
+        assert_eq!((f[0].family.as_str(), f[0].launches), ("a", 2));
+        assert!((f[0].chain_us - 84.0).abs() < 1e-9, "{}", f[0].chain_us);
+        assert!((f[1].chain_us - 16.0).abs() < 1e-9);
+        assert!((f[0].resident_us - (3.0 + 2.998)).abs() < 1e-9);
+        assert!((f[1].late_us - 0.5).abs() < 1e-9);
+        // The chain of the middle replay is the replay's period.
+        let total: f64 = f.iter().map(|f| f.chain_us).sum();
+        assert!((total - 100.0).abs() < 1e-9);
+        assert!(step_families(&l[..8], &labels, 3).is_err());
+    }
+}
