@@ -453,7 +453,7 @@ impl CudaBackend {
         run(REPLAYS + 1, states)?;
         self.gpu.sync()?;
         states.iter_mut().for_each(|s| s.device_token = None);
-        let launched = stamps::launches(&self.gpu.download(&buffer)?)?;
+        let launched = stamps::launches(&self.gpu.download(&buffer)?, REPLAYS + 1)?;
         stamps::step_families(&launched, &labels, REPLAYS + 1)
     }
 

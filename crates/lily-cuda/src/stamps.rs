@@ -10,7 +10,7 @@
 //! requested; a block that arrives after the first return found no room beside the kernel
 //! ahead and started late.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use anyhow::{Result, bail, ensure};
 
@@ -36,10 +36,14 @@ pub struct LaunchStamps {
     pub last_ready: u64,
 }
 
-/// The launches of a run in the order they were scheduled, from the buffer's words (the count,
-/// the capacity, records). A block that waits twice (moe_route_gate_up) counts once, at its first.
-pub fn launches(words: &[u64]) -> Result<Vec<LaunchStamps>> {
+/// The launches of `replays` replays of one graph in the order they were scheduled, from the
+/// buffer's words (the count, the capacity, records). A graph node keeps its `%gridid` from one
+/// replay to the next, so a node's records are split into replays at the largest gaps between
+/// them (microseconds within a replay, a whole step between two). A block that waits twice
+/// (moe_route_gate_up) counts once, at its first.
+pub fn launches(words: &[u64], replays: usize) -> Result<Vec<LaunchStamps>> {
     ensure!(words.len() >= 2, "no stamp header");
+    ensure!(replays > 0, "no replays");
     let (count, capacity) = (words[0] as usize, words[1] as usize);
     if count > capacity {
         bail!("{count} stamps for room of {capacity}: the run overflowed the buffer");
@@ -49,35 +53,65 @@ pub fn launches(words: &[u64]) -> Result<Vec<LaunchStamps>> {
         "{count} stamps in {} words",
         words.len()
     );
-    // (launch, block) -> its earliest record.
-    let mut first: HashMap<(u64, u64), (u64, u64)> = HashMap::new();
+    // grid -> its records as (ready, reached, block).
+    let mut by_grid: HashMap<u64, Vec<(u64, u64, u64)>> = HashMap::new();
     for r in words[2..2 + STAMP_WORDS * count].chunks_exact(STAMP_WORDS) {
-        let (grid, reached, ready, block) = (r[0], r[1], r[2], r[3] & ((1 << 40) - 1));
-        let e = first.entry((grid, block)).or_insert((reached, ready));
-        if ready < e.1 {
-            *e = (reached, ready);
+        let block = r[3] & ((1 << 40) - 1);
+        by_grid.entry(r[0]).or_default().push((r[2], r[1], block));
+    }
+    let mut all = Vec::with_capacity(by_grid.len() * replays);
+    for (grid, mut records) in by_grid {
+        ensure!(
+            records.len() >= replays,
+            "launch {grid:#x} has {} stamps for {replays} replays",
+            records.len()
+        );
+        records.sort_unstable();
+        // The replay boundaries: the replays - 1 largest gaps, in time order.
+        let mut gaps: Vec<(u64, usize)> = records
+            .windows(2)
+            .enumerate()
+            .map(|(i, w)| (w[1].0 - w[0].0, i + 1))
+            .collect();
+        gaps.sort_unstable_by(|a, b| b.cmp(a));
+        let mut cuts: Vec<usize> = gaps[..replays - 1].iter().map(|&(_, at)| at).collect();
+        cuts.sort_unstable();
+        let bounds = std::iter::once(0)
+            .chain(cuts)
+            .chain(std::iter::once(records.len()));
+        let bounds: Vec<usize> = bounds.collect();
+        for w in bounds.windows(2) {
+            all.push(launch_of(&records[w[0]..w[1]]));
         }
     }
-    let mut by_grid: HashMap<u64, LaunchStamps> = HashMap::new();
-    for ((grid, _), (reached, ready)) in first {
-        let l = by_grid.entry(grid).or_insert(LaunchStamps {
-            blocks: 0,
-            first_reached: u64::MAX,
-            last_reached: 0,
-            first_ready: u64::MAX,
-            last_ready: 0,
-        });
+    // A launch is scheduled only once every block of the one before it has reached its wait, so
+    // the first arrivals order the launches.
+    all.sort_by_key(|l| l.first_reached);
+    Ok(all)
+}
+
+/// One launch from its blocks' records (ready, reached, block), sorted by ready.
+fn launch_of(records: &[(u64, u64, u64)]) -> LaunchStamps {
+    let mut l = LaunchStamps {
+        blocks: 0,
+        first_reached: u64::MAX,
+        last_reached: 0,
+        first_ready: u64::MAX,
+        last_ready: 0,
+    };
+    let mut seen = HashSet::new();
+    for &(ready, reached, block) in records {
+        // Sorted by ready, so a block's first record is its first wait.
+        if !seen.insert(block) {
+            continue;
+        }
         l.blocks += 1;
         l.first_reached = l.first_reached.min(reached);
         l.last_reached = l.last_reached.max(reached);
         l.first_ready = l.first_ready.min(ready);
         l.last_ready = l.last_ready.max(ready);
     }
-    // A launch is scheduled only once every block of the one before it has reached its wait, so
-    // the first arrivals order the launches.
-    let mut all: Vec<LaunchStamps> = by_grid.into_values().collect();
-    all.sort_by_key(|l| l.first_reached);
-    Ok(all)
+    l
 }
 
 /// One kernel's share of a stamped step, summed over its launches (µs).
@@ -155,7 +189,7 @@ mod tests {
         record(&mut w, 7, 1, 2, 3_000, 5_100);
         // Block 0 of launch 7 waits again later: ignored.
         record(&mut w, 7, 0, 5, 6_000, 6_100);
-        let l = launches(&w).unwrap();
+        let l = launches(&w, 1).unwrap();
         assert_eq!(l.len(), 2);
         assert_eq!(
             l[0],
@@ -175,9 +209,45 @@ mod tests {
     }
 
     #[test]
+    fn a_node_replayed_keeps_its_grid_and_is_split_into_its_replays() {
+        let mut w = vec![0, 100];
+        // Two nodes (grids 1 and 2), three replays 1 ms apart, each block stamped once a replay,
+        // grid 2's block 0 twice; grid 1's blocks spread over 40 µs.
+        for r in 0..3u64 {
+            let t = 1_000_000 * r;
+            record(&mut w, 1, 0, 0, t + 100, t + 1_000);
+            record(&mut w, 1, 1, 1, t + 200, t + 41_000);
+            record(&mut w, 2, 0, 0, t + 900, t + 50_000);
+            record(&mut w, 2, 0, 0, t + 60_000, t + 60_100);
+        }
+        let l = launches(&w, 3).unwrap();
+        assert_eq!(l.len(), 6);
+        for (i, launch) in l.iter().enumerate() {
+            let t = 1_000_000 * (i as u64 / 2);
+            if i % 2 == 0 {
+                assert_eq!(
+                    (launch.blocks, launch.first_ready, launch.last_ready),
+                    (2, t + 1_000, t + 41_000)
+                );
+            } else {
+                assert_eq!(
+                    (launch.blocks, launch.first_ready, launch.last_ready),
+                    (1, t + 50_000, t + 50_000)
+                );
+            }
+        }
+        assert!(launches(&w, 13).is_err());
+    }
+
+    #[test]
     fn an_overflowed_buffer_is_an_error() {
         let w = vec![5, 4];
-        assert!(launches(&w).unwrap_err().to_string().contains("overflowed"));
+        assert!(
+            launches(&w, 1)
+                .unwrap_err()
+                .to_string()
+                .contains("overflowed")
+        );
     }
 
     #[test]
