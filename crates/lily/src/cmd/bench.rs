@@ -240,10 +240,17 @@ pub fn run(args: Args) -> Result<()> {
         let batches = [1].into_iter().chain(largest.filter(|&b| b > 1));
         for batch in batches.filter(|&b| b == 1 || !gpu.persistent_decode()) {
             let mut states = Vec::with_capacity(batch);
-            for _ in 0..batch {
-                // Room for the profiled steps and the stamped ones (stamp_decode's 7).
+            for i in 0..batch {
+                // Room for the profiled steps and the stamped ones (stamp_decode's 7). Each
+                // sequence its own prompt, as decode_rate's: identical sequences route alike, and
+                // a batch of them reads one sequence's experts.
                 let mut state = backend.new_state(ctx + steps + 8)?;
-                prefill(&backend, &mut state, &tokens[..ctx], LogitRows::None)?;
+                prefill(
+                    &backend,
+                    &mut state,
+                    &rotated(&tokens, ctx, i),
+                    LogitRows::None,
+                )?;
                 states.push(state);
             }
             let mut rows: Vec<&mut lily_cuda::CudaState> = states
@@ -490,11 +497,7 @@ fn decode_rate(
     let mut next = Vec::with_capacity(batch);
     for (i, sampler) in samplers.iter_mut().enumerate() {
         let mut state = backend.new_state(ctx + steps + 2)?;
-        let prompt: Vec<u32> = tokens[i % ctx..ctx]
-            .iter()
-            .chain(&tokens[..i % ctx])
-            .copied()
-            .collect();
+        let prompt = rotated(tokens, ctx, i);
         let first = prefill_choose(backend, &mut state, &prompt, &mut Choice::of(sampler))?;
         states.push(state);
         next.push(first.token);
@@ -521,6 +524,16 @@ fn decode_rate(
         step(&mut states, &mut next)?;
     }
     Ok((batch * steps) as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Sequence i's prompt of `ctx` tokens: the first `ctx` of `tokens` rotated left by i, so that
+/// the sequences of a batch differ (and route to different experts) at the same length.
+fn rotated(tokens: &[u32], ctx: usize, i: usize) -> Vec<u32> {
+    tokens[i % ctx..ctx]
+        .iter()
+        .chain(&tokens[..i % ctx])
+        .copied()
+        .collect()
 }
 
 /// One warm-up, then `runs` timed samples.
@@ -578,6 +591,15 @@ mod tests {
         assert_eq!(median(&[33.6, 32.8]), 33.2);
         assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
         assert_eq!(median(&[7.0]), 7.0);
+    }
+
+    #[test]
+    fn each_sequence_of_a_batch_gets_its_own_rotation_of_the_prompt() {
+        let tokens: Vec<u32> = (10..20).collect();
+        assert_eq!(rotated(&tokens, 4, 0), [10, 11, 12, 13]);
+        assert_eq!(rotated(&tokens, 4, 1), [11, 12, 13, 10]);
+        assert_eq!(rotated(&tokens, 4, 6), [12, 13, 10, 11]);
+        assert_eq!(rotated(&tokens, 1, 3), [10]);
     }
 
     /// perf.md: about 147,000 tok/s at 4K and 100,000 at 32K on the H200.
