@@ -8,9 +8,10 @@
 //! launches' first returns is what that launch costs the step's chain; the time from its first
 //! block's arrival to that return is how long its blocks sat resident with their weights
 //! requested; a block that arrives after the first return found no room beside the kernel
-//! ahead and started late.
+//! ahead and started late. Some kernels also stamp points inside them (`STAMP_AT`, `STAMP_END`:
+//! the phases [`point_name`] names), each block's time after the launch's first return.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use anyhow::{Result, bail, ensure};
 
@@ -34,6 +35,34 @@ pub struct LaunchStamps {
     /// The first and last block's return from the wait (its first wait, for a kernel with two).
     pub first_ready: u64,
     pub last_ready: u64,
+    /// Each point's blocks, ns after `first_ready` (0 for one stamped before it).
+    pub points: BTreeMap<u8, Vec<u64>>,
+}
+
+/// What point k of a kernel marks (kernels/*.cu, `STAMP_AT(k)` and `STAMP_END(k)`), by the
+/// kernel's name; None for a point no kernel of that name stamps.
+pub fn point_name(kernel: &str, point: u8) -> Option<&'static str> {
+    const POINTS: [(&str, &[&str]); 6] = [
+        (
+            "moe_route_gate_up_",
+            &[
+                "x staged",
+                "router rows done",
+                "barrier passed",
+                "top-k done",
+                "end",
+            ],
+        ),
+        ("moe_down_", &["act staged", "end"]),
+        ("gemv_mma_", &["x staged", "end"]),
+        ("gdn_step", &["end"]),
+        ("attn_split", &["end"]),
+        ("", &[]),
+    ];
+    let (_, names) = POINTS
+        .iter()
+        .find(|(prefix, _)| kernel.starts_with(prefix))?;
+    names.get(usize::from(point).checked_sub(1)?).copied()
 }
 
 /// The launches of `replays` replays of one graph in the order they were scheduled, from the
@@ -53,11 +82,15 @@ pub fn launches(words: &[u64], replays: usize) -> Result<Vec<LaunchStamps>> {
         "{count} stamps in {} words",
         words.len()
     );
-    // grid -> its records as (ready, reached, block).
+    // grid -> its waits as (ready, reached, block), and its points as (time, point).
     let mut by_grid: HashMap<u64, Vec<(u64, u64, u64)>> = HashMap::new();
+    let mut points: HashMap<u64, Vec<(u64, u8)>> = HashMap::new();
     for r in words[2..2 + STAMP_WORDS * count].chunks_exact(STAMP_WORDS) {
         let block = r[3] & ((1 << 40) - 1);
-        by_grid.entry(r[0]).or_default().push((r[2], r[1], block));
+        match (r[3] >> 56) as u8 {
+            0 => by_grid.entry(r[0]).or_default().push((r[2], r[1], block)),
+            point => points.entry(r[0]).or_default().push((r[1], point)),
+        }
     }
     let mut all = Vec::with_capacity(by_grid.len() * replays);
     for (grid, mut records) in by_grid {
@@ -80,9 +113,23 @@ pub fn launches(words: &[u64], replays: usize) -> Result<Vec<LaunchStamps>> {
             .chain(cuts)
             .chain(std::iter::once(records.len()));
         let bounds: Vec<usize> = bounds.collect();
-        for w in bounds.windows(2) {
-            all.push(launch_of(&records[w[0]..w[1]]));
+        let mut replayed: Vec<LaunchStamps> = bounds
+            .windows(2)
+            .map(|w| launch_of(&records[w[0]..w[1]]))
+            .collect();
+        // A point belongs to the last replay of its node whose first block had arrived by then.
+        for &(t, point) in points.get(&grid).map_or(&[][..], Vec::as_slice) {
+            let at = replayed
+                .iter()
+                .rposition(|l| l.first_reached <= t)
+                .unwrap_or(0);
+            let l = &mut replayed[at];
+            l.points
+                .entry(point)
+                .or_default()
+                .push(t.saturating_sub(l.first_ready));
         }
+        all.extend(replayed);
     }
     // A launch is scheduled only once every block of the one before it has reached its wait, so
     // the first arrivals order the launches.
@@ -98,6 +145,7 @@ fn launch_of(records: &[(u64, u64, u64)]) -> LaunchStamps {
         last_reached: 0,
         first_ready: u64::MAX,
         last_ready: 0,
+        points: BTreeMap::new(),
     };
     let mut seen = HashSet::new();
     for &(ready, reached, block) in records {
@@ -127,6 +175,9 @@ pub struct FamilyStamps {
     /// From each launch's first return to its last block's arrival, where that is later: how
     /// long blocks waited for room after the kernel ahead had ended.
     pub late_us: f64,
+    /// Points inside the kernel: (point, the median block's µs after the launch's first return,
+    /// the last block's), each summed over the launches.
+    pub points: Vec<(u8, f64, f64)>,
 }
 
 /// The step's families from the launches of `replays` consecutive replays of one graph of
@@ -158,6 +209,7 @@ pub fn step_families(
                     chain_us: 0.0,
                     resident_us: 0.0,
                     late_us: 0.0,
+                    points: Vec::new(),
                 });
                 out.last_mut().expect("just pushed")
             }
@@ -166,6 +218,20 @@ pub fn step_families(
         f.chain_us += us(l.first_ready, next.first_ready);
         f.resident_us += us(l.first_reached, l.first_ready);
         f.late_us += us(l.first_ready, l.last_reached);
+        for (&point, times) in &l.points {
+            let mut sorted = times.clone();
+            sorted.sort_unstable();
+            let (median, last) = (sorted[sorted.len() / 2], sorted[sorted.len() - 1]);
+            match f.points.iter_mut().find(|p| p.0 == point) {
+                Some(p) => {
+                    p.1 += median as f64 / 1e3;
+                    p.2 += last as f64 / 1e3;
+                }
+                None => f
+                    .points
+                    .push((point, median as f64 / 1e3, last as f64 / 1e3)),
+            }
+        }
     }
     Ok(out)
 }
@@ -198,7 +264,8 @@ mod tests {
                 first_reached: 1_000,
                 last_reached: 1_200,
                 first_ready: 2_400,
-                last_ready: 2_500
+                last_ready: 2_500,
+                points: BTreeMap::new(),
             }
         );
         assert_eq!(
@@ -239,6 +306,49 @@ mod tests {
         assert!(launches(&w, 13).is_err());
     }
 
+    fn point(words: &mut Vec<u64>, grid: u64, block: u64, point: u64, t: u64) {
+        words.extend([grid, t, t, block | point << 56]);
+        words[0] += 1;
+    }
+
+    #[test]
+    fn points_go_to_their_replay_and_sum_as_median_and_last_blocks() {
+        let mut w = vec![0, 100];
+        // One node of three blocks, two replays 1 ms apart; point 2 of each block after the
+        // wait, one block's stamped before the launch's first return is counted as 0.
+        for r in 0..2u64 {
+            let t = 1_000_000 * r;
+            for b in 0..3 {
+                record(&mut w, 9, b, 0, t + 100, t + 1_000 + 10 * b);
+            }
+            point(&mut w, 9, 0, 2, t + 3_000);
+            point(&mut w, 9, 1, 2, t + 8_000);
+            point(&mut w, 9, 2, 2, t + 4_000);
+            point(&mut w, 9, 0, 1, t + 500);
+        }
+        let l = launches(&w, 2).unwrap();
+        assert_eq!(l.len(), 2);
+        for launch in &l {
+            assert_eq!(launch.points[&2], vec![2_000, 7_000, 3_000]);
+            assert_eq!(launch.points[&1], vec![0]);
+        }
+        let f = step_families(&l[..], &["k".to_string()], 2).unwrap();
+        assert_eq!(f[0].points.len(), 2);
+        let p2 = f[0].points.iter().find(|p| p.0 == 2).unwrap();
+        assert!(
+            (p2.1 - 3.0).abs() < 1e-9 && (p2.2 - 7.0).abs() < 1e-9,
+            "{p2:?}"
+        );
+        assert_eq!(
+            point_name("moe_route_gate_up_b4_r8", 3),
+            Some("barrier passed")
+        );
+        assert_eq!(point_name("gemv_mma_add_b4_t1", 2), Some("end"));
+        assert_eq!(point_name("gemv_mma_add_b4_t1", 3), None);
+        assert_eq!(point_name("gdn_conv", 1), None);
+        assert_eq!(point_name("moe_down_b4_r1", 0), None);
+    }
+
     #[test]
     fn an_overflowed_buffer_is_an_error() {
         let w = vec![5, 4];
@@ -263,6 +373,7 @@ mod tests {
                     last_reached: t0 + ready + 500,
                     first_ready: t0 + ready,
                     last_ready: t0 + ready + 800,
+                    points: BTreeMap::new(),
                 });
             }
         }

@@ -41,6 +41,7 @@ attn_split(const float* q, RowPtrs k_cache, RowPtrs v_cache, RowPtrs pos, RowInt
     attn_split_block<4>(q + (row * NH + blockIdx.x * GROUP) * HD, (const kv_t*)k_cache.p[row],
                         (const kv_t*)v_cache.p[row], len, blockIdx.x, blockIdx.y, splits,
                         part_ml + row * ATTN_PARTS * 2, part_acc + row * ATTN_PARTS * HD, sm);
+    STAMP_END(1)
 }
 
 // Merges the splits of each query head and applies the sigmoid output gate: block h, thread d.

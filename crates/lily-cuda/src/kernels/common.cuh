@@ -61,11 +61,37 @@ __device__ __forceinline__ void stamp_wait(u64 reached) {
     r[2] = ready;
     r[3] = block | (u64)sm << 40;
 }
+// A point inside a kernel (1 to 255: its phase, stamps.rs names them), thread 0's time on
+// reaching it; STAMP_END(k) first waits for the whole block, so it marks the block's end.
+__device__ __forceinline__ void stamp_point(u32 point) {
+    if (threadIdx.x != 0 || lily_stamps == nullptr) return;
+    const u64 t = global_ns();
+    u64 grid;
+    u32 sm;
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    const u64 at = atomicAdd(lily_stamps, 1ull);
+    if (at >= lily_stamps[1]) return;
+    u64* r = lily_stamps + 2 + STAMP_WORDS * at;
+    const u64 block = blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z);
+    r[0] = grid;
+    r[1] = t;
+    r[2] = t;
+    r[3] = block | (u64)sm << 40 | (u64)point << 56;
+}
 #define STAMP_REACHED const u64 stamp_reached = global_ns();
 #define STAMP_READY stamp_wait(stamp_reached);
+#define STAMP_AT(k) stamp_point(k);
+#define STAMP_END(k) \
+    {                \
+        __syncthreads(); \
+        stamp_point(k); \
+    }
 #else
 #define STAMP_REACHED
 #define STAMP_READY
+#define STAMP_AT(k)
+#define STAMP_END(k)
 #endif
 
 // Programmatic dependent launch (gpu.rs launches every kernel allowed to start before the previous

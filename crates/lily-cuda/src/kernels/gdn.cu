@@ -23,6 +23,7 @@ extern "C" __global__ void gdn_step(const float* conv, const float* proj, const 
     gdn_step_cols<4>(blockIdx.x, blockIdx.y * GDN_COLS, conv + blockIdx.z * CONV_DIM, proj + blockIdx.z * GDN_PROJ,
                      a_log, dt_bias, (float*)state.p[blockIdx.z], out + blockIdx.z * NV * DV, sm,
                      [] { pdl_wait(); });
+    STAMP_END(1)
 }
 
 // Gated RMSNorm per value head: normalise, scale by the plain weight, gate with silu(z).

@@ -382,9 +382,11 @@ __device__ void gemv_mma(Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* x,
     load(b, next);
     pdl_wait();
     stage_mma_x<TILES>(cols, nx, x, norm_w, eps, xf, xsum, scratch, inv);
+    STAMP_AT(1)
     while (it.u < units) {
         step(a);
         if (it.u >= units) break;
         step(b);
     }
+    STAMP_END(2)
 }

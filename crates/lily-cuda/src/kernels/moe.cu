@@ -92,6 +92,7 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     else
         stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
     __syncthreads();
+    STAMP_AT(1)
     for (; u < rows; u += stride) {
         float acc[1] = {0.f};
         if constexpr (RBITS == 32) {
@@ -113,9 +114,11 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     }
     // The experts' x in their own format is staged between the block's arrival and its wait, off
     // the chain from the last router row to top-k.
+    STAMP_AT(2)
     const u32 gen = route_arrive(sync, gridDim.x);
     if constexpr (OWN) stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
     route_wait(sync, gen);
+    STAMP_AT(3)
     if (threadIdx.x < WARP) route_topk(logits, lane, sid, sw);
     __syncthreads();
     if (blockIdx.x == 0 && threadIdx.x < TOPK) {
@@ -124,7 +127,9 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
         __threadfence();
     }
     __syncthreads();
+    STAMP_AT(4)
     gate_up_staged<BITS>(gate, up, shared_gate, shared_up, inter, sid, act, [] {}, xs, xsum, blockIdx.x, gridDim.x);
+    STAMP_END(5)
 }
 
 // The down projection of the step's row blockIdx.y, R output rows a warp.
@@ -135,6 +140,7 @@ __device__ void down_row(Mat down, Mat sh_down, int inter, int hidden, const int
     down_combine<BITS, R>(down, sh_down, inter, hidden, ids + blockIdx.y * TOPK, weights + blockIdx.y * TOPK,
                           logits + blockIdx.y * (NE + 1), act + (long)blockIdx.y * (TOPK * inter + sh_down.cols),
                           residual + (long)blockIdx.y * hidden, s, blockIdx.x, gridDim.x);
+    STAMP_END(2)
 }
 
 // Each launch runs every row of the step: the grid's y is the row, whose hidden state, router

@@ -254,6 +254,7 @@ __device__ void down_combine_q(Mat down, Mat sh_down, int inter, int hidden, con
     if (u < units) load_down<BITS, R, NB>(b, down, sh_down, sid, u * R, hidden, rch, chunks, 0, lane);
     pdl_wait();
     stage();
+    STAMP_AT(1)
     const int xoff[R] = {};
     for (; u < units; u += stride) {
         float acc[R] = {};

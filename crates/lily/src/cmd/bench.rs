@@ -389,6 +389,27 @@ fn print_stamps(batch: usize, ctx: usize, families: &[lily_cuda::stamps::FamilyS
             f.late_us
         );
     }
+    let with_points: Vec<_> = families.iter().filter(|f| !f.points.is_empty()).collect();
+    if with_points.is_empty() {
+        return;
+    }
+    println!(
+        "\ninside the kernels, µs after a launch's first return (a launch: median block / last block)"
+    );
+    println!("| kernel | point | median block | last block |\n|---|---|---:|---:|");
+    for f in with_points {
+        let kernel = f.family.rsplit(" · ").next().unwrap_or(&f.family);
+        for &(point, median, last) in &f.points {
+            let name = lily_cuda::stamps::point_name(kernel, point).unwrap_or("?");
+            let n = f.launches as f64;
+            println!(
+                "| {} | {point}: {name} | {:.2} | {:.2} |",
+                f.family,
+                median / n,
+                last / n
+            );
+        }
+    }
 }
 
 /// The H200's dense bf16 matrix rate, measured with an 8192³ product (perf.md).
