@@ -91,9 +91,10 @@ impl Gpu {
         )? as u32;
         let defines = kernel_defines(config, kv, options.stamps);
         let stamps = if options.stamps {
-            let mut words = vec![0u64; crate::stamps::buffer_words()];
-            words[1] = crate::stamps::STAMP_RECORDS as u64;
-            Some(stream.clone_htod(&words)?)
+            let mut buffer = stream.alloc_zeros::<u64>(crate::stamps::buffer_words())?;
+            let header = [0, crate::stamps::STAMP_RECORDS as u64];
+            stream.memcpy_htod(&header, &mut buffer.slice_mut(..2))?;
+            Some(buffer)
         } else {
             None
         };

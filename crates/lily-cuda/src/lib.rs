@@ -453,7 +453,15 @@ impl CudaBackend {
         run(REPLAYS + 1, states)?;
         self.gpu.sync()?;
         states.iter_mut().for_each(|s| s.device_token = None);
-        let launched = stamps::launches(&self.gpu.download(&buffer)?, REPLAYS + 1)?;
+        // The header first, then only the records written.
+        let header = self.gpu.stream.clone_dtoh(&buffer.slice(..2))?;
+        let written = (header[0] as usize).min(stamps::STAMP_RECORDS);
+        let mut words = self
+            .gpu
+            .stream
+            .clone_dtoh(&buffer.slice(..2 + stamps::STAMP_WORDS * written))?;
+        words[0] = header[0];
+        let launched = stamps::launches(&words, REPLAYS + 1)?;
         stamps::step_families(&launched, &labels, REPLAYS + 1)
     }
 

@@ -17,8 +17,10 @@ use anyhow::{Result, bail, ensure};
 
 /// Words of one record (kernels/common.cuh, `STAMP_WORDS`).
 pub const STAMP_WORDS: usize = 4;
-/// Records the buffer holds: three replays of a step of ~300 launches of up to ~400 blocks.
-pub const STAMP_RECORDS: usize = 1 << 20;
+/// Records the buffer holds: four replays of a step of ~300 launches of up to ~400 blocks, a
+/// wait and up to five points each (~1M at B = 1), with room to spare (128 MB of device memory,
+/// only while stamping).
+pub const STAMP_RECORDS: usize = 1 << 22;
 
 /// The device buffer's length in u64 words: the count, the capacity, then the records.
 pub fn buffer_words() -> usize {
