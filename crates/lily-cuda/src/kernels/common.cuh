@@ -44,28 +44,10 @@ __device__ __forceinline__ u64 global_ns() {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
-__device__ __forceinline__ void stamp_wait(u64 reached) {
+// Thread 0's record of point `point` (0: a wait, from `t0` to `t1`; else a point inside the
+// kernel, at t0 = t1).
+__device__ __forceinline__ void stamp_record(u32 point, u64 t0, u64 t1) {
     if (threadIdx.x != 0 || lily_stamps == nullptr) return;
-    const u64 ready = global_ns();
-    u64 grid;
-    u32 sm;
-    asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    const u64 capacity = lily_stamps[1];
-    const u64 at = atomicAdd(lily_stamps, 1ull);
-    if (at >= capacity) return;
-    u64* r = lily_stamps + 2 + STAMP_WORDS * at;
-    const u64 block = blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z);
-    r[0] = grid;
-    r[1] = reached;
-    r[2] = ready;
-    r[3] = block | (u64)sm << 40;
-}
-// A point inside a kernel (1 to 255: its phase, stamps.rs names them), thread 0's time on
-// reaching it; STAMP_END(k) first waits for the whole block, so it marks the block's end.
-__device__ __forceinline__ void stamp_point(u32 point) {
-    if (threadIdx.x != 0 || lily_stamps == nullptr) return;
-    const u64 t = global_ns();
     u64 grid;
     u32 sm;
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
@@ -75,17 +57,24 @@ __device__ __forceinline__ void stamp_point(u32 point) {
     u64* r = lily_stamps + 2 + STAMP_WORDS * at;
     const u64 block = blockIdx.x + (u64)gridDim.x * (blockIdx.y + (u64)gridDim.y * blockIdx.z);
     r[0] = grid;
-    r[1] = t;
-    r[2] = t;
+    r[1] = t0;
+    r[2] = t1;
     r[3] = block | (u64)sm << 40 | (u64)point << 56;
+}
+__device__ __forceinline__ void stamp_wait(u64 reached) { stamp_record(0, reached, global_ns()); }
+// A point inside a kernel (1 to 255: its phase, stamps.rs names them), thread 0's time on
+// reaching it; STAMP_END(k) first waits for the whole block, so it marks the block's end.
+__device__ __forceinline__ void stamp_point(u32 point) {
+    const u64 t = global_ns();
+    stamp_record(point, t, t);
 }
 #define STAMP_REACHED const u64 stamp_reached = global_ns();
 #define STAMP_READY stamp_wait(stamp_reached);
 #define STAMP_AT(k) stamp_point(k);
-#define STAMP_END(k) \
-    {                \
+#define STAMP_END(k)    \
+    {                    \
         __syncthreads(); \
-        stamp_point(k); \
+        stamp_point(k);  \
     }
 #else
 #define STAMP_REACHED
