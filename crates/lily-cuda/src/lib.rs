@@ -224,7 +224,7 @@ impl CudaBackend {
         if stale {
             let choices = choices.unwrap_or(self.config.vocab_size);
             state.graph = None;
-            let graph = self.capture_step(scratch, &[StepRow { state, choices }])?;
+            let graph = self.capture_step(scratch, &[StepRow { state, choices }], None)?;
             state.graph = Some((graph, choices));
         }
         state.graph.as_ref().map(|(g, _)| g.launch()).transpose()?;
@@ -232,14 +232,20 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// One decode step of `rows` captured as a graph (launched programmatically), for replay.
-    fn capture_step(&self, scratch: &Scratch, rows: &[StepRow<'_>]) -> Result<CudaGraph> {
+    /// One decode step of `rows` captured as a graph (launched programmatically), for replay;
+    /// with a timeline (of launch counts: a capture may record nothing else), its families marked.
+    fn capture_step(
+        &self,
+        scratch: &Scratch,
+        rows: &[StepRow<'_>],
+        timeline: Option<&mut Timeline>,
+    ) -> Result<CudaGraph> {
         self.gpu
             .stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
         let encoded = self.gpu.programmatic(|| {
             let (gpu, c, w) = (&self.gpu, &self.config, &self.weights);
-            encode_step(gpu, c, w, scratch, rows, None)
+            encode_step(gpu, c, w, scratch, rows, timeline)
         });
         // The capture ends whether or not the encoding failed, so the stream is usable after.
         let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0));
@@ -312,15 +318,19 @@ impl CudaBackend {
         pick.pick(&self.gpu, &decode.logits.slice(..vocab), &mut slot, choice)
     }
 
-    /// Runs `steps` decode steps of `states` (one sequence, or a batch of up to
-    /// [`Self::step_rows`]) without the graph, timing each kernel family on the GPU's timeline;
-    /// returns milliseconds per step by family. Launch gaps that a graph would remove show up
-    /// here, so the sum exceeds a graph step's time. The persistent step profiles one sequence.
-    pub fn profile_decode(
-        &self,
-        states: &mut [&mut CudaState],
-        steps: usize,
-    ) -> Result<Vec<(&'static str, f64)>> {
+    /// A step's rows of `states`, each choosing over the whole vocabulary.
+    fn whole_vocabulary_rows<'a>(&self, states: &'a [&mut CudaState]) -> Vec<StepRow<'a>> {
+        states
+            .iter()
+            .map(|state| StepRow {
+                state,
+                choices: self.config.vocab_size,
+            })
+            .collect()
+    }
+
+    /// That `states` are a step's rows (1 to [`Self::step_rows`]) with room for `steps` more.
+    fn check_profiled(&self, states: &[&mut CudaState], steps: usize) -> Result<()> {
         ensure!(
             (1..=self.step_rows.max(1)).contains(&states.len()),
             "a profiled step takes 1 to {} sequences, not {}",
@@ -331,6 +341,19 @@ impl CudaBackend {
             steps > 0 && states.iter().all(|s| s.len + steps <= s.max_seq),
             "no room for {steps} profiled steps"
         );
+        Ok(())
+    }
+
+    /// Runs `steps` decode steps of `states` (one sequence, or a batch of up to
+    /// [`Self::step_rows`]) without the graph, timing each kernel family on the GPU's timeline;
+    /// returns milliseconds per step by family. Launch gaps that a graph would remove show up
+    /// here, so the sum exceeds a graph step's time. The persistent step profiles one sequence.
+    pub fn profile_decode(
+        &self,
+        states: &mut [&mut CudaState],
+        steps: usize,
+    ) -> Result<Vec<(&'static str, f64)>> {
+        self.check_profiled(states, steps)?;
         let scratch = self.lock()?;
         if let Some(step) = &self.persistent {
             ensure!(states.len() == 1, "the persistent step takes one sequence");
@@ -338,13 +361,7 @@ impl CudaBackend {
         }
         let mut timeline = Timeline::default();
         for _ in 0..steps {
-            let rows: Vec<StepRow<'_>> = states
-                .iter()
-                .map(|state| StepRow {
-                    state,
-                    choices: self.config.vocab_size,
-                })
-                .collect();
+            let rows = self.whole_vocabulary_rows(states);
             self.gpu.programmatic(|| {
                 encode_step(
                     &self.gpu,
@@ -390,38 +407,13 @@ impl CudaBackend {
             self.persistent.is_none(),
             "stamps time the graph step, not the persistent one"
         );
-        ensure!(
-            (1..=self.step_rows.max(1)).contains(&states.len()),
-            "a stamped step takes 1 to {} sequences, not {}",
-            self.step_rows.max(1),
-            states.len()
-        );
-        ensure!(
-            states.iter().all(|s| s.len + WARM + REPLAYS <= s.max_seq),
-            "no room for {} stamped steps",
-            WARM + REPLAYS
-        );
+        self.check_profiled(states, WARM + REPLAYS + 1)?;
         let scratch = self.lock()?;
         let mut timeline = Timeline::by_launch();
-        let rows: Vec<StepRow<'_>> = states
-            .iter()
-            .map(|state| StepRow {
-                state,
-                choices: self.config.vocab_size,
-            })
-            .collect();
-        let (graph, names) = self.gpu.logging_launches(|| {
-            self.gpu
-                .stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let encoded = self.gpu.programmatic(|| {
-                let (gpu, c, w) = (&self.gpu, &self.config, &self.weights);
-                encode_step(gpu, c, w, &scratch.decode, &rows, Some(&mut timeline))
-            });
-            let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0));
-            encoded?;
-            graph?.context("graph capture produced no graph")
-        })?;
+        let rows = self.whole_vocabulary_rows(states);
+        let (graph, names) = self
+            .gpu
+            .logging_launches(|| self.capture_step(&scratch.decode, &rows, Some(&mut timeline)))?;
         let families = timeline.launch_families()?;
         ensure!(
             families.len() == names.len(),
@@ -643,7 +635,7 @@ impl CudaBackend {
                     choices,
                 })
                 .collect();
-            let graph = self.capture_step(&buffers.decode, &step_rows)?;
+            let graph = self.capture_step(&buffers.decode, &step_rows, None)?;
             buffers.batch = Some(BatchGraph { rows: key, graph });
         }
         if let Some(batch) = &buffers.batch {
