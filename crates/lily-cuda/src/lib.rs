@@ -396,8 +396,6 @@ impl CudaBackend {
     /// [`options::CudaOptions::stamps`]): warmed up, then replays stamped and the last but one
     /// summed (stamps.rs).
     pub fn stamp_decode(&self, states: &mut [&mut CudaState]) -> Result<Vec<stamps::FamilyStamps>> {
-        const WARM: usize = 3;
-        const REPLAYS: usize = 3;
         let buffer = self
             .gpu
             .stamps
@@ -407,7 +405,7 @@ impl CudaBackend {
             self.persistent.is_none(),
             "stamps time the graph step, not the persistent one"
         );
-        self.check_profiled(states, WARM + REPLAYS + 1)?;
+        self.check_profiled(states, stamps::STEPS)?;
         let scratch = self.lock()?;
         let mut timeline = Timeline::by_launch();
         let rows = self.whole_vocabulary_rows(states);
@@ -437,24 +435,22 @@ impl CudaBackend {
         let mut buffer = buffer
             .lock()
             .map_err(|_| anyhow::anyhow!("stamp buffer lock poisoned"))?;
-        run(WARM, states)?;
+        run(stamps::WARM_REPLAYS, states)?;
         self.gpu
             .stream
             .memcpy_htod(&header, &mut buffer.slice_mut(..2))?;
-        // One replay more than summed: its first wait ends the last summed one's chain.
-        run(REPLAYS + 1, states)?;
+        run(stamps::STAMPED_REPLAYS, states)?;
         self.gpu.sync()?;
         states.iter_mut().for_each(|s| s.device_token = None);
         // The header first, then only the records written.
         let header = self.gpu.stream.clone_dtoh(&buffer.slice(..2))?;
         let written = (header[0] as usize).min(stamps::STAMP_RECORDS);
-        let mut words = self
+        let words = self
             .gpu
             .stream
             .clone_dtoh(&buffer.slice(..2 + stamps::STAMP_WORDS * written))?;
-        words[0] = header[0];
-        let launched = stamps::launches(&words, REPLAYS + 1)?;
-        stamps::step_families(&launched, &labels, REPLAYS + 1)
+        let launched = stamps::launches(&words, stamps::STAMPED_REPLAYS)?;
+        stamps::step_families(&launched, &labels, stamps::STAMPED_REPLAYS)
     }
 
     /// One persistent step of `state` (its table made at its first step), its choice over the

@@ -22,6 +22,13 @@ pub const STAMP_WORDS: usize = 4;
 /// only while stamping).
 pub const STAMP_RECORDS: usize = 1 << 22;
 
+/// Replays of a stamped step before the stamps are kept, and replays summed (the last but one
+/// of them: the last only ends its chain).
+pub const WARM_REPLAYS: usize = 3;
+pub const STAMPED_REPLAYS: usize = 4;
+/// Decode steps a stamped run takes a sequence forward: the room its state needs.
+pub const STEPS: usize = WARM_REPLAYS + STAMPED_REPLAYS;
+
 /// The device buffer's length in u64 words: the count, the capacity, then the records.
 pub fn buffer_words() -> usize {
     2 + STAMP_WORDS * STAMP_RECORDS
@@ -30,13 +37,11 @@ pub fn buffer_words() -> usize {
 /// One launch of a stamped run, from its blocks' records (times in ns of the GPU's global timer).
 #[derive(Clone, Debug, PartialEq)]
 pub struct LaunchStamps {
-    pub blocks: usize,
     /// The first and last block's arrival at the wait.
     pub first_reached: u64,
     pub last_reached: u64,
-    /// The first and last block's return from the wait (its first wait, for a kernel with two).
+    /// The first block's return from the wait (its first wait, for a kernel with two).
     pub first_ready: u64,
-    pub last_ready: u64,
     /// Each point's blocks, ns after `first_ready` (0 for one stamped before it).
     pub points: BTreeMap<u8, Vec<u64>>,
 }
@@ -44,7 +49,7 @@ pub struct LaunchStamps {
 /// What point k of a kernel marks (kernels/*.cu, `STAMP_AT(k)` and `STAMP_END(k)`), by the
 /// kernel's name; None for a point no kernel of that name stamps.
 pub fn point_name(kernel: &str, point: u8) -> Option<&'static str> {
-    const POINTS: [(&str, &[&str]); 6] = [
+    const POINTS: [(&str, &[&str]); 5] = [
         (
             "moe_route_gate_up_",
             &[
@@ -59,7 +64,6 @@ pub fn point_name(kernel: &str, point: u8) -> Option<&'static str> {
         ("gemv_mma_", &["x staged", "end"]),
         ("gdn_step", &["end"]),
         ("attn_split", &["end"]),
-        ("", &[]),
     ];
     let (_, names) = POINTS
         .iter()
@@ -142,11 +146,9 @@ pub fn launches(words: &[u64], replays: usize) -> Result<Vec<LaunchStamps>> {
 /// One launch from its blocks' records (ready, reached, block), sorted by ready.
 fn launch_of(records: &[(u64, u64, u64)]) -> LaunchStamps {
     let mut l = LaunchStamps {
-        blocks: 0,
         first_reached: u64::MAX,
         last_reached: 0,
         first_ready: u64::MAX,
-        last_ready: 0,
         points: BTreeMap::new(),
     };
     let mut seen = HashSet::new();
@@ -155,11 +157,9 @@ fn launch_of(records: &[(u64, u64, u64)]) -> LaunchStamps {
         if !seen.insert(block) {
             continue;
         }
-        l.blocks += 1;
         l.first_reached = l.first_reached.min(reached);
         l.last_reached = l.last_reached.max(reached);
         l.first_ready = l.first_ready.min(ready);
-        l.last_ready = l.last_ready.max(ready);
     }
     l
 }
@@ -262,19 +262,14 @@ mod tests {
         assert_eq!(
             l[0],
             LaunchStamps {
-                blocks: 2,
                 first_reached: 1_000,
                 last_reached: 1_200,
                 first_ready: 2_400,
-                last_ready: 2_500,
                 points: BTreeMap::new(),
             }
         );
-        assert_eq!(
-            (l[1].blocks, l[1].first_ready, l[1].last_ready),
-            (2, 5_000, 5_100)
-        );
-        assert_eq!(l[1].last_reached, 3_000);
+        // Its second wait (6,000 → 6,100) counts neither as an arrival nor as a return.
+        assert_eq!((l[1].first_ready, l[1].last_reached), (5_000, 3_000));
     }
 
     #[test]
@@ -293,17 +288,17 @@ mod tests {
         assert_eq!(l.len(), 6);
         for (i, launch) in l.iter().enumerate() {
             let t = 1_000_000 * (i as u64 / 2);
-            if i % 2 == 0 {
-                assert_eq!(
-                    (launch.blocks, launch.first_ready, launch.last_ready),
-                    (2, t + 1_000, t + 41_000)
-                );
+            let want = if i % 2 == 0 {
+                (t + 100, t + 200, t + 1_000)
             } else {
-                assert_eq!(
-                    (launch.blocks, launch.first_ready, launch.last_ready),
-                    (1, t + 50_000, t + 50_000)
-                );
-            }
+                (t + 900, t + 900, t + 50_000)
+            };
+            let got = (
+                launch.first_reached,
+                launch.last_reached,
+                launch.first_ready,
+            );
+            assert_eq!(got, want, "launch {i}");
         }
         assert!(launches(&w, 13).is_err());
     }
@@ -370,11 +365,9 @@ mod tests {
             let t0 = r * 100_000;
             for (i, ready) in [10_000u64, 14_000, 30_000].into_iter().enumerate() {
                 l.push(LaunchStamps {
-                    blocks: 4,
                     first_reached: t0 + ready - 3_000 + i as u64,
                     last_reached: t0 + ready + 500,
                     first_ready: t0 + ready,
-                    last_ready: t0 + ready + 800,
                     points: BTreeMap::new(),
                 });
             }

@@ -241,10 +241,11 @@ pub fn run(args: Args) -> Result<()> {
         for batch in batches.filter(|&b| b == 1 || !gpu.persistent_decode()) {
             let mut states = Vec::with_capacity(batch);
             for i in 0..batch {
-                // Room for the profiled steps and the stamped ones (stamp_decode's 7). Each
-                // sequence its own prompt, as decode_rate's: identical sequences route alike, and
-                // a batch of them reads one sequence's experts.
-                let mut state = backend.new_state(ctx + steps + 8)?;
+                // Room for the profiled steps and the stamped ones. Each sequence its own prompt,
+                // as decode_rate's: identical sequences route alike, and a batch of them reads one
+                // sequence's experts.
+                let room = ctx + steps + lily_cuda::stamps::STEPS + 1;
+                let mut state = backend.new_state(room)?;
                 prefill(
                     &backend,
                     &mut state,
