@@ -112,13 +112,19 @@ if [ "$step" = ncu-detail ]; then
   # warp-state, instruction and memory sections (KERNELS: a regex alternation of names).
   .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cuda --tokens 1 --max-tokens 2 \
     --temperature 0 --ignore-eos > /dev/null 2>&1
+  # Warps stalled a cycle an issue, by reason: no_instruction is the instruction fetch (a kernel
+  # that runs once a layer finds its code cold), long_scoreboard global and local loads, barrier
+  # and membar the block's and the grid's syncs.
+  stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' no_instruction \
+    long_scoreboard barrier membar wait short_scoreboard math_pipe_throttle lg_throttle branch_resolving)
+  stalls=${stalls%,}
   ncu --clock-control none --graph-profiling node \
-    --kernel-name "regex:^(${KERNELS:-gemv_q4_norm_t1|gemv_q4_add_t1|moe_route_gate_up_b4_r8|moe_down_b4_r1})$" \
+    --kernel-name "regex:^(${KERNELS:-gemv_mma_norm_b4_t1|gemv_mma_add_b4_t1|moe_route_gate_up_b4_r8|moe_down_b4_r1|gdn_conv|gdn_step})$" \
     --launch-skip "${SKIP:-30}" --launch-count "${COUNT:-5}" --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section SchedulerStats --section InstructionStats --section LaunchStats \
-    --section MemoryWorkloadAnalysis .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cuda \
+    --section MemoryWorkloadAnalysis --metrics "$stalls" .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cuda \
     --tokens 1 --max-tokens 4 --temperature 0 --ignore-eos > "$out/ncu-detail.txt" 2> "$out/ncu-detail.err"
-  grep -E "^  [a-z_0-9]+ \(|Duration|Executed Instructions  |Registers Per|Achieved Active Warps|Eligible Warps|DRAM Throughput|Grid Size" \
+  grep -E "^  [a-z_0-9]+ \(|Duration|Executed Instructions  |Registers Per|Achieved Active Warps|Eligible Warps|DRAM Throughput|Grid Size|issue_stalled" \
     "$out/ncu-detail.txt"
 fi
 if [ "$step" = peer-cpu ]; then
