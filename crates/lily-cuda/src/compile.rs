@@ -345,6 +345,8 @@ pub fn model_defines(c: &ModelConfig, kv: KvPrecision) -> Vec<(String, String)> 
         d("DV", c.linear_value_head_dim.to_string()),
         d("CONV_K", c.conv_kernel.to_string()),
         d("HIDDEN", c.hidden_size.to_string()),
+        d("MOE_INTER", c.moe_intermediate_size.to_string()),
+        d("SHARED_INTER", c.shared_intermediate_size.to_string()),
         d("NE", c.num_experts.to_string()),
         d("TOPK", c.experts_per_token.to_string()),
         d("NORM_TOPK", (c.norm_topk_prob as u8).to_string()),

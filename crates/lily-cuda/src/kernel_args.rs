@@ -142,7 +142,7 @@ kernel_args! {
     /// `moe_route_gate_up_b*_r*`.
     MoeRouteGateUp {
         router: MatArg, shared_logit: MatArg, gate: MatArg, up: MatArg, shared_gate: MatArg,
-        shared_up: MatArg, inter: i32, hidden: u64, norm_w: u64, eps: f32, logits: u64, ids: u64,
+        shared_up: MatArg, hidden: u64, norm_w: u64, eps: f32, logits: u64, ids: u64,
         weights: u64, sync: u64, act: u64,
     }
     /// `moe_route_imma_t*`.
@@ -162,8 +162,8 @@ kernel_args! {
     }
     /// `moe_down_b*`.
     MoeDown {
-        down: MatArg, sh_down: MatArg, inter: i32, hidden: i32, ids: u64, weights: u64,
-        logits: u64, act: u64, residual: u64,
+        down: MatArg, sh_down: MatArg, ids: u64, weights: u64, logits: u64, act: u64,
+        residual: u64,
     }
     ArgmaxPartial { logits: u64, stride: i32, choices: RowInts, part_v: u64, part_i: u64 }
     ArgmaxFinal {

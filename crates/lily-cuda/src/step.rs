@@ -269,6 +269,26 @@ fn experts(
         h <= XS_COLS && c.experts_per_token * inter + shared <= XS_COLS,
         "the CUDA expert kernels stage at most {XS_COLS} inputs"
     );
+    // The kernels are compiled for the model's shapes (kernels/moe.cu, fixed_shape).
+    let ne = c.num_experts;
+    let shapes = [
+        (&m.router, ne, h),
+        (&m.shared_gate, 1, h),
+        (&m.gate, ne * inter, h),
+        (&m.up, ne * inter, h),
+        (&m.down, ne * h, inter),
+        (&m.shared[0], shared, h),
+        (&m.shared[1], shared, h),
+        (&m.shared[2], h, shared),
+    ];
+    for (mat, rows, cols) in shapes {
+        ensure!(
+            (mat.rows, mat.cols) == (rows, cols),
+            "an expert-stage matrix is {} × {}, where the model's shape is {rows} × {cols}",
+            mat.rows,
+            mat.cols
+        );
+    }
     let bits = m.gate.bits;
     ensure!(
         [&m.up, &m.down, &m.shared[0], &m.shared[1], &m.shared[2]]
@@ -292,7 +312,6 @@ fn experts(
         up: m.up.arg(gpu),
         shared_gate: m.shared[0].arg(gpu),
         shared_up: m.shared[1].arg(gpu),
-        inter: inter as i32,
         hidden: p(&s.hidden),
         norm_w: post_norm,
         eps,
@@ -316,8 +335,6 @@ fn experts(
     let down = MoeDown {
         down: m.down.arg(gpu),
         sh_down: m.shared[2].arg(gpu),
-        inter: inter as i32,
-        hidden: h as i32,
         ids,
         weights: p(&s.weights),
         logits: p(&s.router_logits),
