@@ -71,6 +71,12 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
                               const float* hidden, const float* norm_w, float eps, float* logits, int* ids,
                               float* weights, u32* sync, float* act) {
     constexpr bool OWN = RBITS != BITS;
+    router = fixed_shape(router, NE, HIDDEN);
+    shared_logit = fixed_shape(shared_logit, 1, HIDDEN);
+    gate = fixed_shape(gate, NE * MOE_INTER, HIDDEN);
+    up = fixed_shape(up, NE * MOE_INTER, HIDDEN);
+    shared_gate = fixed_shape(shared_gate, SHARED_INTER, HIDDEN);
+    shared_up = fixed_shape(shared_up, SHARED_INTER, HIDDEN);
     __shared__ __align__(16) float xs[XS_FLOATS_OF(BITS, HIDDEN)];
     __shared__ float xsum[XSUM_FLOATS_OF(BITS, HIDDEN)];
     __shared__ __align__(16) float rxs_own[OWN ? XS_FLOATS_OF(RBITS, HIDDEN) : 1];
@@ -151,7 +157,8 @@ template <int BITS, int R>
 __device__ void down_row(Mat down, Mat sh_down, const int* ids, const float* weights, const float* logits,
                          const float* act, float* residual) {
     __shared__ DownSmem<BITS> s;
-    down_combine<BITS, R>(down, sh_down, MOE_INTER, HIDDEN, ids + blockIdx.y * TOPK, weights + blockIdx.y * TOPK,
+    down_combine<BITS, R>(fixed_shape(down, NE * HIDDEN, MOE_INTER), fixed_shape(sh_down, HIDDEN, SHARED_INTER),
+                          MOE_INTER, HIDDEN, ids + blockIdx.y * TOPK, weights + blockIdx.y * TOPK,
                           logits + blockIdx.y * (NE + 1), act + (long)blockIdx.y * MOE_ACT,
                           residual + (long)blockIdx.y * HIDDEN, s, blockIdx.x, gridDim.x);
     STAMP_END(2)
@@ -166,28 +173,28 @@ __device__ void down_row(Mat down, Mat sh_down, const int* ids, const float* wei
         Mat router, Mat shared_logit, Mat gate, Mat up, Mat shared_gate, Mat shared_up,           \
         const float* hidden, const float* norm_w, float eps, float* logits, int* ids, float* weights, \
         u32* sync, float* act) {                                                                  \
-        route_gate_up<BITS, RBITS>(                                                               \
-            fixed_shape(router, NE, HIDDEN), fixed_shape(shared_logit, 1, HIDDEN),                \
-            fixed_shape(gate, NE * MOE_INTER, HIDDEN), fixed_shape(up, NE * MOE_INTER, HIDDEN),   \
-            fixed_shape(shared_gate, SHARED_INTER, HIDDEN), fixed_shape(shared_up, SHARED_INTER, HIDDEN), \
-            hidden + (long)blockIdx.y * HIDDEN, norm_w, eps, logits + blockIdx.y * (NE + 1),      \
-            ids + blockIdx.y * TOPK, weights + blockIdx.y * TOPK, sync + 2 * blockIdx.y,          \
-            act + (long)blockIdx.y * MOE_ACT);                                                    \
-    }
-#define MOE_DOWN(NAME, BITS, R)                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) NAME(Mat down, Mat sh_down, const int* ids,  \
-                                                           const float* weights, const float* logits, \
-                                                           const float* act, float* residual) {   \
-        down_row<BITS, R>(fixed_shape(down, NE * HIDDEN, MOE_INTER),                              \
-                          fixed_shape(sh_down, HIDDEN, SHARED_INTER), ids, weights, logits, act, residual); \
+        route_gate_up<BITS, RBITS>(router, shared_logit, gate, up, shared_gate, shared_up,        \
+                                   hidden + (long)blockIdx.y * HIDDEN, norm_w, eps,               \
+                                   logits + blockIdx.y * (NE + 1), ids + blockIdx.y * TOPK,       \
+                                   weights + blockIdx.y * TOPK, sync + 2 * blockIdx.y,            \
+                                   act + (long)blockIdx.y * MOE_ACT);                             \
     }
 #define MOE(BITS)                                                                                 \
     MOE_ROUTE_GATE_UP(BITS, 4)                                                                    \
     MOE_ROUTE_GATE_UP(BITS, 8)                                                                    \
     MOE_ROUTE_GATE_UP(BITS, 32)                                                                   \
-    MOE_DOWN(moe_down_b##BITS, BITS, DOWN_ROWS)
+    extern "C" __global__ void __launch_bounds__(256) moe_down_b##BITS(                           \
+        Mat down, Mat sh_down, const int* ids, const float* weights, const float* logits,         \
+        const float* act, float* residual) {                                                      \
+        down_row<BITS, DOWN_ROWS>(down, sh_down, ids, weights, logits, act, residual);            \
+    }
 // One sequence's down projection, a row a warp (moe_decode.cuh, DOWN_ROWS).
-#define MOE_DOWN_ONE(BITS) MOE_DOWN(moe_down_b##BITS##_r1, BITS, 1)
+#define MOE_DOWN_ONE(BITS)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) moe_down_b##BITS##_r1(                      \
+        Mat down, Mat sh_down, const int* ids, const float* weights, const float* logits,         \
+        const float* act, float* residual) {                                                      \
+        down_row<BITS, 1>(down, sh_down, ids, weights, logits, act, residual);                    \
+    }
 MOE(4)
 MOE(8)
 MOE(32)
