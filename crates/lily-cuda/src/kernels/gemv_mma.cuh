@@ -77,12 +77,31 @@ __device__ __forceinline__ void split_pair(float a, float b, u32 (&parts)[3]) {
     }
 }
 
+// The norm weights of the octet (8 inputs) a thread stages first, octet threadIdx.x % octets:
+// loaded before the kernel's wait, since no kernel writes them. Requested after it, beside x
+// (which the norm has just read), they put a round trip to L2 on the chain behind the norm's
+// reduction.
+struct MmaNormW {
+    float4 w[2];
+};
+
+__device__ __forceinline__ MmaNormW mma_norm_w(int cols, const float* norm_w) {
+    MmaNormW n = {};
+    if (norm_w) {
+        const int o = threadIdx.x % (cols / 8);
+        n.w[0] = *(const float4*)(norm_w + 8 * o);
+        n.w[1] = *(const float4*)(norm_w + 8 * o + 4);
+    }
+    return n;
+}
+
 // Stages rows n < nx of x (or RMSNorm(x[n]) · norm_w) as the B fragments of every slab, and the
 // sums of every slab's x (zero for rows ≥ nx). One thread per 8 inputs of a row: two float4 loads,
-// the four pairs (q, q + 4) in three parts, one uint4 a part. Ends with a barrier.
+// the four pairs (q, q + 4) in three parts, one uint4 a part. nw holds this thread's first octet's
+// norm weights (mma_norm_w). Ends with a barrier.
 template <int TILES>
-__device__ void stage_mma_x(int cols, int nx, const float* x, const float* norm_w, float eps, uint4* xf,
-                            float* xsum, float* scratch, float* inv) {
+__device__ void stage_mma_x(int cols, int nx, const float* x, const float* norm_w, const MmaNormW& nw, float eps,
+                            uint4* xf, float* xsum, float* scratch, float* inv) {
     // Bounded by the rows the layout holds: the unrolled passes and reductions of rows that cannot
     // be there were most of a one-sequence launch's instructions.
     if (norm_w) rows_inv_rms<TILES == 1 ? 2 : MAX_ROWS, 2>(cols, nx, x, eps, scratch, inv);
@@ -96,7 +115,9 @@ __device__ void stage_mma_x(int cols, int nx, const float* x, const float* norm_
             const float4 a = load_act4(x + (long)n * cols + 8 * o), b = load_act4(x + (long)n * cols + 8 * o + 4);
             v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
             if (norm_w) {
-                const float4 wa = *(const float4*)(norm_w + 8 * o), wb = *(const float4*)(norm_w + 8 * o + 4);
+                const bool first = o == threadIdx.x % octets;
+                const float4 wa = first ? nw.w[0] : *(const float4*)(norm_w + 8 * o);
+                const float4 wb = first ? nw.w[1] : *(const float4*)(norm_w + 8 * o + 4);
                 const float w[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
 #pragma unroll
                 for (int e = 0; e < 8; e++) v[e] = __fmul_rn(__fmul_rn(v[e], inv[n]), w[e]);
@@ -377,11 +398,13 @@ __device__ void gemv_mma(Mat m0, Mat m1, Mat m2, Mat m3, int nx, const float* x,
     advance(next);
     after = next;
     advance(after);
-    // The weights depend on no kernel: the first two items are requested before the wait.
+    // The weights depend on no kernel: the first two items and the norm's weights are requested
+    // before the wait.
     load(a, it);
     load(b, next);
+    const MmaNormW nw = mma_norm_w(cols, norm_w);
     pdl_wait();
-    stage_mma_x<TILES>(cols, nx, x, norm_w, eps, xf, xsum, scratch, inv);
+    stage_mma_x<TILES>(cols, nx, x, norm_w, nw, eps, xf, xsum, scratch, inv);
     STAMP_AT(1)
     while (it.u < units) {
         step(a);

@@ -131,10 +131,12 @@ __device__ __forceinline__ void stage_float4(float4 v, int j, int n4, float* xs,
 // each with its inv[r], into xs + r · xs_n and xsum + r · xsum_n; NX bounds nx, every row's loads
 // of a pass in flight together). Every thread of the block must call it (whole warps take part in
 // the shuffles); no barrier (stage_x adds it). For quantised matrices cols is a multiple of
-// CHUNK_CODES(BITS), and x and norm_w are 16-byte aligned (device buffers).
+// CHUNK_CODES(BITS), and x and norm_w are 16-byte aligned (device buffers). w_first, where given,
+// holds norm_w's float4s of the first pass (norm_w_first).
 template <int BITS, int NX = 1>
 __device__ __forceinline__ void stage_x_values(int cols, int nx, const float* x, const float* norm_w, const float* inv,
-                                               float* xs, float* xsum, int xs_n, int xsum_n) {
+                                               float* xs, float* xsum, int xs_n, int xsum_n,
+                                               const float4* w_first = nullptr) {
     if constexpr (BITS == 32) {
 #pragma unroll
         for (int r = 0; r < NX; r++) {
@@ -167,7 +169,7 @@ __device__ __forceinline__ void stage_x_values(int cols, int nx, const float* x,
                     if (r < nx && j < n4) {
                         v[r][u] = load_act4(x + (long)r * cols + 4 * j);
                         if (norm_w) {
-                            float4 w = w4[j];
+                            float4 w = w_first && c == (int)threadIdx.x ? w_first[u] : w4[j];
                             const float f = inv[r];
                             v[r][u] = make_float4(v[r][u].x * f * w.x, v[r][u].y * f * w.y, v[r][u].z * f * w.z,
                                                   v[r][u].w * f * w.w);
@@ -182,6 +184,17 @@ __device__ __forceinline__ void stage_x_values(int cols, int nx, const float* x,
                         stage_float4<BITS>(v[r][u], c + u * blockDim.x, n4, xs + r * xs_n, xsum + r * xsum_n);
                 }
         }
+    }
+}
+
+// norm_w's float4s of stage_x_values' first pass (quantised x), loaded before a kernel's wait,
+// since no kernel writes them: requested after it, beside x (which the norm has just read), they
+// put a round trip to L2 on the chain behind the norm's reduction.
+__device__ __forceinline__ void norm_w_first(int cols, const float* norm_w, float4 (&w)[STAGE_UNROLL]) {
+#pragma unroll
+    for (int u = 0; u < STAGE_UNROLL; u++) {
+        const int j = threadIdx.x + u * blockDim.x;
+        w[u] = j < cols / 4 ? ((const float4*)norm_w)[j] : make_float4(0.f, 0.f, 0.f, 0.f);
     }
 }
 

@@ -104,12 +104,14 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
             load_batch<RBITS, 1, NB>(b, row, 0, chunks, router.group, lane);
         }
     }
+    float4 nw[STAGE_UNROLL];
+    norm_w_first(cols, norm_w, nw);
     pdl_wait_holding_next();
     const float inv = block_inv_rms(hidden, cols, eps, scratch);
     if constexpr (OWN)
-        stage_x_values<RBITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0);
+        stage_x_values<RBITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0, nw);
     else
-        stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
+        stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0, nw);
     __syncthreads();
     STAMP_AT(1)
     for (; u < rows; u += stride) {
