@@ -112,9 +112,10 @@ if [ "$step" = ncu-detail ]; then
   # warp-state, instruction and memory sections (KERNELS: a regex alternation of names).
   .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cuda --tokens 1 --max-tokens 2 \
     --temperature 0 --ignore-eos > /dev/null 2>&1
-  # Warps stalled a cycle an issue, by reason: no_instruction is the instruction fetch (a kernel
-  # that runs once a layer finds its code cold), long_scoreboard global and local loads, barrier
-  # and membar the block's and the grid's syncs.
+  # Warps stalled a cycle an issue, by reason: no_instruction is the instruction fetch (1.8 in
+  # moe_route_gate_up at 83 KB of SASS, 0.3-0.9 in the other decode kernels; docs/BENCHMARKS.md,
+  # twelfth session), long_scoreboard global and local loads, barrier and membar the block's and
+  # the grid's syncs. Caches are flushed between ncu's passes, so the fetch is cold here.
   stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' no_instruction \
     long_scoreboard barrier membar wait short_scoreboard math_pipe_throttle lg_throttle branch_resolving)
   stalls=${stalls%,}
