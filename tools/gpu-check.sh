@@ -49,7 +49,7 @@ if [ "$step" = ab ]; then
   # VARIANTS in turn, NAME:BINARY[:VAR=VALUE,...] with BINARY under .gpu/ (a .xz there is unpacked
   # first), e.g. VARIANTS="base:lily-base: new:lily: base:lily-base: new:lily:". One line each
   # with its decode tok/s (B = 1 and 8 at each context, in the table's order); JSON into $out;
-  # FAMILIES=1 adds each variant's per-family step profile.
+  # FAMILIES=1 adds each variant's per-family step profile, SAMPLED=1 the sampled rows.
   (cd .gpu && for f in *.xz; do [ -e "${f%.xz}" ] || xz -dk "$f"; chmod +x "${f%.xz}"; done) 2>/dev/null
   for t in ${TESTS:-}; do
     timeout "${TEST_TIMEOUT:-300}" ".gpu/$t" --include-ignored --nocapture --test-threads 1 > "$out/$t.log" 2>&1
@@ -61,7 +61,7 @@ if [ "$step" = ab ]; then
     bin=${bin%.xz}   # a packed binary is named by what it unpacks to
     # shellcheck disable=SC2086
     env ${vars//,/ } ".gpu/$bin" bench --model synthetic:qwen3.6-35b-a3b --device cuda --prompt-lens 256 \
-      --contexts "${CONTEXTS:-256,4096}" --batch "${BATCH:-1,8}" --runs 3 --json "$out/bench-$i-$name.json" \
+      --contexts "${CONTEXTS:-256,4096}" --batch "${BATCH:-1,8}" ${SAMPLED:+--sampled} --runs 3 --json "$out/bench-$i-$name.json" \
       > "/tmp/bench-$i-$name.txt" 2>&1
     echo "== $i $name $(grep -E '^\| decode' "/tmp/bench-$i-$name.txt" | awk -F'|' '{printf "%s ", $5}')"
     # FAMILIES=1: bench's per-family profile of a step too (kernels launched one by one), in the
