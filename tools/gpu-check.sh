@@ -5,7 +5,10 @@ set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
 export LILY_KERNEL_CACHE=/tmp/lily-kernels LILY_FIXTURES=$PWD/tests/fixtures
 out=${OUT:-/tmp/lily-out}
-mkdir -p "$out"
+mkdir -p "$out" "$LILY_KERNEL_CACHE"
+# PTX compiled here with NVRTC (the kernel_ptx example, LILY_KERNEL_CACHE pointed at a folder,
+# packed as .gpu/kernels.txz) spares each binary NVRTC's ~40 s on a fresh machine.
+[ -f .gpu/kernels.txz ] && tar -xJf .gpu/kernels.txz -C "$LILY_KERNEL_CACHE" --skip-old-files
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$out/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
 step=${1:-all}
@@ -46,17 +49,22 @@ if [ "$step" = peer ]; then
 fi
 if [ "$step" = ab ]; then
   # A/B in one lease: the test binaries named in TESTS first, then the decode bench of each of
-  # VARIANTS in turn, NAME:BINARY[:VAR=VALUE,...] with BINARY under .gpu/ (a .xz there is unpacked
+  # VARIANTS (if any) in turn, NAME:BINARY[:VAR=VALUE,...] with BINARY under .gpu/ (a .xz there is unpacked
   # first), e.g. VARIANTS="base:lily-base: new:lily: base:lily-base: new:lily:". One line each
   # with its decode tok/s (B = 1 and 8 at each context, in the table's order); JSON into $out;
   # FAMILIES=1 adds each variant's per-family step profile, SAMPLED=1 the sampled rows.
-  (cd .gpu && for f in *.xz; do [ -e "${f%.xz}" ] || xz -dk "$f"; chmod +x "${f%.xz}"; done) 2>/dev/null
-  for t in ${TESTS:-}; do
-    timeout "${TEST_TIMEOUT:-300}" ".gpu/$t" --include-ignored --nocapture --test-threads 1 > "$out/$t.log" 2>&1
-    echo "== $t rc=$? $(grep -E 'test result' "$out/$t.log")"
-  done
+  (cd .gpu && for f in *.xz */*.xz; do [ -e "${f%.xz}" ] || xz -dk "$f"; chmod +x "${f%.xz}"; done) 2>/dev/null
+  # TEST_JOBS test binaries at once (they are not timed; the GPU has room for several).
+  test_one() {
+    local log="$out/${1//\//-}.log"
+    timeout "${TEST_TIMEOUT:-300}" ".gpu/$1" --include-ignored --nocapture --test-threads 1 > "$log" 2>&1
+    echo "== $1 rc=$? $(grep -E 'test result' "$log")"
+  }
+  export -f test_one; export out TEST_TIMEOUT
+  # shellcheck disable=SC2086
+  [ -n "${TESTS:-}" ] && printf '%s\n' $TESTS | xargs -P "${TEST_JOBS:-1}" -I{} bash -c 'test_one {}'
   i=0
-  for v in ${VARIANTS:?NAME:BINARY[:VAR=VALUE,...] ...}; do
+  for v in ${VARIANTS:-}; do
     i=$((i + 1)); name=${v%%:*}; rest=${v#*:}; bin=${rest%%:*}; vars=${rest#"$bin"}; vars=${vars#:}
     bin=${bin%.xz}   # a packed binary is named by what it unpacks to
     # shellcheck disable=SC2086
