@@ -146,6 +146,40 @@ impl CudaBackend {
         stamps::step_families(&launched, &labels, stamps::STAMPED_REPLAYS)
     }
 
+    /// The graph step of `states` (as [`Self::profile_decode`] takes them) replayed `steps`
+    /// times back to back, without the host reading a token between replays: milliseconds a
+    /// step on the GPU's timeline. Beside the timed decode, the difference is what the host's
+    /// turn between steps costs (the read-back, the wake-up, the next launch), which reading
+    /// each token one step behind would hide.
+    pub fn replay_decode(&self, states: &mut [&mut CudaState], steps: usize) -> Result<f64> {
+        ensure!(
+            self.persistent.is_none(),
+            "replays time the graph step, not the persistent one"
+        );
+        self.check_profiled(states, steps + 1)?;
+        let scratch = self.lock()?;
+        let rows = self.whole_vocabulary_rows(states);
+        let graph = self.capture_step(&scratch.decode, &rows, None)?;
+        let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let (start, end) = (
+            self.gpu.ctx.new_event(timing)?,
+            self.gpu.ctx.new_event(timing)?,
+        );
+        // One replay first, so that the timed ones find the graph uploaded and the code warm.
+        graph.launch()?;
+        start.record(&self.gpu.stream)?;
+        for _ in 0..steps {
+            graph.launch()?;
+        }
+        end.record(&self.gpu.stream)?;
+        let ms = start.elapsed_ms(&end)? as f64;
+        states.iter_mut().for_each(|s| {
+            s.len += steps + 1;
+            s.device_token = None;
+        });
+        Ok(ms / steps as f64)
+    }
+
     /// [`Self::profile_decode`] on the persistent step: the kernel's own timestamps, one as block
     /// 0 leaves each op (so an op's time includes its barrier).
     fn profile_persistent(

@@ -231,6 +231,7 @@ pub fn run(args: Args) -> Result<()> {
         // or the graph's kernels launched one by one (so launch gaps show); one sequence, and
         // the largest batch the step takes of those asked for.
         let steps = 16;
+        const REPLAYS: usize = 32;
         let largest = args
             .batch
             .iter()
@@ -238,13 +239,19 @@ pub fn run(args: Args) -> Result<()> {
             .filter(|&b| b <= gpu.step_rows())
             .max();
         let batches = [1].into_iter().chain(largest.filter(|&b| b > 1));
+        // The timed greedy step of `batch` sequences at this context, in milliseconds.
+        let timed_step_ms = |batch: usize| {
+            rows.iter()
+                .find(|r| r.kind == "decode" && !r.sampled && r.batch == batch && r.length == ctx)
+                .map(|r| batch as f64 / median(&r.samples) * 1e3)
+        };
         for batch in batches.filter(|&b| b == 1 || !gpu.persistent_decode()) {
             let mut states = Vec::with_capacity(batch);
             for i in 0..batch {
                 // Room for the profiled steps and the stamped ones. Each sequence its own prompt,
                 // as decode_rate's: identical sequences route alike, and a batch of them reads one
                 // sequence's experts.
-                let room = ctx + steps + lily_cuda::stamps::STEPS + 1;
+                let room = ctx + steps + lily_cuda::stamps::STEPS + REPLAYS + 2;
                 let mut state = backend.new_state(room)?;
                 prefill(
                     &backend,
@@ -272,6 +279,21 @@ pub fn run(args: Args) -> Result<()> {
                 "\nper decode step of {batch} sequence(s) at context {ctx}, {how}: {total:.3} ms"
             );
             print_families(&families, total, "µs per step", 1e3);
+            if !gpu.persistent_decode() {
+                let replayed = gpu.replay_decode(&mut rows, REPLAYS)?;
+                let timed = timed_step_ms(batch).map_or("not timed".into(), |ms| {
+                    format!(
+                        "{:.1} µs beyond the timed step's {ms:.3} ms",
+                        (ms - replayed) * 1e3
+                    )
+                });
+                println!(
+                    "
+the graph step replayed back to back, no token read between: {replayed:.3} ms \
+                     ({:.1} tok/s); the host's turn between steps: {timed}",
+                    batch as f64 / replayed * 1e3
+                );
+            }
             if gpu.stamping() && !gpu.persistent_decode() {
                 print_stamps(batch, ctx, &gpu.stamp_decode(&mut rows)?);
             }
