@@ -12,8 +12,9 @@
 //   pick_top_raw   the same over the raw logits, for the top log-probabilities when a mask or
 //                  a penalty made the two orders differ
 //   pick_choose    one block merges the lists and walks the best as the host would
-// They are launched plainly, after the step; each waits on its predecessor all the same, as
-// every kernel here does (compile.rs checks it).
+// They are launched plainly, after the step, once for all the step's rows that choose this way
+// (a row per grid y); each waits on its predecessor all the same, as every kernel here does
+// (compile.rs checks it).
 // A request whose kept tokens reach past the PICK_TOP best (a flat distribution with no top-k)
 // is answered "host": the host reads the row and decides, with the same draw.
 #define PICK_BLOCKS 128
@@ -68,6 +69,14 @@ struct PickArgs {
     int raw_lists;
 };
 
+// Up to PICK_ROWS rows of a decode step choose at once, a row per grid y (pick.rs `PickRows`):
+// at 8 rows a step the rows' choices one after another cost 8 × ~60 µs. Rows past the step's are
+// never reached (the grid's y is the step's rows).
+#define PICK_ROWS 8
+struct PickRows {
+    PickArgs row[PICK_ROWS];
+};
+
 __device__ __forceinline__ bool allowed_id(const u32* allowed, int i) {
     return allowed == nullptr || ((allowed[i >> 5] >> (i & 31)) & 1u);
 }
@@ -91,7 +100,8 @@ __device__ double block_sum_f64(double x, double* smem) {
     return t;
 }
 
-extern "C" __global__ void pick_prepare(PickArgs a) {
+extern "C" __global__ void pick_prepare(PickRows rows) {
+    const PickArgs a = rows.row[blockIdx.y];
     __shared__ float smax[32];
     __shared__ double ssum[32];
     pdl_wait();
@@ -113,7 +123,8 @@ extern "C" __global__ void pick_prepare(PickArgs a) {
     }
 }
 
-extern "C" __global__ void pick_adjust(PickArgs a) {
+extern "C" __global__ void pick_adjust(PickRows rows) {
+    const PickArgs a = rows.row[blockIdx.y];
     pdl_wait();
     int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= a.n_adjustments) return;
@@ -285,13 +296,19 @@ __device__ void top_of_chunk(const float* values, int n, float* top_v, int* top_
     }
 }
 
-extern "C" __global__ void pick_top(PickArgs a) {
+// The grid's x is the step's most lists: a row with fewer has blocks to spare.
+extern "C" __global__ void pick_top(PickRows rows) {
+    const PickArgs a = rows.row[blockIdx.y];
     pdl_wait();
+    if ((int)blockIdx.x >= a.lists) return;
     top_of_chunk(a.adjusted, a.choosable, a.top_v, a.top_i, a.mass_parts, a.inv_t);
 }
 
-extern "C" __global__ void pick_top_raw(PickArgs a) {
+// Launched when any row of the step needs the raw lists; the others' blocks have nothing to do.
+extern "C" __global__ void pick_top_raw(PickRows rows) {
+    const PickArgs a = rows.row[blockIdx.y];
     pdl_wait();
+    if (!a.raw_lists || (int)blockIdx.x >= a.lists) return;
     top_of_chunk(a.logits, a.choosable, a.raw_top_v, a.raw_top_i, nullptr, 0.0f);
 }
 
@@ -324,7 +341,8 @@ __device__ double block_max_f64(double x, double* smem) {
 }
 
 // sv / si hold every list's entries (lists * PICK_TOP <= PICK_CHUNK).
-extern "C" __global__ void pick_choose(PickArgs a) {
+extern "C" __global__ void pick_choose(PickRows rows) {
+    const PickArgs a = rows.row[blockIdx.y];
     __shared__ float sv[PICK_CHUNK], cv[PICK_TOP], lv[PICK_LOGPROBS];
     __shared__ int si[PICK_CHUNK], ci[PICK_TOP], li[PICK_LOGPROBS];
     __shared__ double red[32];
