@@ -144,6 +144,7 @@ pub struct PickRow<'a, 'c> {
 /// What a row's launches need besides its arguments.
 #[derive(Clone, Copy)]
 struct RowPlan {
+    prepare: bool,
     lists: usize,
     adjustments: usize,
     raw_lists: bool,
@@ -207,7 +208,9 @@ impl PickScratch {
         }
         let n = rows.len() as u32;
         let most = |f: fn(&RowPlan) -> usize| plans.iter().map(f).max().unwrap_or(0);
-        launch(gpu, "pick_prepare", (PICK_BLOCKS, n), 256, &mut args)?;
+        if plans.iter().any(|p| p.prepare) {
+            launch(gpu, "pick_prepare", (PICK_BLOCKS, n), 256, &mut args)?;
+        }
         let adjustments = most(|p| p.adjustments);
         if adjustments > 0 {
             let blocks = adjustments.div_ceil(256) as u32;
@@ -294,9 +297,13 @@ impl PickScratch {
         let raw_lists =
             logprobs.is_some_and(|k| k > 0) && (allowed != 0 || !adjustments.is_empty());
         let p = |b: &CudaSlice<f32>| ptr(b, st);
+        let logits = ptr(&row.logits, st);
+        // pick.cu needs_prepare: without log-probabilities, a mask or penalties the candidates
+        // rank the logits as they are, and pick_prepare has nothing to do for the row.
+        let prepare = logprobs.is_some() || allowed != 0 || !adjustments.is_empty();
         let args = PickArgs {
-            logits: ptr(&row.logits, st),
-            adjusted: p(&s.adjusted),
+            logits,
+            adjusted: if prepare { p(&s.adjusted) } else { logits },
             allowed,
             adjustments: ptr(&s.adjustments, st),
             row_parts: ptr(&s.row_parts, st),
@@ -324,6 +331,7 @@ impl PickScratch {
             raw_lists: raw_lists as i32,
         };
         let plan = RowPlan {
+            prepare,
             lists,
             adjustments: adjustments.len(),
             raw_lists,

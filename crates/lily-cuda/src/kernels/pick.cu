@@ -6,6 +6,7 @@
 //
 // The passes, each a launch:
 //   pick_prepare   the row's log-normaliser per block; the masked copy of the choosable ids
+//                  (rows with no log-probabilities, mask or penalties skip it)
 //   pick_adjust    one thread per penalised id (ids are distinct, so no two threads meet)
 //   pick_top       each block takes PICK_CHUNK entries and keeps its best PICK_TOP, and the
 //                  block's share of the softmax denominator (a candidate list per block)
@@ -77,6 +78,13 @@ struct PickRows {
     PickArgs row[PICK_ROWS];
 };
 
+// Whether a row needs pick_prepare: its log-normaliser for log-probabilities, its adjusted copy
+// for a mask or penalties. A row that needs neither ranks its logits as they are (the host
+// points `adjusted` at them), and its pick_prepare blocks leave at once.
+__device__ __forceinline__ bool needs_prepare(const PickArgs& a) {
+    return a.logprobs >= 0 || a.allowed != nullptr || a.n_adjustments > 0;
+}
+
 __device__ __forceinline__ bool allowed_id(const u32* allowed, int i) {
     return allowed == nullptr || ((allowed[i >> 5] >> (i & 31)) & 1u);
 }
@@ -105,6 +113,7 @@ extern "C" __global__ void pick_prepare(PickRows rows) {
     __shared__ float smax[32];
     __shared__ double ssum[32];
     pdl_wait();
+    if (!needs_prepare(a)) return;
     float m = -INFINITY;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.vocab; i += gridDim.x * blockDim.x) {
         float v = a.logits[i];
@@ -362,14 +371,16 @@ extern "C" __global__ void pick_choose(PickRows rows) {
     }
     valid = block_sum_f64(valid, red);
     whole = block_sum_f64(whole, red);
-    double row_max = -(double)INFINITY;
-    for (int b = threadIdx.x; b < PICK_BLOCKS; b += blockDim.x) row_max = fmax(row_max, a.row_parts[2 * b]);
-    row_max = block_max_f64(row_max, red);
-    double row_sum = 0;
-    for (int b = threadIdx.x; b < PICK_BLOCKS; b += blockDim.x)
-        if (a.row_parts[2 * b] > -(double)INFINITY)
-            row_sum += a.row_parts[2 * b + 1] * exp(a.row_parts[2 * b] - row_max);
-    row_sum = block_sum_f64(row_sum, red);
+    // The row's log-normaliser, from pick_prepare's blocks, where log-probabilities are asked.
+    double row_max = -(double)INFINITY, row_sum = 0;
+    if (a.logprobs >= 0) {
+        for (int b = threadIdx.x; b < PICK_BLOCKS; b += blockDim.x) row_max = fmax(row_max, a.row_parts[2 * b]);
+        row_max = block_max_f64(row_max, red);
+        for (int b = threadIdx.x; b < PICK_BLOCKS; b += blockDim.x)
+            if (a.row_parts[2 * b] > -(double)INFINITY)
+                row_sum += a.row_parts[2 * b + 1] * exp(a.row_parts[2 * b] - row_max);
+        row_sum = block_sum_f64(row_sum, red);
+    }
     if (threadIdx.x != 0) return;
     PickOut* o = a.out;
     o->status = PICK_HOST;
