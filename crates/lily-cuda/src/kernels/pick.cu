@@ -90,10 +90,11 @@ __device__ __forceinline__ bool allowed_id(const u32* allowed, int i) {
 }
 
 // The candidate order: valid ids first (id -1 is none), then larger values, then smaller ids.
+// Written without short-circuits: as early returns it compiled to branches around every
+// compare-exchange of the sorting networks (868 BRA and 150 convergence barriers in pick_top),
+// which the lanes of a warp take apart; as one predicate it is compares and a PLOP3.
 __device__ __forceinline__ bool better(float v1, int i1, float v2, int i2) {
-    if (i1 < 0) return false;
-    if (i2 < 0) return true;
-    return v1 > v2 || (v1 == v2 && i1 < i2);
+    return (i1 >= 0) & ((i2 < 0) | (v1 > v2) | ((v1 == v2) & (i1 < i2)));
 }
 
 // common.cuh's block_sum in f64: the softmax sums of 248K terms.
