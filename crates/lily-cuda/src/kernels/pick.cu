@@ -110,10 +110,10 @@ __device__ double block_sum_f64(double x, double* smem) {
 }
 
 extern "C" __global__ void pick_prepare(PickRows rows) {
-    const PickArgs a = rows.row[blockIdx.y];
     __shared__ float smax[32];
     __shared__ double ssum[32];
     pdl_wait();
+    const PickArgs a = rows.row[blockIdx.y];
     if (!needs_prepare(a)) return;
     float m = -INFINITY;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.vocab; i += gridDim.x * blockDim.x) {
@@ -134,8 +134,8 @@ extern "C" __global__ void pick_prepare(PickRows rows) {
 }
 
 extern "C" __global__ void pick_adjust(PickRows rows) {
-    const PickArgs a = rows.row[blockIdx.y];
     pdl_wait();
+    const PickArgs a = rows.row[blockIdx.y];
     int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= a.n_adjustments) return;
     Adjustment adj = a.adjustments[e];
@@ -308,16 +308,16 @@ __device__ void top_of_chunk(const float* values, int n, float* top_v, int* top_
 
 // The grid's x is the step's most lists: a row with fewer has blocks to spare.
 extern "C" __global__ void pick_top(PickRows rows) {
-    const PickArgs a = rows.row[blockIdx.y];
     pdl_wait();
+    const PickArgs a = rows.row[blockIdx.y];
     if ((int)blockIdx.x >= a.lists) return;
     top_of_chunk(a.adjusted, a.choosable, a.top_v, a.top_i, a.mass_parts, a.inv_t);
 }
 
 // Launched when any row of the step needs the raw lists; the others' blocks have nothing to do.
 extern "C" __global__ void pick_top_raw(PickRows rows) {
-    const PickArgs a = rows.row[blockIdx.y];
     pdl_wait();
+    const PickArgs a = rows.row[blockIdx.y];
     if (!a.raw_lists || (int)blockIdx.x >= a.lists) return;
     top_of_chunk(a.logits, a.choosable, a.raw_top_v, a.raw_top_i, nullptr, 0.0f);
 }
@@ -352,11 +352,11 @@ __device__ double block_max_f64(double x, double* smem) {
 
 // sv / si hold every list's entries (lists * PICK_TOP <= PICK_CHUNK).
 extern "C" __global__ void pick_choose(PickRows rows) {
-    const PickArgs a = rows.row[blockIdx.y];
     __shared__ float sv[PICK_CHUNK], cv[PICK_TOP], lv[PICK_LOGPROBS];
     __shared__ int si[PICK_CHUNK], ci[PICK_TOP], li[PICK_LOGPROBS];
     __shared__ double red[32];
     pdl_wait();
+    const PickArgs a = rows.row[blockIdx.y];
     best_of_lists(a.top_v, a.top_i, a.lists, sv, si, PICK_TOP, cv, ci);
     if (a.logprobs > 0 && a.raw_lists)
         best_of_lists(a.raw_top_v, a.raw_top_i, a.lists, sv, si, PICK_LOGPROBS, lv, li);
