@@ -48,7 +48,7 @@ pub use state::CudaState;
 
 use crate::decode::{DecodePath, PersistentStep};
 use crate::gpu::{Gpu, ptr};
-use crate::pick::PickScratch;
+use crate::pick::{PickRow, PickScratch};
 use crate::prefill::{Model, PrefillScratch, encode_chunk};
 use crate::step::{Scratch, StepRow, Timeline, encode_step};
 use crate::weights::{DeviceWeights, HostWeights, WeightSource};
@@ -159,18 +159,18 @@ impl CudaBackend {
             )?),
             DecodePath::Graph => None,
         };
-        let scratch = Mutex::new(Buffers {
-            decode: Scratch::new(&gpu, &config)?,
-            prefill: PrefillScratch::new(&gpu, &config, prefill_chunk)?,
-            pick: PickScratch::new(&gpu, config.vocab_size)?,
-            batch: None,
-        });
         let step_rows = gemv::step_rows(
             &config,
             &weights.gemv_formats(),
             gpu.shared_optin,
             gpu.decode_kernels,
         );
+        let scratch = Mutex::new(Buffers {
+            decode: Scratch::new(&gpu, &config)?,
+            prefill: PrefillScratch::new(&gpu, &config, prefill_chunk)?,
+            pick: PickScratch::new(&gpu, config.vocab_size, step_rows.max(1))?,
+            batch: None,
+        });
         // Every weight is written before the first step: kernels may read weights ahead of their
         // pdl_wait(), which orders them only after the kernel before them.
         gpu.sync()?;
@@ -276,7 +276,7 @@ impl CudaBackend {
         } else {
             let Buffers { decode, pick, .. } = buffers;
             let row = decode.logits.slice(..self.config.vocab_size);
-            pick.pick(&self.gpu, &row, &mut state.token, choice)?
+            pick.pick_one(&self.gpu, row, &mut state.token, choice)?
         };
         state.device_token = Some(pick.token);
         Ok(pick)
@@ -316,7 +316,7 @@ impl CudaBackend {
             .stream
             .memcpy_htod(logits, &mut decode.logits.slice_mut(..vocab))?;
         let mut slot = self.gpu.zeros::<u32>(1)?;
-        pick.pick(&self.gpu, &decode.logits.slice(..vocab), &mut slot, choice)
+        pick.pick_one(&self.gpu, decode.logits.slice(..vocab), &mut slot, choice)
     }
 
     /// One persistent step of `state` (its table made at its first step), its choice over the
@@ -429,21 +429,42 @@ impl CudaBackend {
             .stream
             .clone_dtoh(&buffers.decode.chosen.slice(..rows.len()))?;
         let vocab = self.config.vocab_size;
+        // The rows that choose otherwise than by the step's argmax, all in one set of pick
+        // launches.
+        let Buffers { decode, pick, .. } = &mut *buffers;
+        let mut picked = Vec::new();
+        let mut pick_rows = Vec::new();
+        for (i, row) in rows.iter_mut().enumerate() {
+            row.state.len += 1;
+            if !row.choice.is_raw_greedy() {
+                picked.push(i);
+                pick_rows.push(PickRow {
+                    logits: decode.logits.slice(i * vocab..(i + 1) * vocab),
+                    slot: &mut row.state.token,
+                    choice: &mut row.choice,
+                });
+            }
+        }
+        let mut device_picks = if pick_rows.is_empty() {
+            Vec::new()
+        } else {
+            pick.pick(&self.gpu, &mut pick_rows)?
+        }
+        .into_iter();
+        drop(pick_rows);
         let mut picks = Vec::with_capacity(rows.len());
         for (i, row) in rows.iter_mut().enumerate() {
-            let state = &mut *row.state;
-            state.len += 1;
-            let pick = if row.choice.is_raw_greedy() {
+            let pick = if picked.contains(&i) {
+                device_picks
+                    .next()
+                    .context("the pick kernels returned fewer picks than rows")?
+            } else {
                 Pick {
                     token: chosen[i],
                     logprobs: None,
                 }
-            } else {
-                let Buffers { decode, pick, .. } = &mut *buffers;
-                let logits = decode.logits.slice(i * vocab..(i + 1) * vocab);
-                pick.pick(&self.gpu, &logits, &mut state.token, &mut row.choice)?
             };
-            state.device_token = Some(pick.token);
+            row.state.device_token = Some(pick.token);
             picks.push(pick);
         }
         Ok(picks)

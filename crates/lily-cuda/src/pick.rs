@@ -2,6 +2,7 @@
 //! penalties and logit_bias, temperature / top-k / min-p / top-p with the host's draw, and the
 //! log-probabilities, applied to the logits where the step left them. Only the pick comes back:
 //! the token and its top log-probabilities, 176 bytes instead of a megabyte of logits a token.
+//! The rows of a batched step choose together, a row per grid y of each launch.
 //!
 //! The kernels follow the host's rule (`lily_core::choice::Choice::pick`) candidate for
 //! candidate. Where the rule would walk past the best `PICK_TOP` tokens (no top-k, and a
@@ -10,7 +11,7 @@
 
 use std::ffi::c_void;
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 use cudarc::driver::{CudaSlice, CudaView};
 use lily_core::choice::{Choice, Pick};
 use lily_core::logprobs::TokenLogprobs;
@@ -36,10 +37,10 @@ const OUT_WORDS: usize = 4 + 2 * PICK_LOGPROBS;
 /// PickOut's status when the host must finish the choice.
 const PICK_HOST: u32 = 1;
 
-/// Every pick kernel's one parameter, with the C layout of pick.cu's PickArgs.
+/// One row's arguments, with the C layout of pick.cu's PickArgs.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-pub struct PickArgs {
+struct PickArgs {
     logits: u64,
     adjusted: u64,
     allowed: u64,
@@ -65,17 +66,24 @@ pub struct PickArgs {
     raw_lists: i32,
 }
 
-/// Bytes of every pick kernel's parameter (the NVRTC test holds pick.cu to it).
-pub fn pick_args_bytes() -> usize {
-    std::mem::size_of::<PickArgs>()
+/// Rows one launch of the pick kernels takes, a row per grid y (pick.cu PICK_ROWS): a decode
+/// step's most.
+pub const PICK_ROWS: usize = crate::gpu::MAX_ROWS;
+
+/// Every pick kernel's one parameter (pick.cu's PickRows): row `y` of the grid reads `row[y]`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct PickRows {
+    row: [PickArgs; PICK_ROWS],
 }
 
-/// The pick kernels' buffers, shared by every sequence (one step runs at a time).
-pub struct PickScratch {
-    vocab: usize,
-    /// Whether the vocabulary's candidate lists fit one sorting block; beyond, every choice is
-    /// the host's, from the row.
-    fits: bool,
+/// Bytes of every pick kernel's parameter (the NVRTC test holds pick.cu to it).
+pub fn pick_args_bytes() -> usize {
+    std::mem::size_of::<PickRows>()
+}
+
+/// One row's buffers: a row's choice writes only its own.
+struct RowScratch {
     adjusted: CudaSlice<f32>,
     allowed: CudaSlice<u32>,
     /// [`Adjustment`]s as four words each, grown to the longest list seen.
@@ -86,6 +94,33 @@ pub struct PickScratch {
     mass_parts: CudaSlice<f64>,
     raw_top_v: CudaSlice<f32>,
     raw_top_i: CudaSlice<i32>,
+}
+
+impl RowScratch {
+    fn new(gpu: &Gpu, vocab: usize) -> Result<Self> {
+        let lists = vocab.div_ceil(PICK_CHUNK);
+        Ok(RowScratch {
+            adjusted: gpu.zeros(vocab)?,
+            allowed: gpu.zeros(vocab.div_ceil(32))?,
+            adjustments: gpu.zeros(4 * 256)?,
+            row_parts: gpu.zeros(2 * PICK_BLOCKS as usize)?,
+            top_v: gpu.zeros(lists * PICK_TOP)?,
+            top_i: gpu.zeros(lists * PICK_TOP)?,
+            mass_parts: gpu.zeros(3 * lists)?,
+            raw_top_v: gpu.zeros(lists * PICK_TOP)?,
+            raw_top_i: gpu.zeros(lists * PICK_TOP)?,
+        })
+    }
+}
+
+/// The pick kernels' buffers, a set for each row a step can hold (one step runs at a time).
+pub struct PickScratch {
+    vocab: usize,
+    /// Whether the vocabulary's candidate lists fit one sorting block; beyond, every choice is
+    /// the host's, from the row.
+    fits: bool,
+    rows: Vec<RowScratch>,
+    /// Every row's PickOut record, one after another.
     out: CudaSlice<u32>,
     /// Choices made: on the device alone, and finished on the host.
     counts: PickCounts,
@@ -98,22 +133,40 @@ pub struct PickCounts {
     pub finished_on_host: u64,
 }
 
+/// One row's choice: the logits it chooses from (a row of the vocabulary, on the device), the
+/// token slot the pick goes into (the next step's input), and the request's choice.
+pub struct PickRow<'a, 'c> {
+    pub logits: CudaView<'a, f32>,
+    pub slot: &'a mut CudaSlice<u32>,
+    pub choice: &'a mut Choice<'c>,
+}
+
+/// What a row's launches need besides its arguments.
+#[derive(Clone, Copy)]
+struct RowPlan {
+    prepare: bool,
+    lists: usize,
+    adjustments: usize,
+    raw_lists: bool,
+    logprobs: Option<usize>,
+    draw: f32,
+}
+
 impl PickScratch {
-    pub fn new(gpu: &Gpu, vocab: usize) -> Result<Self> {
+    /// Buffers for steps of up to `rows` sequences (1 to [`PICK_ROWS`]).
+    pub fn new(gpu: &Gpu, vocab: usize, rows: usize) -> Result<Self> {
+        ensure!(
+            (1..=PICK_ROWS).contains(&rows),
+            "the pick kernels take 1 to {PICK_ROWS} rows, not {rows}"
+        );
         let lists = vocab.div_ceil(PICK_CHUNK);
         Ok(PickScratch {
             vocab,
             fits: lists * PICK_TOP <= PICK_CHUNK,
-            adjusted: gpu.zeros(vocab)?,
-            allowed: gpu.zeros(vocab.div_ceil(32))?,
-            adjustments: gpu.zeros(4 * 256)?,
-            row_parts: gpu.zeros(2 * PICK_BLOCKS as usize)?,
-            top_v: gpu.zeros(lists * PICK_TOP)?,
-            top_i: gpu.zeros(lists * PICK_TOP)?,
-            mass_parts: gpu.zeros(3 * lists)?,
-            raw_top_v: gpu.zeros(lists * PICK_TOP)?,
-            raw_top_i: gpu.zeros(lists * PICK_TOP)?,
-            out: gpu.zeros(OUT_WORDS)?,
+            rows: (0..rows)
+                .map(|_| RowScratch::new(gpu, vocab))
+                .collect::<Result<_>>()?,
+            out: gpu.zeros(rows * OUT_WORDS)?,
             counts: PickCounts::default(),
         })
     }
@@ -122,42 +175,120 @@ impl PickScratch {
         self.counts
     }
 
-    /// Makes `choice` from `logits` (a row of the vocabulary, on the device), writes the token
-    /// into `token_slot` (the next step's input) and returns the pick.
-    pub fn pick(
-        &mut self,
-        gpu: &Gpu,
-        logits: &CudaView<'_, f32>,
-        token_slot: &mut CudaSlice<u32>,
-        choice: &mut Choice<'_>,
-    ) -> Result<Pick> {
+    /// Makes each row's choice from its logits, writes the token into its slot and returns the
+    /// picks in order: every row in one launch of each kernel and one read-back, each row's pick
+    /// what it would be alone.
+    pub fn pick(&mut self, gpu: &Gpu, rows: &mut [PickRow<'_, '_>]) -> Result<Vec<Pick>> {
+        ensure!(
+            (1..=self.rows.len()).contains(&rows.len()),
+            "the pick buffers take 1 to {} rows, not {}",
+            self.rows.len(),
+            rows.len()
+        );
         let vocab = self.vocab;
         ensure!(
-            logits.len() >= vocab,
+            rows.iter().all(|r| r.logits.len() >= vocab),
             "a row of logits holds {vocab} values"
         );
-        let st = &gpu.stream;
+        if !self.fits {
+            return rows
+                .iter_mut()
+                .map(|row| {
+                    let draw = row.choice.sampler.draw();
+                    self.finish_on_host(gpu, row, draw)
+                })
+                .collect();
+        }
+        let mut args = PickRows::default();
+        let mut plans = Vec::with_capacity(rows.len());
+        for (i, row) in rows.iter_mut().enumerate() {
+            let (row_args, plan) = self.row_args(gpu, i, row)?;
+            args.row[i] = row_args;
+            plans.push(plan);
+        }
+        let n = rows.len() as u32;
+        let most = |f: fn(&RowPlan) -> usize| plans.iter().map(f).max().unwrap_or(0);
+        if plans.iter().any(|p| p.prepare) {
+            launch(gpu, "pick_prepare", (PICK_BLOCKS, n), 256, &mut args)?;
+        }
+        let adjustments = most(|p| p.adjustments);
+        if adjustments > 0 {
+            let blocks = adjustments.div_ceil(256) as u32;
+            launch(gpu, "pick_adjust", (blocks, n), 256, &mut args)?;
+        }
+        let lists = most(|p| p.lists) as u32;
+        launch(gpu, "pick_top", (lists, n), SORT_THREADS, &mut args)?;
+        if plans.iter().any(|p| p.raw_lists) {
+            launch(gpu, "pick_top_raw", (lists, n), SORT_THREADS, &mut args)?;
+        }
+        launch(gpu, "pick_choose", (1, n), SORT_THREADS, &mut args)?;
+        let out = gpu
+            .stream
+            .clone_dtoh(&self.out.slice(..rows.len() * OUT_WORDS))?;
+        rows.iter_mut()
+            .zip(&plans)
+            .zip(out.chunks_exact(OUT_WORDS))
+            .map(|((row, plan), out)| {
+                if out[0] == PICK_HOST {
+                    return self.finish_on_host(gpu, row, plan.draw);
+                }
+                self.counts.on_device += 1;
+                let token = out[1];
+                row.choice.sampler.record(token);
+                Ok(Pick {
+                    token,
+                    logprobs: plan.logprobs.map(|_| read_logprobs(token, out)),
+                })
+            })
+            .collect()
+    }
+
+    /// [`Self::pick`] for one row.
+    pub fn pick_one(
+        &mut self,
+        gpu: &Gpu,
+        logits: CudaView<'_, f32>,
+        slot: &mut CudaSlice<u32>,
+        choice: &mut Choice<'_>,
+    ) -> Result<Pick> {
+        let mut rows = [PickRow {
+            logits,
+            slot,
+            choice,
+        }];
+        let mut picks = self.pick(gpu, &mut rows)?;
+        picks.pop().context("the pick kernels returned no pick")
+    }
+
+    /// Row `i`'s arguments, its mask and penalties uploaded into its buffers, and the draw its
+    /// sampler makes for this choice.
+    fn row_args(
+        &mut self,
+        gpu: &Gpu,
+        i: usize,
+        row: &mut PickRow<'_, '_>,
+    ) -> Result<(PickArgs, RowPlan)> {
+        let (vocab, st) = (self.vocab, &gpu.stream);
+        let s = &mut self.rows[i];
+        let choice = &mut *row.choice;
         let choosable = choice.sampler.choosable(vocab);
         let draw = choice.sampler.draw();
-        if !self.fits {
-            return self.finish_on_host(gpu, logits, token_slot, choice, draw);
-        }
         let params = choice.sampler.params().clone();
         let allowed = match &choice.allowed {
             Some(allowed) => {
                 let bits = allowed.to_bits(choosable);
-                st.memcpy_htod(&bits, &mut self.allowed.slice_mut(..bits.len()))?;
-                ptr(&self.allowed, st)
+                st.memcpy_htod(&bits, &mut s.allowed.slice_mut(..bits.len()))?;
+                ptr(&s.allowed, st)
             }
             None => 0,
         };
         let adjustments = choice.sampler.adjustments();
         if !adjustments.is_empty() {
             let words = adjustment_words(adjustments);
-            if words.len() > self.adjustments.len() {
-                self.adjustments = gpu.zeros(words.len().next_power_of_two())?;
+            if words.len() > s.adjustments.len() {
+                s.adjustments = gpu.zeros(words.len().next_power_of_two())?;
             }
-            st.memcpy_htod(&words, &mut self.adjustments.slice_mut(..words.len()))?;
+            st.memcpy_htod(&words, &mut s.adjustments.slice_mut(..words.len()))?;
         }
         let logprobs = choice.top_logprobs();
         let lists = choosable.div_ceil(PICK_CHUNK);
@@ -166,19 +297,23 @@ impl PickScratch {
         let raw_lists =
             logprobs.is_some_and(|k| k > 0) && (allowed != 0 || !adjustments.is_empty());
         let p = |b: &CudaSlice<f32>| ptr(b, st);
-        let mut args = PickArgs {
-            logits: ptr(logits, st),
-            adjusted: p(&self.adjusted),
+        let logits = ptr(&row.logits, st);
+        // pick.cu needs_prepare: without log-probabilities, a mask or penalties the candidates
+        // rank the logits as they are, and pick_prepare has nothing to do for the row.
+        let prepare = logprobs.is_some() || allowed != 0 || !adjustments.is_empty();
+        let args = PickArgs {
+            logits,
+            adjusted: if prepare { p(&s.adjusted) } else { logits },
             allowed,
-            adjustments: ptr(&self.adjustments, st),
-            row_parts: ptr(&self.row_parts, st),
-            top_v: p(&self.top_v),
-            top_i: ptr(&self.top_i, st),
-            mass_parts: ptr(&self.mass_parts, st),
-            raw_top_v: p(&self.raw_top_v),
-            raw_top_i: ptr(&self.raw_top_i, st),
-            token: ptr(token_slot, st),
-            out: ptr(&self.out, st),
+            adjustments: ptr(&s.adjustments, st),
+            row_parts: ptr(&s.row_parts, st),
+            top_v: p(&s.top_v),
+            top_i: ptr(&s.top_i, st),
+            mass_parts: ptr(&s.mass_parts, st),
+            raw_top_v: p(&s.raw_top_v),
+            raw_top_i: ptr(&s.raw_top_i, st),
+            token: ptr(&*row.slot, st),
+            out: ptr(&self.out, st) + (i * OUT_WORDS * 4) as u64,
             vocab: vocab as i32,
             choosable: choosable as i32,
             n_adjustments: adjustments.len() as i32,
@@ -195,54 +330,39 @@ impl PickScratch {
             logprobs: logprobs.map_or(-1, |k| k as i32),
             raw_lists: raw_lists as i32,
         };
-        launch(gpu, "pick_prepare", PICK_BLOCKS, 256, &mut args)?;
-        if !adjustments.is_empty() {
-            let blocks = adjustments.len().div_ceil(256) as u32;
-            launch(gpu, "pick_adjust", blocks, 256, &mut args)?;
-        }
-        launch(gpu, "pick_top", lists as u32, SORT_THREADS, &mut args)?;
-        if raw_lists {
-            launch(gpu, "pick_top_raw", lists as u32, SORT_THREADS, &mut args)?;
-        }
-        launch(gpu, "pick_choose", 1, SORT_THREADS, &mut args)?;
-        let out = gpu.download(&self.out)?;
-        if out[0] == PICK_HOST {
-            return self.finish_on_host(gpu, logits, token_slot, choice, draw);
-        }
-        self.counts.on_device += 1;
-        let token = out[1];
-        choice.sampler.record(token);
-        Ok(Pick {
-            token,
-            logprobs: logprobs.map(|_| read_logprobs(token, &out)),
-        })
+        let plan = RowPlan {
+            prepare,
+            lists,
+            adjustments: adjustments.len(),
+            raw_lists,
+            logprobs,
+            draw,
+        };
+        Ok((args, plan))
     }
-}
 
-impl PickScratch {
     /// The choice made on the host from the row, with the draw the device was given.
-    fn finish_on_host(
-        &mut self,
-        gpu: &Gpu,
-        logits: &CudaView<'_, f32>,
-        token_slot: &mut CudaSlice<u32>,
-        choice: &mut Choice<'_>,
-        draw: f32,
-    ) -> Result<Pick> {
-        let row = gpu.stream.clone_dtoh(&logits.slice(..self.vocab))?;
-        let pick = choice.pick_drawn(&row, draw);
-        gpu.stream.memcpy_htod(&[pick.token], token_slot)?;
+    fn finish_on_host(&mut self, gpu: &Gpu, row: &mut PickRow<'_, '_>, draw: f32) -> Result<Pick> {
+        let logits = gpu.stream.clone_dtoh(&row.logits.slice(..self.vocab))?;
+        let pick = row.choice.pick_drawn(&logits, draw);
+        gpu.stream.memcpy_htod(&[pick.token], &mut *row.slot)?;
         self.counts.finished_on_host += 1;
         Ok(pick)
     }
 }
 
-fn launch(gpu: &Gpu, name: &str, blocks: u32, threads: u32, args: &mut PickArgs) -> Result<()> {
+fn launch(
+    gpu: &Gpu,
+    name: &str,
+    (blocks, rows): (u32, u32),
+    threads: u32,
+    args: &mut PickRows,
+) -> Result<()> {
     gpu.launch_raw(
         gpu.function(name)?,
-        ((blocks, 1, 1), threads),
+        ((blocks, rows, 1), threads),
         0,
-        &mut [args as *mut PickArgs as *mut c_void],
+        &mut [args as *mut PickRows as *mut c_void],
         LaunchKind::Plain,
     )
 }

@@ -1,7 +1,8 @@
 //! The batched decode step (several sequences a step, each weight read once for all of them)
 //! against each sequence decoded alone: every row must give the tokens, and the logits to the
 //! bit, that its sequence gives in a step of its own. Prompts of different lengths (so different
-//! positions and attention splits in one step), greedy and seeded sampled rows side by side,
+//! positions and attention splits in one step), greedy and seeded sampled rows side by side (the
+//! sampled ones choosing together in one set of pick launches, each with its own rule),
 //! batches of 2, 3, 8 and 9 (a step of 8, then one of 1), on synthetic:tiny (4-bit, the real
 //! vocabulary) and the full-size synthetic model. Needs a CUDA GPU: ignored by a plain
 //! `cargo test`, run on the H200 with `--include-ignored`.
@@ -11,6 +12,7 @@ mod support;
 use lily_core::backend::{Backend, DecodeRow};
 use lily_core::choice::Choice;
 use lily_core::model_ref::SYNTHETIC_SEED;
+use lily_core::penalties::Penalties;
 use lily_core::sampling::{Sampler, SamplingParams};
 use lily_core::synthetic::synthetic_config;
 use lily_cuda::synthetic::SyntheticWeights;
@@ -27,42 +29,85 @@ fn backend(model: &str) -> CudaBackend {
     CudaBackend::from_source(config, &mut source, &options(KvPrecision::F32, 128)).unwrap()
 }
 
-/// Row i's sampling: every third row sampled with its own seed, the others greedy.
-fn sampler(i: usize) -> Sampler {
-    Sampler::new(if i % 3 == 2 {
-        SamplingParams {
+/// Row i's prompt.
+fn prompt(i: usize, vocab: usize) -> Vec<u32> {
+    tokens(LENGTHS[i], vocab, 17 + i as u32)
+}
+
+/// Row i's sampling: every third row sampled with its own seed and rule (one with penalties
+/// and logit_bias, one with min-p and no top-k, which the host may finish), the others greedy;
+/// so a step's pick launches hold rows that adjust, that rank raw lists and that do neither.
+fn sampler(i: usize, vocab: usize) -> Sampler {
+    if i % 3 != 2 {
+        return Sampler::new(SamplingParams::greedy());
+    }
+    let seed = 1000 + i as u64;
+    match i / 3 {
+        0 => Sampler::new(SamplingParams {
             temperature: 0.7,
             top_k: 20,
             top_p: 0.8,
             min_p: 0.0,
-            seed: 1000 + i as u64,
-        }
-    } else {
-        SamplingParams::greedy()
-    })
+            seed,
+        }),
+        1 => Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 40,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed,
+        })
+        .with_penalties(
+            Penalties {
+                presence: 0.5,
+                frequency: 0.2,
+                repetition: 1.1,
+                logit_bias: vec![(7, 2.0), (11, -100.0)],
+            },
+            &prompt(i, vocab),
+        ),
+        _ => Sampler::new(SamplingParams {
+            temperature: 0.9,
+            top_k: 0,
+            top_p: 0.9,
+            min_p: 0.05,
+            seed,
+        }),
+    }
+}
+
+/// Row i's choice: rows 4, 5 and 8 report log-probabilities (row 4 a greedy row that the step's
+/// argmax alone cannot answer; row 5's penalties make the raw lists differ).
+fn choice(i: usize, sampler: &mut Sampler) -> Choice<'_> {
+    Choice {
+        logprobs: [(4, 2), (5, 5), (8, 3)]
+            .iter()
+            .find(|&&(row, _)| row == i)
+            .map(|&(_, k)| k),
+        ..Choice::of(sampler)
+    }
 }
 
 /// Row i's prefilled state (different contexts too: a different split count for row 1) and the
 /// first token after its prompt.
 fn start(b: &CudaBackend, i: usize, sampler: &mut Sampler) -> (CudaState, u32) {
-    let vocab = b.config().vocab_size;
-    let prompt = tokens(LENGTHS[i], vocab, 17 + i as u32);
+    let prompt = prompt(i, b.config().vocab_size);
     let max_seq = if i == 1 { 40_000 } else { 1024 };
     let mut state = b.new_state(max_seq).unwrap();
     let pick = b
-        .prefill_choose(&mut state, &prompt, &mut Choice::of(sampler))
+        .prefill_choose(&mut state, &prompt, &mut choice(i, sampler))
         .unwrap();
     (state, pick.token)
 }
 
 /// Row i decoded alone: its tokens, and the logits of its last step.
 fn alone(b: &CudaBackend, i: usize) -> (Vec<u32>, Vec<f32>) {
-    let mut sampler = sampler(i);
+    let mut sampler = sampler(i, b.config().vocab_size);
     let (mut state, mut next) = start(b, i, &mut sampler);
     let mut out = vec![next];
     for _ in 1..STEPS {
         next = b
-            .decode_choose(&mut state, next, &mut Choice::of(&mut sampler))
+            .decode_choose(&mut state, next, &mut choice(i, &mut sampler))
             .unwrap()
             .token;
         out.push(next);
@@ -73,7 +118,8 @@ fn alone(b: &CudaBackend, i: usize) -> (Vec<u32>, Vec<f32>) {
 
 /// Rows 0..n decoded together, every step one `decode_batch`: each row's tokens.
 fn together(b: &CudaBackend, n: usize) -> Vec<Vec<u32>> {
-    let mut samplers: Vec<Sampler> = (0..n).map(sampler).collect();
+    let vocab = b.config().vocab_size;
+    let mut samplers: Vec<Sampler> = (0..n).map(|i| sampler(i, vocab)).collect();
     let mut states = Vec::new();
     let mut out: Vec<Vec<u32>> = Vec::new();
     for (i, s) in samplers.iter_mut().enumerate() {
@@ -86,10 +132,11 @@ fn together(b: &CudaBackend, n: usize) -> Vec<Vec<u32>> {
             .iter_mut()
             .zip(samplers.iter_mut())
             .zip(&out)
-            .map(|((state, sampler), toks)| DecodeRow {
+            .enumerate()
+            .map(|(i, ((state, sampler), toks))| DecodeRow {
                 state,
                 token: *toks.last().unwrap(),
-                choice: Choice::of(sampler),
+                choice: choice(i, sampler),
             })
             .collect();
         let picks = b.decode_batch(&mut rows).unwrap();
@@ -130,14 +177,15 @@ fn check_batches(model: &str, sizes: &[usize]) {
         .filter(|&n| n <= b.step_rows())
         .max()
         .unwrap();
-    let mut samplers: Vec<Sampler> = (0..n).map(sampler).collect();
+    let vocab = b.config().vocab_size;
+    let mut samplers: Vec<Sampler> = (0..n).map(|i| sampler(i, vocab)).collect();
     let mut states: Vec<CudaState> = Vec::new();
     let mut lasts = Vec::new();
     for (i, s) in samplers.iter_mut().enumerate() {
         let (mut state, mut next) = start(&b, i, s);
         for _ in 1..STEPS {
             next = b
-                .decode_choose(&mut state, next, &mut Choice::of(s))
+                .decode_choose(&mut state, next, &mut choice(i, s))
                 .unwrap()
                 .token;
         }
@@ -160,7 +208,6 @@ fn check_batches(model: &str, sizes: &[usize]) {
     let picks = b.decode_batch(&mut rows).unwrap();
     drop(rows);
     let logits = b.batch_logits(n).unwrap();
-    let vocab = b.config().vocab_size;
     for (i, pick) in picks.iter().enumerate() {
         let row = &logits[i * vocab..(i + 1) * vocab];
         let alone = &want[i].1;

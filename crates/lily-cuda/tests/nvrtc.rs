@@ -188,7 +188,7 @@ fn the_persistent_decode_step_compiles_with_the_hosts_argument_layout() {
     let _ = std::fs::remove_dir_all(cache);
 }
 
-/// Every pick kernel's one parameter has the size of the host's `PickArgs`.
+/// Every pick kernel's one parameter has the size of the host's `PickRows`.
 #[test]
 #[ignore = "needs libnvrtc.so.13 on LD_LIBRARY_PATH; scripts/test.sh installs it and runs this"]
 fn the_pick_kernels_take_the_hosts_argument_layout() {

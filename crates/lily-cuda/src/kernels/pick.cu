@@ -6,14 +6,16 @@
 //
 // The passes, each a launch:
 //   pick_prepare   the row's log-normaliser per block; the masked copy of the choosable ids
+//                  (rows with no log-probabilities, mask or penalties skip it)
 //   pick_adjust    one thread per penalised id (ids are distinct, so no two threads meet)
 //   pick_top       each block takes PICK_CHUNK entries and keeps its best PICK_TOP, and the
 //                  block's share of the softmax denominator (a candidate list per block)
 //   pick_top_raw   the same over the raw logits, for the top log-probabilities when a mask or
 //                  a penalty made the two orders differ
 //   pick_choose    one block merges the lists and walks the best as the host would
-// They are launched plainly, after the step; each waits on its predecessor all the same, as
-// every kernel here does (compile.rs checks it).
+// They are launched plainly, after the step, once for all the step's rows that choose this way
+// (a row per grid y); each waits on its predecessor all the same, as every kernel here does
+// (compile.rs checks it).
 // A request whose kept tokens reach past the PICK_TOP best (a flat distribution with no top-k)
 // is answered "host": the host reads the row and decides, with the same draw.
 #define PICK_BLOCKS 128
@@ -68,15 +70,31 @@ struct PickArgs {
     int raw_lists;
 };
 
+// Up to PICK_ROWS rows of a decode step choose at once, a row per grid y (pick.rs `PickRows`):
+// at 8 rows a step the rows' choices one after another cost 8 × ~60 µs. Rows past the step's are
+// never reached (the grid's y is the step's rows).
+#define PICK_ROWS 8
+struct PickRows {
+    PickArgs row[PICK_ROWS];
+};
+
+// Whether a row needs pick_prepare: its log-normaliser for log-probabilities, its adjusted copy
+// for a mask or penalties. A row that needs neither ranks its logits as they are (the host
+// points `adjusted` at them), and its pick_prepare blocks leave at once.
+__device__ __forceinline__ bool needs_prepare(const PickArgs& a) {
+    return a.logprobs >= 0 || a.allowed != nullptr || a.n_adjustments > 0;
+}
+
 __device__ __forceinline__ bool allowed_id(const u32* allowed, int i) {
     return allowed == nullptr || ((allowed[i >> 5] >> (i & 31)) & 1u);
 }
 
 // The candidate order: valid ids first (id -1 is none), then larger values, then smaller ids.
+// Written without short-circuits: as early returns it compiled to branches around every
+// compare-exchange of the sorting networks (868 BRA and 150 convergence barriers in pick_top),
+// which the lanes of a warp take apart; as one predicate it is compares and a PLOP3.
 __device__ __forceinline__ bool better(float v1, int i1, float v2, int i2) {
-    if (i1 < 0) return false;
-    if (i2 < 0) return true;
-    return v1 > v2 || (v1 == v2 && i1 < i2);
+    return (i1 >= 0) & ((i2 < 0) | (v1 > v2) | ((v1 == v2) & (i1 < i2)));
 }
 
 // common.cuh's block_sum in f64: the softmax sums of 248K terms.
@@ -91,10 +109,12 @@ __device__ double block_sum_f64(double x, double* smem) {
     return t;
 }
 
-extern "C" __global__ void pick_prepare(PickArgs a) {
+extern "C" __global__ void pick_prepare(PickRows rows) {
     __shared__ float smax[32];
     __shared__ double ssum[32];
     pdl_wait();
+    const PickArgs a = rows.row[blockIdx.y];
+    if (!needs_prepare(a)) return;
     float m = -INFINITY;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.vocab; i += gridDim.x * blockDim.x) {
         float v = a.logits[i];
@@ -113,8 +133,9 @@ extern "C" __global__ void pick_prepare(PickArgs a) {
     }
 }
 
-extern "C" __global__ void pick_adjust(PickArgs a) {
+extern "C" __global__ void pick_adjust(PickRows rows) {
     pdl_wait();
+    const PickArgs a = rows.row[blockIdx.y];
     int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e >= a.n_adjustments) return;
     Adjustment adj = a.adjustments[e];
@@ -285,13 +306,19 @@ __device__ void top_of_chunk(const float* values, int n, float* top_v, int* top_
     }
 }
 
-extern "C" __global__ void pick_top(PickArgs a) {
+// The grid's x is the step's most lists: a row with fewer has blocks to spare.
+extern "C" __global__ void pick_top(PickRows rows) {
     pdl_wait();
+    const PickArgs a = rows.row[blockIdx.y];
+    if ((int)blockIdx.x >= a.lists) return;
     top_of_chunk(a.adjusted, a.choosable, a.top_v, a.top_i, a.mass_parts, a.inv_t);
 }
 
-extern "C" __global__ void pick_top_raw(PickArgs a) {
+// Launched when any row of the step needs the raw lists; the others' blocks have nothing to do.
+extern "C" __global__ void pick_top_raw(PickRows rows) {
     pdl_wait();
+    const PickArgs a = rows.row[blockIdx.y];
+    if (!a.raw_lists || (int)blockIdx.x >= a.lists) return;
     top_of_chunk(a.logits, a.choosable, a.raw_top_v, a.raw_top_i, nullptr, 0.0f);
 }
 
@@ -324,11 +351,12 @@ __device__ double block_max_f64(double x, double* smem) {
 }
 
 // sv / si hold every list's entries (lists * PICK_TOP <= PICK_CHUNK).
-extern "C" __global__ void pick_choose(PickArgs a) {
+extern "C" __global__ void pick_choose(PickRows rows) {
     __shared__ float sv[PICK_CHUNK], cv[PICK_TOP], lv[PICK_LOGPROBS];
     __shared__ int si[PICK_CHUNK], ci[PICK_TOP], li[PICK_LOGPROBS];
     __shared__ double red[32];
     pdl_wait();
+    const PickArgs a = rows.row[blockIdx.y];
     best_of_lists(a.top_v, a.top_i, a.lists, sv, si, PICK_TOP, cv, ci);
     if (a.logprobs > 0 && a.raw_lists)
         best_of_lists(a.raw_top_v, a.raw_top_i, a.lists, sv, si, PICK_LOGPROBS, lv, li);
@@ -344,14 +372,16 @@ extern "C" __global__ void pick_choose(PickArgs a) {
     }
     valid = block_sum_f64(valid, red);
     whole = block_sum_f64(whole, red);
-    double row_max = -(double)INFINITY;
-    for (int b = threadIdx.x; b < PICK_BLOCKS; b += blockDim.x) row_max = fmax(row_max, a.row_parts[2 * b]);
-    row_max = block_max_f64(row_max, red);
-    double row_sum = 0;
-    for (int b = threadIdx.x; b < PICK_BLOCKS; b += blockDim.x)
-        if (a.row_parts[2 * b] > -(double)INFINITY)
-            row_sum += a.row_parts[2 * b + 1] * exp(a.row_parts[2 * b] - row_max);
-    row_sum = block_sum_f64(row_sum, red);
+    // The row's log-normaliser, from pick_prepare's blocks, where log-probabilities are asked.
+    double row_max = -(double)INFINITY, row_sum = 0;
+    if (a.logprobs >= 0) {
+        for (int b = threadIdx.x; b < PICK_BLOCKS; b += blockDim.x) row_max = fmax(row_max, a.row_parts[2 * b]);
+        row_max = block_max_f64(row_max, red);
+        for (int b = threadIdx.x; b < PICK_BLOCKS; b += blockDim.x)
+            if (a.row_parts[2 * b] > -(double)INFINITY)
+                row_sum += a.row_parts[2 * b + 1] * exp(a.row_parts[2 * b] - row_max);
+        row_sum = block_sum_f64(row_sum, red);
+    }
     if (threadIdx.x != 0) return;
     PickOut* o = a.out;
     o->status = PICK_HOST;
