@@ -492,7 +492,7 @@ pub fn encode_step(
                     p(&s.proj),
                 )?;
                 mark("mixer input gemv")?;
-                let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
+                let (nh, nkv) = (c.num_attention_heads, c.num_kv_heads);
                 // One warp per head (head_norm_rope).
                 let args = AttnPrep {
                     qkv: p(&s.proj),
@@ -529,13 +529,8 @@ pub fn encode_step(
                     qkv: p(&s.proj),
                     out: p(&s.attn_out),
                 };
-                launch!(
-                    gpu,
-                    "attn_combine",
-                    (nh as u32, b, 1),
-                    round_up_warp(hd),
-                    args
-                );
+                // kernels/attention.cu, COMBINE_WARPS.
+                launch!(gpu, "attn_combine", (nh as u32, b, 1), 32 * 32, args);
                 mark("attention")?;
                 gemv(
                     gpu,

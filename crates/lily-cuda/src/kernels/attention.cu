@@ -44,14 +44,76 @@ attn_split(const float* q, RowPtrs k_cache, RowPtrs v_cache, RowPtrs pos, RowInt
     STAMP_END(1)
 }
 
-// Merges the splits of each query head and applies the sigmoid output gate: block h, thread d.
-extern "C" __global__ void attn_combine(const float* part_ml, const float* part_acc, RowPtrs pos, RowInts nsplit,
-                                        const float* qkv, float* out) {
+// Merges the splits of each query head and applies the sigmoid output gate: block h of row
+// blockIdx.y, COMBINE_WARPS warps. A thread per dim walking the splits in turn (the persistent
+// step's attn_combine_one) is a chain of round trips to L2 that grows with the context: the max,
+// then each split's weight before its partial output can be requested, four splits at a time
+// (~130 round trips at 512 live splits, a 128K context). Here every split's weight is computed
+// at once, from loads issued together, into shared memory; then each warp sums its own range of
+// splits, a lane 8 dims (two float4 loads a split, COMBINE_UNROLL splits in flight), and the
+// warps' sums are added in warp order: a fixed order, so a row gets the same bits in any launch.
+#define COMBINE_WARPS 32
+#define COMBINE_UNROLL 4
+static_assert(HD <= 8 * WARP, "attn_combine: 8 dims a lane");
+
+extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * WARP)
+attn_combine(const float* part_ml, const float* part_acc, RowPtrs pos, RowInts nsplit, const float* qkv, float* out) {
+    __shared__ float weight[MAX_ATTN_SPLITS];
+    __shared__ __align__(16) float wacc[COMBINE_WARPS][HD];
+    __shared__ float scratch[WARP];
     pdl_wait();
-    int h = blockIdx.x, d = threadIdx.x, row = blockIdx.y;
-    if (d >= HD) return;
+    const int h = blockIdx.x, row = blockIdx.y, kv = h / GROUP, g = h % GROUP;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
     const int splits = attn_live_splits(*(const int*)pos.p[row] + 1, nsplit.n[row]);
-    out[(row * NH + h) * HD + d] = attn_combine_one(h, d, part_ml + row * ATTN_PARTS * 2,
-                                                    part_acc + row * ATTN_PARTS * HD, splits,
-                                                    qkv + row * ATTN_PROJ);
+    // Split s of this head: (max, sum) at ml[s · GROUP · 2], its output at acc[s · GROUP · HD].
+    const float* ml = part_ml + row * ATTN_PARTS * 2 + ((long)kv * splits * GROUP + g) * 2;
+    const float* acc = part_acc + row * ATTN_PARTS * HD + ((long)kv * splits * GROUP + g) * HD;
+    float mx = -INFINITY;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) mx = fmaxf(mx, load_act(ml + (long)s * GROUP * 2));
+    mx = block_max(mx, scratch);
+    // Each split's weight exp(max_s - max), 0 for a split with no positions.
+    float sum = 0.f;
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        const float2 v = load_act2(ml + (long)s * GROUP * 2);
+        const float f = v.x == -INFINITY ? 0.f : __expf(v.x - mx);
+        weight[s] = f;
+        sum += f * v.y;
+    }
+    sum = block_sum(sum, scratch);   // its barriers publish `weight` too
+    const int per = (splits + warps - 1) / warps, s0 = min(splits, warp * per), s1 = min(splits, s0 + per);
+    const int d0 = lane * 8;
+    if (d0 < HD) {
+        float a[8] = {};
+        // A split with no weight adds nothing, whatever its (unwritten) output holds.
+        auto add = [&](float f, float4 x, float4 y) {
+            const float v[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
+#pragma unroll
+            for (int j = 0; j < 8; j++) a[j] = f != 0.f ? __fmaf_rn(f, v[j], a[j]) : a[j];
+        };
+        int s = s0;
+        for (; s + COMBINE_UNROLL <= s1; s += COMBINE_UNROLL) {
+            float4 x[COMBINE_UNROLL][2];
+#pragma unroll
+            for (int u = 0; u < COMBINE_UNROLL; u++) {
+                const float* src = acc + (long)(s + u) * GROUP * HD + d0;
+                x[u][0] = load_act4(src);
+                x[u][1] = load_act4(src + 4);
+            }
+#pragma unroll
+            for (int u = 0; u < COMBINE_UNROLL; u++) add(weight[s + u], x[u][0], x[u][1]);
+        }
+        for (; s < s1; s++) {
+            const float* src = acc + (long)s * GROUP * HD + d0;
+            add(weight[s], load_act4(src), load_act4(src + 4));
+        }
+        *(float4*)&wacc[warp][d0] = make_float4(a[0], a[1], a[2], a[3]);
+        *(float4*)&wacc[warp][d0 + 4] = make_float4(a[4], a[5], a[6], a[7]);
+    }
+    __syncthreads();
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float total = 0.f;
+        for (int w = 0; w < warps; w++) total += wacc[w][d];
+        const float gate = load_act(qkv + row * ATTN_PROJ + h * 2 * HD + HD + d);
+        out[(row * NH + h) * HD + d] = total / sum * sigmoidf(gate);
+    }
 }

@@ -267,7 +267,8 @@ __device__ __forceinline__ int attn_live_splits(int len, int most) {
 }
 
 // Dim d of query head h, its splits merged, times the sigmoid output gate from qkv
-// ([q|gate per head ...]).
+// ([q|gate per head ...]): the persistent step's merge, a thread a dim (the graph step's
+// attn_combine merges with every warp of a block).
 __device__ float attn_combine_one(int h, int d, const float* part_ml, const float* part_acc, int nsplit,
                                   const float* qkv) {
     int kv = h / GROUP, g = h % GROUP;
