@@ -22,10 +22,11 @@ extern "C" __global__ void attn_prep(const float* qkv, const float* q_norm, cons
     int kv = head - NH;
     const float* src = is_q ? qkv + head * 2 * HD : qkv + NH * 2 * HD + kv * HD;
     int p = *(const int*)pos.p[row];
+    const HeadValue value = load_head_value(is_q, qkv + NH * 2 * HD + NKV * HD + kv * HD, lane);
     float y[HEAD_PER_LANE];
     head_norm_rope(src, is_q ? q_norm : k_norm, eps, p, tmp, lane, y);
     store_head(is_q, y, lane, q_out + (row * NH + head) * HD, (kv_t*)k_cache.p[row], (kv_t*)v_cache.p[row], p, kv,
-               qkv + NH * 2 * HD + NKV * HD + kv * HD);
+               value);
 }
 
 // One block per (KV head, split of the context); a row's split count (chosen per sequence from

@@ -19,10 +19,10 @@ extern "C" __global__ void attn_prep_rows(const float* qkv, int ld, const float*
     const float* in = qkv + (long)row * ld;
     const float* src = is_q ? in + head * 2 * HD : in + NH * 2 * HD + kv * HD;
     int pos = pos0 + row;
+    const HeadValue value = load_head_value(is_q, in + NH * 2 * HD + NKV * HD + kv * HD, lane);
     float y[HEAD_PER_LANE];
     head_norm_rope(src, is_q ? q_norm : k_norm, eps, pos, tmp, lane, y);
-    store_head(is_q, y, lane, q_out + ((long)row * NH + head) * HD, k_cache, v_cache, pos, kv,
-               in + NH * 2 * HD + NKV * HD + kv * HD);
+    store_head(is_q, y, lane, q_out + ((long)row * NH + head) * HD, k_cache, v_cache, pos, kv, value);
 }
 
 // Flash attention on tensor cores (mma m16n8k16, bf16 inputs, f32 accumulation and softmax).

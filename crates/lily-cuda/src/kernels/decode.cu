@@ -302,9 +302,10 @@ __device__ void attn_split_op(const DecArgs& A, const DecLayer& L, const DecLaye
             if (h == GROUP && !last) continue;
             const bool is_q = h < GROUP;
             const float* src = is_q ? A.proj + (kv * GROUP + h) * 2 * HD : A.proj + NH * 2 * HD + kv * HD;
+            const HeadValue value = load_head_value(is_q, A.proj + NH * 2 * HD + NKV * HD + kv * HD, lane);
             float y[HEAD_PER_LANE];
             head_norm_rope(src, is_q ? L.a.q_norm : L.a.k_norm, A.eps, pos, sm.q[h], lane, y);
-            store_head(is_q, y, lane, sm.q[h], S.k, S.v, pos, kv, A.proj + NH * 2 * HD + NKV * HD + kv * HD);
+            store_head(is_q, y, lane, sm.q[h], S.k, S.v, pos, kv, value);
         }
         // The new key and value reach the split's cp.async reads below, the queries its loads.
         __threadfence();

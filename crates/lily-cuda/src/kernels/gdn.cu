@@ -27,14 +27,18 @@ extern "C" __global__ void gdn_step(const float* conv, const float* proj, const 
 }
 
 // Gated RMSNorm per value head: normalise, scale by the plain weight, gate with silu(z).
+// o, the gate z and the weight are requested together: z and the weight read after the norm's
+// reduction were a second round trip to L2 on the chain.
 extern "C" __global__ void gdn_gated_norm(const float* o, const float* proj, const float* w, float* y, float eps) {
-    pdl_wait();
     __shared__ float scratch[32];
+    pdl_wait();
     int j = blockIdx.x, d = threadIdx.x, row = blockIdx.y;
     o += row * NV * DV;
     y += row * NV * DV;
     proj += row * GDN_PROJ;
-    float x = d < DV ? o[j * DV + d] : 0.f;
+    const float x = d < DV ? o[j * DV + d] : 0.f;
+    const float z = d < DV ? proj[CONV_DIM + j * DV + d] : 0.f;
+    const float wd = d < DV ? w[d] : 0.f;
     float inv = rsqrtf(block_sum(x * x, scratch) / DV + eps);
-    if (d < DV) y[j * DV + d] = x * inv * w[d] * siluf(proj[CONV_DIM + j * DV + d]);
+    if (d < DV) y[j * DV + d] = x * inv * wd * siluf(z);
 }

@@ -35,7 +35,8 @@ struct GdnStepSmem {
 //
 // The state is read before wait() (pdl_wait in the graph step): it is this layer's own, last
 // written by the previous token's step, never by the kernels just before this one, so its
-// DRAM round trip overlaps them instead of following the q and k norms.
+// DRAM round trip overlaps them instead of following the q and k norms. So are the gates'
+// weights (a_log, dt_bias), which nothing writes.
 template <int ROW_GROUPS, class Wait>
 __device__ void gdn_step_cols(int j, int col0, const float* conv, const float* proj, const float* a_log,
                               const float* dt_bias, float* state, float* out, GdnStepSmem<ROW_GROUPS>& sm,
@@ -55,7 +56,14 @@ __device__ void gdn_step_cols(int j, int col0, const float* conv, const float* p
         int i = rg + e * ROW_GROUPS;
         s[e] = (active && i < DK) ? S[i * DV + col] : 0.f;
     }
+    const float a_log_j = a_log[j], dt_bias_j = dt_bias[j];
     wait();
+    // The gates' inputs and this thread's v are requested with q and k, right after the wait:
+    // asked for where they are used, behind the norms' barriers, they were two more round trips
+    // to L2 on the chain.
+    const float b = load_act(proj + CONV_DIM + NV * DV + j);
+    const float a = load_act(proj + CONV_DIM + NV * DV + NV + j);
+    const float v = active ? load_act(conv + 2 * KEY_DIM + j * DV + col) : 0.f;
     // L2 norms of q and k (eps inside the root), q also scaled by 1/sqrt(DK).
     float qv = 0.f, kv = 0.f;
     for (int i = t; i < DK; i += blockDim.x) {
@@ -71,12 +79,10 @@ __device__ void gdn_step_cols(int j, int col0, const float* conv, const float* p
     }
     __syncthreads();
 
-    float b = load_act(proj + CONV_DIM + NV * DV + j);
-    float a = load_act(proj + CONV_DIM + NV * DV + NV + j);
     float beta = sigmoidf(b);
-    float sp = a + dt_bias[j];
+    float sp = a + dt_bias_j;
     sp = sp > 20.f ? sp : log1pf(expf(sp));
-    float alpha = expf(-expf(a_log[j]) * sp);
+    float alpha = expf(-expf(a_log_j) * sp);
 
     float r = 0.f;
 #pragma unroll
@@ -89,7 +95,6 @@ __device__ void gdn_step_cols(int j, int col0, const float* conv, const float* p
     float pred = 0.f;
 #pragma unroll
     for (int g = 0; g < ROW_GROUPS; g++) pred += sm.part[g][c];
-    float v = active ? load_act(conv + 2 * KEY_DIM + j * DV + col) : 0.f;
     float delta = beta * (v - alpha * pred);
     float o = 0.f;
 #pragma unroll

@@ -39,10 +39,27 @@ __device__ void head_norm_rope(const float* src, const float* scale, float eps, 
     __syncwarp();   // tmp is free again
 }
 
+// A key head's value (HD floats at v_src), dim lane + 32·i in v[i], for store_head: loaded before
+// head_norm_rope, so that its round trip to L2 overlaps the head's instead of following it.
+struct HeadValue {
+    float v[HEAD_PER_LANE];
+};
+
+__device__ __forceinline__ HeadValue load_head_value(bool is_q, const float* v_src, int lane) {
+    HeadValue h = {};
+    if (!is_q)
+#pragma unroll
+        for (int i = 0; i < HEAD_PER_LANE; i++) {
+            int d = lane + WARP * i;
+            if (d < HD) h.v[i] = load_act(v_src + d);
+        }
+    return h;
+}
+
 // Stores a head that head_norm_rope left in y: a query into q (HD floats, global or shared), or a
-// key into the cache at `pos` with its value (v_src, HD floats) beside it.
+// key into the cache at `pos` with its value (load_head_value's) beside it.
 __device__ __forceinline__ void store_head(bool is_q, const float (&y)[HEAD_PER_LANE], int lane, float* q,
-                                           kv_t* k_cache, kv_t* v_cache, long pos, int kv, const float* v_src) {
+                                           kv_t* k_cache, kv_t* v_cache, long pos, int kv, const HeadValue& value) {
 #pragma unroll
     for (int i = 0; i < HEAD_PER_LANE; i++) {
         int d = lane + WARP * i;
@@ -52,7 +69,7 @@ __device__ __forceinline__ void store_head(bool is_q, const float (&y)[HEAD_PER_
         } else {
             long at = (pos * NKV + kv) * HD + d;
             k_cache[at] = kv_store(y[i]);
-            v_cache[at] = kv_store(load_act(v_src + d));
+            v_cache[at] = kv_store(value.v[i]);
         }
     }
 }

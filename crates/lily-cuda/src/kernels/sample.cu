@@ -2,6 +2,14 @@
 // one block picks the winner (lowest id on ties), writes it into the next step's input slot and
 // advances the position. The host reads the token whenever it needs it.
 #define ARGMAX_BLOCKS 128
+static_assert(ARGMAX_BLOCKS % WARP == 0, "argmax_final: whole partials a lane");
+
+// Whether (v1, i1) comes before (v2, i2): the larger value, the lower id on ties. The partials
+// hold no NaN (a NaN logit never beats -inf above), so this is a total order and any order of
+// comparisons finds the same winner.
+__device__ __forceinline__ bool argmax_before(float v1, int i1, float v2, int i2) {
+    return (v1 > v2) | ((v1 == v2) & (i1 < i2));
+}
 
 // Row blockIdx.y's logits (a row every `stride` floats), its choice among the first n[row], into
 // that row's ARGMAX_BLOCKS partials.
@@ -18,31 +26,48 @@ extern "C" __global__ void argmax_partial(const float* logits, int stride, RowIn
     for (int o = WARP / 2; o > 0; o >>= 1) {
         float ov = __shfl_xor_sync(0xffffffffu, v, o);
         int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+        if (argmax_before(ov, oi, v, i)) { v = ov; i = oi; }
     }
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     if (lane == 0) { sv[warp] = v; si[warp] = i; }
     __syncthreads();
     if (threadIdx.x == 0) {
         for (int w = 1; w < blockDim.x / WARP; w++)
-            if (sv[w] > v || (sv[w] == v && si[w] < i)) { v = sv[w]; i = si[w]; }
+            if (argmax_before(sv[w], si[w], v, i)) { v = sv[w]; i = si[w]; }
         part_v[row * ARGMAX_BLOCKS + blockIdx.x] = v; part_i[row * ARGMAX_BLOCKS + blockIdx.x] = i;
     }
 }
 
-// Block r picks row r's token: into the row's slot and chosen[r] (all of a step's tokens in one
-// place for the host), and advances the row's position. NaN logits leave no candidate: token 0,
-// so that the next step still embeds a valid row.
+// Block r (one warp) picks row r's token: into the row's slot and chosen[r] (all of a step's
+// tokens in one place for the host), and advances the row's position. NaN logits leave no
+// candidate: token 0, so that the next step still embeds a valid row. Each lane takes every
+// WARP-th partial, all its loads issued together, then the warp reduces: thread 0 alone walking
+// the 128 partials was a chain of L2 round trips, 11 µs of the step (stamps, 2026-12-06).
 extern "C" __global__ void argmax_final(const float* part_v, const int* part_i, RowInts choices, RowPtrs token,
                                         RowPtrs pos, u32* chosen) {
     pdl_wait();
-    if (threadIdx.x != 0) return;
-    const int row = blockIdx.x;
+    const int row = blockIdx.x, lane = threadIdx.x;
     part_v += row * ARGMAX_BLOCKS;
     part_i += row * ARGMAX_BLOCKS;
-    float v = part_v[0]; int i = part_i[0];
-    for (int b = 1; b < ARGMAX_BLOCKS; b++)
-        if (part_v[b] > v || (part_v[b] == v && part_i[b] < i)) { v = part_v[b]; i = part_i[b]; }
+    constexpr int PER = ARGMAX_BLOCKS / WARP;
+    float pv[PER];
+    int pi[PER];
+#pragma unroll
+    for (int k = 0; k < PER; k++) {
+        pv[k] = part_v[lane + k * WARP];
+        pi[k] = part_i[lane + k * WARP];
+    }
+    float v = pv[0];
+    int i = pi[0];
+#pragma unroll
+    for (int k = 1; k < PER; k++)
+        if (argmax_before(pv[k], pi[k], v, i)) { v = pv[k]; i = pi[k]; }
+    for (int o = WARP / 2; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (argmax_before(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+    if (lane != 0) return;
     if (i >= choices.n[row]) i = 0;
     *(u32*)token.p[row] = (u32)i;
     chosen[row] = (u32)i;
