@@ -163,7 +163,7 @@ kernel_args! {
     /// `moe_down_b*`.
     MoeDown {
         down: MatArg, sh_down: MatArg, ids: u64, weights: u64, logits: u64, act: u64,
-        residual: u64,
+        residual: u64, sync: u64,
     }
     ArgmaxPartial { logits: u64, stride: i32, choices: RowInts, part_v: u64, part_i: u64 }
     ArgmaxFinal {

@@ -47,8 +47,8 @@ pub struct Scratch {
     pub ids: CudaSlice<i32>,
     pub weights: CudaSlice<f32>,
     pub act: CudaSlice<f32>,
-    /// Two words a row: the router barrier's arrivals and generation (kernels/moe.cu,
-    /// route_arrive); the integer path's router counts its finished blocks in the first.
+    /// A word a row: the router barrier's arrivals, back to zero after each launch (kernels/moe.cu,
+    /// route_arrive); the integer path's router counts its finished blocks in it.
     pub route_sync: CudaSlice<u32>,
     pub logits: CudaSlice<f32>,
     pub arg_v: CudaSlice<f32>,
@@ -85,7 +85,7 @@ fn row_floats(c: &ModelConfig) -> [usize; 18] {
         c.experts_per_token,
         c.experts_per_token,
         c.experts_per_token * c.moe_intermediate_size + c.shared_intermediate_size,
-        2,
+        1,
         c.vocab_size,
         ARGMAX_BLOCKS as usize,
         ARGMAX_BLOCKS as usize,
@@ -321,17 +321,16 @@ fn experts(
         sync: ptr(&s.route_sync, &gpu.stream),
         act: p(&s.act),
     };
-    gpu.launch(&name, shape, &route_gate_up)?;
     // Output rows per warp and unit, eight warps a block: one for one sequence, which would fill
     // half the GPU with two (kernels/moe_decode.cuh, DOWN_ROWS).
-    let (name, rows_a_warp) = if rows == 1 && bits != 32 {
+    let (down_name, rows_a_warp) = if rows == 1 && bits != 32 {
         (format!("moe_down_b{bits}_r1"), 1)
     } else {
         (format!("moe_down_b{bits}"), DOWN_ROWS)
     };
-    let wave = gpu.resident_blocks_256(&name)?.div_ceil(b);
-    let mut shape = wave_shape(h.div_ceil(rows_a_warp), 8, wave);
-    shape.grid.1 = b;
+    let wave = gpu.resident_blocks_256(&down_name)?.div_ceil(b);
+    let mut down_shape = wave_shape(h.div_ceil(rows_a_warp), 8, wave);
+    down_shape.grid.1 = b;
     let down = MoeDown {
         down: m.down.arg(gpu),
         sh_down: m.shared[2].arg(gpu),
@@ -340,8 +339,12 @@ fn experts(
         logits: p(&s.router_logits),
         act: p(&s.act),
         residual: p(&s.hidden),
+        sync: ptr(&s.route_sync, &gpu.stream),
     };
-    gpu.launch(&name, shape, &down)
+    // What can refuse is checked above, before either launch: the router barrier's count goes
+    // back to zero only in moe_down.
+    gpu.launch(&name, shape, &route_gate_up)?;
+    gpu.launch(&down_name, down_shape, &down)
 }
 
 /// Enqueues one whole decode step for `rows` (1 to [`MAX_ROWS`] sequences, each weight read

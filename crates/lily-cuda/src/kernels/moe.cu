@@ -21,34 +21,26 @@ __device__ __forceinline__ Mat fixed_shape(Mat m, int rows, int cols) {
 }
 
 // A barrier over the blocks of one launch's row (grid y), once a launch, in two halves so that a
-// block can work between its arrival and its wait: sync[0] counts the blocks that have arrived,
-// sync[1] is the barrier's generation. A block reads the generation before it arrives; the last
-// to arrive resets the count for the next launch and moves the generation on, which the others
-// wait for (the last finds it moved at once). The arrivals' release and the waits' acquire order
-// every block's writes before its arrival (its logits) before every read after the wait. Every
-// block of the launch must be resident at once (the host launches at most one wave).
-__device__ __forceinline__ u32 route_arrive(u32* sync, u32 blocks) {
+// block can work between its arrival and its wait. *sync counts the blocks that have arrived and
+// starts every launch at zero: moe_down sets it back, and moe_down ends only after every block of
+// this launch has passed (its pdl_wait waits for this grid to finish). So the count to wait for
+// is known, and an arrival needs no answer: a fire-and-forget add, after which the last block to
+// arrive waits one round trip to L2 (its first poll), where an atomic whose return it waited for
+// and then a generation that it moved on cost it two. The arrival's release and the waits'
+// acquire order every block's writes before its arrival (its logits) before every read after the
+// wait. Every block of the launch must be resident at once (the host launches at most one wave).
+__device__ __forceinline__ void route_arrive(u32* sync) {
     __syncthreads();
-    u32 gen = 0;
-    if (threadIdx.x == 0) {
-        u32 arrived;
-        asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(gen) : "l"(sync + 1) : "memory");
-        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(arrived) : "l"(sync) : "memory");
-        if (arrived == blocks - 1) {
-            asm volatile("st.relaxed.gpu.global.u32 [%0], 0;" ::"l"(sync) : "memory");
-            asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(sync + 1), "r"(gen + 1u) : "memory");
-        }
-    }
-    return gen;
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(sync) : "memory");
 }
 
-// The wait for route_arrive's generation `gen` (thread 0's) to move on.
-__device__ __forceinline__ void route_wait(const u32* sync, u32 gen) {
+// The wait for all `blocks` blocks to have arrived (thread 0 polls).
+__device__ __forceinline__ void route_wait(const u32* sync, u32 blocks) {
     if (threadIdx.x == 0) {
         u32 seen;
         do {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(sync + 1) : "memory");
-        } while (seen == gen);
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(sync) : "memory");
+        } while (seen < blocks);
     }
     __syncthreads();
 }
@@ -136,9 +128,9 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     // The experts' x in their own format is staged between the block's arrival and its wait, off
     // the chain from the last router row to top-k.
     STAMP_AT(2)
-    const u32 gen = route_arrive(sync, gridDim.x);
+    route_arrive(sync);
     if constexpr (OWN) stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
-    route_wait(sync, gen);
+    route_wait(sync, gridDim.x);
     STAMP_AT(3)
     if (threadIdx.x < WARP) route_topk(logits, lane, sid, sw);
     __syncthreads();
@@ -154,21 +146,24 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     STAMP_END(5)
 }
 
-// The down projection of the step's row blockIdx.y, R output rows a warp.
+// The down projection of the step's row blockIdx.y, R output rows a warp. Past down_combine's
+// pdl_wait, moe_route_gate_up has finished, so its barrier's count goes back to zero for the next
+// launch (route_arrive).
 template <int BITS, int R>
 __device__ void down_row(Mat down, Mat sh_down, const int* ids, const float* weights, const float* logits,
-                         const float* act, float* residual) {
+                         const float* act, float* residual, u32* sync) {
     __shared__ DownSmem<BITS> s;
     down_combine<BITS, R>(fixed_shape(down, NE * HIDDEN, MOE_INTER), fixed_shape(sh_down, HIDDEN, SHARED_INTER),
                           MOE_INTER, HIDDEN, ids + blockIdx.y * TOPK, weights + blockIdx.y * TOPK,
                           logits + blockIdx.y * (NE + 1), act + (long)blockIdx.y * MOE_ACT,
                           residual + (long)blockIdx.y * HIDDEN, s, blockIdx.x, gridDim.x);
+    if (blockIdx.x == 0 && threadIdx.x == 0) sync[blockIdx.y] = 0;
     STAMP_END(2)
 }
 
 // Each launch runs every row of the step: the grid's y is the row, whose hidden state, router
-// logits (NE + 1 a row: the shared gate's last), choice (TOPK ids and weights), barrier (two
-// words) and act (MOE_ACT) lie at its row of the step's buffers. The router's bits (RBITS) and
+// logits (NE + 1 a row: the shared gate's last), choice (TOPK ids and weights), barrier count
+// (a word) and act (MOE_ACT) lie at its row of the step's buffers. The router's bits (RBITS) and
 // the experts' may differ.
 #define MOE_ROUTE_GATE_UP(BITS, RBITS)                                                            \
     extern "C" __global__ void __launch_bounds__(256, 3) moe_route_gate_up_b##BITS##_r##RBITS(    \
@@ -178,7 +173,7 @@ __device__ void down_row(Mat down, Mat sh_down, const int* ids, const float* wei
         route_gate_up<BITS, RBITS>(router, shared_logit, gate, up, shared_gate, shared_up,        \
                                    hidden + (long)blockIdx.y * HIDDEN, norm_w, eps,               \
                                    logits + blockIdx.y * (NE + 1), ids + blockIdx.y * TOPK,       \
-                                   weights + blockIdx.y * TOPK, sync + 2 * blockIdx.y,            \
+                                   weights + blockIdx.y * TOPK, sync + blockIdx.y,            \
                                    act + (long)blockIdx.y * MOE_ACT);                             \
     }
 #define MOE(BITS)                                                                                 \
@@ -187,15 +182,15 @@ __device__ void down_row(Mat down, Mat sh_down, const int* ids, const float* wei
     MOE_ROUTE_GATE_UP(BITS, 32)                                                                   \
     extern "C" __global__ void __launch_bounds__(256) moe_down_b##BITS(                           \
         Mat down, Mat sh_down, const int* ids, const float* weights, const float* logits,         \
-        const float* act, float* residual) {                                                      \
-        down_row<BITS, DOWN_ROWS>(down, sh_down, ids, weights, logits, act, residual);            \
+        const float* act, float* residual, u32* sync) {                                           \
+        down_row<BITS, DOWN_ROWS>(down, sh_down, ids, weights, logits, act, residual, sync);      \
     }
 // One sequence's down projection, a row a warp (moe_decode.cuh, DOWN_ROWS).
 #define MOE_DOWN_ONE(BITS)                                                                        \
     extern "C" __global__ void __launch_bounds__(256) moe_down_b##BITS##_r1(                      \
         Mat down, Mat sh_down, const int* ids, const float* weights, const float* logits,         \
-        const float* act, float* residual) {                                                      \
-        down_row<BITS, 1>(down, sh_down, ids, weights, logits, act, residual);                    \
+        const float* act, float* residual, u32* sync) {                                           \
+        down_row<BITS, 1>(down, sh_down, ids, weights, logits, act, residual, sync);              \
     }
 MOE(4)
 MOE(8)
