@@ -97,9 +97,12 @@ impl Cpus {
                 .with_numerics(Numerics::TensorCoreBf16)
                 .with_kv_precision(cpu_kv(kv))
         };
+        // Both forms named: the twin is only a twin in the other one. When the CPU's default
+        // became the recurrent form (32f0a2b), a twin that named only its own was the bf16 CPU
+        // itself, 0 from it everywhere, and every bound fell to its floor.
         Cpus {
             f32: cpu(),
-            bf16: bf16(),
+            bf16: bf16().with_gdn_prefill(GdnForm::Chunked),
             twin: bf16().with_gdn_prefill(GdnForm::Recurrent),
         }
     }
