@@ -61,6 +61,16 @@ const ORDER_MARGIN: f32 = 4.0;
 /// would fail it.
 const ORDER_FLOOR: f32 = 2e-3;
 
+/// The full-width bound from the rounding itself: the GPU within this share of the f32 CPU's
+/// distance from the bf16 one. The twin changes the order of the Gated DeltaNet's sums alone and
+/// the GPU that of every product, so the twin can under-predict it: since the CPU's two GDN forms
+/// were rewritten (32f0a2b and before it), the twin moves 2 layers by 8.6e-4 where the GPU is
+/// 4.3e-3 away. However its sums are ordered, a GPU that rounds where the bf16 CPU rounds stays
+/// well inside the rounding's own distance over a few layers (0.40, 0.57, 0.57 and 0.70 of it at
+/// 1, 2, 4 and 8 layers when this file was written), and one that rounds elsewhere or not at all
+/// is as far as the f32 CPU (a share of about 1).
+const ROUNDING_SHARE: f32 = 0.75;
+
 /// The fixtures' per-position bounds where the twin flips nothing. The twins' median position is
 /// 0 or 0.6–1.9e-3 from the bf16 CPU (the f32 CPU: 3.5–6.3e-3), their worst 1.5e-3 to 3.1e-2; an
 /// expert flip at a near-tie puts the f32 CPU 0.17 and 0.20 away on tiny-a and tiny-a-official,
@@ -304,14 +314,16 @@ struct FullWidth {
 /// last-row logits must be within BF16_PREFILL, or within 4× the model's own sensitivity to one
 /// bf16 rounding where that is larger, and the greedy continuation may part only where the
 /// CPU's candidates are that close (logits that far apart may rank them either way); against
-/// the bf16 CPU both within ORDER_MARGIN × its order twin's distance, or ORDER_FLOOR. One copy of the weights at a time: the CPUs share one, and
-/// the sensitivity's rounded copy is loaded after it is dropped.
+/// the bf16 CPU both within ORDER_MARGIN × its order twin's distance, ORDER_FLOOR or
+/// ROUNDING_SHARE × the f32 CPU's distance, whichever is largest. One copy of the weights at a
+/// time: the CPUs share one, and the sensitivity's rounded copy is loaded after it is dropped.
+/// Returns what did not hold, so that a caller can report every depth before failing.
 fn full_width_agreement(
     config: &ModelConfig,
     load: impl Fn() -> ModelWeights,
     label: &str,
     prompts: &[Vec<u32>],
-) {
+) -> Vec<String> {
     let weights = Arc::new(load());
     let gpu = CudaBackend::new(config.clone(), &weights).unwrap();
     let cpus = Cpus::new(config, &weights, KvPrecision::Bf16);
@@ -338,8 +350,11 @@ fn full_width_agreement(
     drop(cpus);
     let references: Vec<Vec<f32>> = runs.iter().map(|r| r.reference.clone()).collect();
     let sensitivities = bf16_sensitivity(config, load(), prompts, &references);
+    let mut failures = Vec::new();
     for (r, sensitivity) in runs.iter().zip(sensitivities) {
-        let bound = (ORDER_MARGIN * r.twin).max(ORDER_FLOOR);
+        let bound = (ORDER_MARGIN * r.twin)
+            .max(ORDER_FLOOR)
+            .max(ROUNDING_SHARE * r.rounding);
         eprintln!(
             "{label}, prompt {}: last logits GPU–f32 {:.2e}, GPU–bf16 {:.2e}, f32–bf16 {:.2e}; \
              bf16 order twin {:.2e}; one bf16 rounding on the f32 CPU {sensitivity:.2e}; greedy \
@@ -347,31 +362,35 @@ fn full_width_agreement(
             r.len, r.exact, r.rounded, r.rounding, r.twin, r.greedy_exact, r.greedy_rounded
         );
         let f32_bound = BF16_PREFILL.max(4.0 * sensitivity);
-        assert!(
-            r.exact <= f32_bound,
-            "{label}, prompt {}: last logits against f32 {:e} (bound {f32_bound:e})",
-            r.len,
-            r.exact
-        );
-        assert!(
-            r.greedy_exact.holds(f32_bound),
-            "{label}, prompt {}: greedy against f32 {}",
-            r.len,
-            r.greedy_exact
-        );
-        assert!(
-            r.rounded <= bound,
-            "{label}, prompt {}: last logits against bf16 {:e} (bound {bound:e})",
-            r.len,
-            r.rounded
-        );
-        assert!(
-            r.greedy_rounded.holds(bound),
-            "{label}, prompt {}: greedy against bf16 {}",
-            r.len,
-            r.greedy_rounded
+        let checks = [
+            (
+                r.exact <= f32_bound,
+                format!(
+                    "last logits against f32 {:e} (bound {f32_bound:e})",
+                    r.exact
+                ),
+            ),
+            (
+                r.greedy_exact.holds(f32_bound),
+                format!("greedy against f32 {}", r.greedy_exact),
+            ),
+            (
+                r.rounded <= bound,
+                format!("last logits against bf16 {:e} (bound {bound:e})", r.rounded),
+            ),
+            (
+                r.greedy_rounded.holds(bound),
+                format!("greedy against bf16 {}", r.greedy_rounded),
+            ),
+        ];
+        failures.extend(
+            checks
+                .into_iter()
+                .filter(|(held, _)| !held)
+                .map(|(_, what)| format!("{label}, prompt {}: {what}", r.len)),
         );
     }
+    failures
 }
 
 /// The full-size synthetic model (host memory: one CPU copy of the weights, about 20 GB, and the
@@ -390,7 +409,8 @@ fn full_size_synthetic_prefill_matches_both_cpus() {
             .unwrap();
         ModelWeights::load(&config, source).unwrap()
     };
-    full_width_agreement(&config, load, "full-size synthetic", &[PROMPT.to_vec()]);
+    let failures = full_width_agreement(&config, load, "full-size synthetic", &[PROMPT.to_vec()]);
+    assert!(failures.is_empty(), "{failures:#?}");
 }
 
 /// The full-size model's shapes cut to its first `layers` layers: one layer is where the bf16
@@ -399,6 +419,7 @@ fn full_size_synthetic_prefill_matches_both_cpus() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn full_width_prefill_matches_both_cpus_at_every_depth() {
+    let mut failures = Vec::new();
     for layers in [1, 2, 4, 8, 16] {
         let mut root: serde_json::Value =
             serde_json::from_str(lily_core::config::QWEN36_35B_A3B_CONFIG).unwrap();
@@ -412,11 +433,12 @@ fn full_width_prefill_matches_both_cpus_at_every_depth() {
         if layers == 4 {
             prompts.push(tokens(100, config.vocab_size, 4));
         }
-        full_width_agreement(
+        failures.extend(full_width_agreement(
             &config,
             load,
             &format!("full width, {layers} layers"),
             &prompts,
-        );
+        ));
     }
+    assert!(failures.is_empty(), "{failures:#?}");
 }
