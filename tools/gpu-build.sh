@@ -17,3 +17,15 @@ for line in sys.stdin:
   | while read -r name bin; do cp "$bin" ".gpu/test-$name"; done
 strip .gpu/lily .gpu/test-* 2>/dev/null || true
 ls -la .gpu
+# The kernels' PTX for the full-size model as the binaries look it up (compile.rs's cache, keyed
+# by source and options), packed for gpu-check.sh: a fresh GPU machine then skips NVRTC (~40 s a
+# binary). Needs libnvrtc.so.13 (the nvidia-cuda-nvrtc wheel) on LD_LIBRARY_PATH; without it the
+# machine compiles there as before. KERNEL_CACHE gathers several trees' PTX (build each in turn).
+if [ -n "${NVRTC_LIB:-}" ]; then
+  cache=${KERNEL_CACHE:-/tmp/lily-kernel-ptx}
+  cargo build --release -p lily-cuda --example kernel_ptx
+  LD_LIBRARY_PATH=$NVRTC_LIB LILY_KERNEL_CACHE=$cache \
+    "${CARGO_TARGET_DIR:-target}/release/examples/kernel_ptx" qwen3.6-35b-a3b sm_90 "$cache/by-file" > /dev/null
+  rm -rf "$cache/by-file"
+  tar -C "$cache" -cf - . | xz -T0 -9 > .gpu/kernels.txz
+fi
