@@ -9,6 +9,7 @@
 pub mod attention_prefill;
 pub mod compile;
 pub mod decode;
+mod decoding;
 pub mod gdn_chunked;
 pub mod gdn_prefill;
 pub mod gemm;
@@ -34,8 +35,6 @@ pub mod weights;
 use std::sync::Mutex;
 
 use anyhow::{Context, Result, bail, ensure};
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice};
 use lily_core::backend::{Backend, DecodeRow, LogitRows};
 use lily_core::choice::{Choice, Pick};
 use lily_core::config::ModelConfig;
@@ -47,10 +46,11 @@ pub use options::{CudaOptions, DEFAULT_PREFILL_CHUNK, DecodeKernels};
 pub use state::CudaState;
 
 use crate::decode::{DecodePath, PersistentStep};
+use crate::decoding::BatchGraph;
 use crate::gpu::{Gpu, ptr};
-use crate::pick::{PickRow, PickScratch};
+use crate::pick::PickScratch;
 use crate::prefill::{Model, PrefillScratch, encode_chunk};
-use crate::step::{Scratch, StepRow, Timeline, encode_step};
+use crate::step::Scratch;
 use crate::weights::{DeviceWeights, HostWeights, WeightSource};
 
 pub struct CudaBackend {
@@ -72,13 +72,6 @@ struct Buffers {
     pick: PickScratch,
     /// The captured step of the last batch of several sequences.
     batch: Option<BatchGraph>,
-}
-
-/// A captured step of several sequences: which states (by [`CudaState::id`]) with which
-/// argmax ranges, in row order.
-struct BatchGraph {
-    rows: Vec<(u64, usize)>,
-    graph: CudaGraph,
 }
 
 /// Device memory the backend takes beyond weights and sequence state: the prefill chunk's
@@ -209,143 +202,6 @@ impl CudaBackend {
             .map_err(|_| anyhow::anyhow!("GPU scratch lock poisoned"))
     }
 
-    /// Runs one step for `state` (its token slot already holds the input): replays the state's
-    /// graph, capturing it on first use or when its argmax must range over other `choices`
-    /// (`None`: the choice is not wanted, any graph will do).
-    fn step(&self, state: &mut CudaState, scratch: &Scratch, choices: Option<usize>) -> Result<()> {
-        if let Some(step) = &self.persistent {
-            let choices = choices.unwrap_or(self.config.vocab_size);
-            return self.persistent_step(step, state, scratch, choices, None);
-        }
-        let stale = match (&state.graph, choices) {
-            (None, _) => true,
-            (Some((_, had)), Some(want)) => *had != want,
-            (Some(_), None) => false,
-        };
-        if stale {
-            let choices = choices.unwrap_or(self.config.vocab_size);
-            state.graph = None;
-            let graph = self.capture_step(scratch, &[StepRow { state, choices }], None)?;
-            state.graph = Some((graph, choices));
-        }
-        state.graph.as_ref().map(|(g, _)| g.launch()).transpose()?;
-        state.len += 1;
-        Ok(())
-    }
-
-    /// One decode step of `rows` captured as a graph (launched programmatically), for replay;
-    /// with a timeline (of launch counts: a capture may record nothing else), its families marked.
-    fn capture_step(
-        &self,
-        scratch: &Scratch,
-        rows: &[StepRow<'_>],
-        timeline: Option<&mut Timeline>,
-    ) -> Result<CudaGraph> {
-        self.gpu
-            .stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-        let encoded = self.gpu.programmatic(|| {
-            let (gpu, c, w) = (&self.gpu, &self.config, &self.weights);
-            encode_step(gpu, c, w, scratch, rows, timeline)
-        });
-        // The capture ends whether or not the encoding failed, so the stream is usable after.
-        let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0));
-        encoded?;
-        graph?.context("graph capture produced no graph")
-    }
-
-    /// Makes `choice` from the logits the step or prefill left in the decode scratch, on the
-    /// device, unless it is a plain argmax, which the step has made already (`greedy_done`) or
-    /// which is made here.
-    fn choose(
-        &self,
-        buffers: &mut Buffers,
-        state: &mut CudaState,
-        choice: &mut Choice<'_>,
-        greedy_done: bool,
-    ) -> Result<Pick> {
-        let pick = if choice.is_raw_greedy() {
-            if !greedy_done {
-                let choices = choice.sampler.choosable(self.config.vocab_size);
-                step::device_argmax(&self.gpu, &buffers.decode, state, choices)?;
-            }
-            Pick {
-                token: self.gpu.download(&state.token)?[0],
-                logprobs: None,
-            }
-        } else {
-            let Buffers { decode, pick, .. } = buffers;
-            let row = decode.logits.slice(..self.config.vocab_size);
-            pick.pick_one(&self.gpu, row, &mut state.token, choice)?
-        };
-        state.device_token = Some(pick.token);
-        Ok(pick)
-    }
-
-    /// The logits the last batched step left for its first `rows` rows, row after row: what a
-    /// test compares with each sequence's step alone.
-    pub fn batch_logits(&self, rows: usize) -> Result<Vec<f32>> {
-        ensure!(
-            rows <= self.step_rows,
-            "a step holds at most {} rows",
-            self.step_rows
-        );
-        let buffers = self.lock()?;
-        let all = buffers.decode.logits.slice(..rows * self.config.vocab_size);
-        Ok(self.gpu.stream.clone_dtoh(&all)?)
-    }
-
-    /// How the choices made on the device ended so far (`pick`).
-    pub fn pick_counts(&self) -> Result<pick::PickCounts> {
-        Ok(self.lock()?.pick.counts())
-    }
-
-    /// Makes `choice` from a row of `logits` given by the host, on the device, as a step would:
-    /// the device's choice on inputs a test controls.
-    pub fn choose_from(&self, logits: &[f32], choice: &mut Choice<'_>) -> Result<Pick> {
-        ensure!(
-            logits.len() == self.config.vocab_size,
-            "a row of {} logits, not {}",
-            self.config.vocab_size,
-            logits.len()
-        );
-        let mut buffers = self.lock()?;
-        let Buffers { decode, pick, .. } = &mut *buffers;
-        let vocab = self.config.vocab_size;
-        self.gpu
-            .stream
-            .memcpy_htod(logits, &mut decode.logits.slice_mut(..vocab))?;
-        let mut slot = self.gpu.zeros::<u32>(1)?;
-        pick.pick_one(&self.gpu, decode.logits.slice(..vocab), &mut slot, choice)
-    }
-
-    /// One persistent step of `state` (its table made at its first step), its choice over the
-    /// first `choices` tokens; with a timeline, stamped op by op.
-    fn persistent_step(
-        &self,
-        step: &PersistentStep,
-        state: &mut CudaState,
-        scratch: &Scratch,
-        choices: usize,
-        timeline: Option<&CudaSlice<u64>>,
-    ) -> Result<()> {
-        if state.step_table.is_none() {
-            state.step_table = Some(step.state_table(&self.gpu, state)?);
-        }
-        let table = state.step_table.as_ref().context("no state table")?;
-        step.launch(
-            &self.gpu,
-            &self.config,
-            scratch,
-            state,
-            table,
-            choices,
-            timeline,
-        )?;
-        state.len += 1;
-        Ok(())
-    }
-
     /// Runs `tokens` through the prefill chunks. `All` returns every row's logits; `Last` leaves
     /// the last row's in the decode scratch's `logits`, on the device; `None` computes none. The
     /// device position is left stale ([`Self::set_position`]).
@@ -390,86 +246,6 @@ impl CudaBackend {
         Ok(self.gpu.stream.clone_dtoh(&row)?)
     }
 
-    /// One batched step of `rows` (2 to [`Self::step_rows`] sequences, each checked already):
-    /// their graph replayed, captured first when the batch differs from the last one, then each
-    /// row's choice: the step's own argmax where that is the choice, else the pick kernels on
-    /// the row's logits.
-    fn decode_rows(&self, rows: &mut [DecodeRow<'_, CudaState>]) -> Result<Vec<Pick>> {
-        let mut buffers = self.lock()?;
-        for row in rows.iter_mut() {
-            self.set_token(row.state, row.token)?;
-        }
-        let key: Vec<(u64, usize)> = rows
-            .iter()
-            .map(|r| {
-                (
-                    r.state.id,
-                    r.choice.sampler.choosable(self.config.vocab_size),
-                )
-            })
-            .collect();
-        if buffers.batch.as_ref().is_none_or(|b| b.rows != key) {
-            buffers.batch = None;
-            let step_rows: Vec<StepRow<'_>> = rows
-                .iter()
-                .zip(&key)
-                .map(|(r, &(_, choices))| StepRow {
-                    state: &*r.state,
-                    choices,
-                })
-                .collect();
-            let graph = self.capture_step(&buffers.decode, &step_rows, None)?;
-            buffers.batch = Some(BatchGraph { rows: key, graph });
-        }
-        if let Some(batch) = &buffers.batch {
-            batch.graph.launch()?;
-        }
-        let chosen = self
-            .gpu
-            .stream
-            .clone_dtoh(&buffers.decode.chosen.slice(..rows.len()))?;
-        let vocab = self.config.vocab_size;
-        // The rows that choose otherwise than by the step's argmax, all in one set of pick
-        // launches.
-        let Buffers { decode, pick, .. } = &mut *buffers;
-        let mut picked = Vec::new();
-        let mut pick_rows = Vec::new();
-        for (i, row) in rows.iter_mut().enumerate() {
-            row.state.len += 1;
-            if !row.choice.is_raw_greedy() {
-                picked.push(i);
-                pick_rows.push(PickRow {
-                    logits: decode.logits.slice(i * vocab..(i + 1) * vocab),
-                    slot: &mut row.state.token,
-                    choice: &mut row.choice,
-                });
-            }
-        }
-        let mut device_picks = if pick_rows.is_empty() {
-            Vec::new()
-        } else {
-            pick.pick(&self.gpu, &mut pick_rows)?
-        }
-        .into_iter();
-        drop(pick_rows);
-        let mut picks = Vec::with_capacity(rows.len());
-        for (i, row) in rows.iter_mut().enumerate() {
-            let pick = if picked.contains(&i) {
-                device_picks
-                    .next()
-                    .context("the pick kernels returned fewer picks than rows")?
-            } else {
-                Pick {
-                    token: chosen[i],
-                    logprobs: None,
-                }
-            };
-            row.state.device_token = Some(pick.token);
-            picks.push(pick);
-        }
-        Ok(picks)
-    }
-
     /// The decode graph reads the position from the device.
     fn set_position(&self, state: &mut CudaState) -> Result<()> {
         self.gpu
@@ -481,14 +257,6 @@ impl CudaBackend {
     fn check_prompt(&self, state: &CudaState, tokens: &[u32]) -> Result<()> {
         ensure!(!tokens.is_empty(), "no tokens to run");
         self.check_room(state, tokens)
-    }
-
-    fn set_token(&self, state: &mut CudaState, token: u32) -> Result<()> {
-        if state.device_token != Some(token) {
-            self.gpu.stream.memcpy_htod(&[token], &mut state.token)?;
-            state.device_token = Some(token);
-        }
-        Ok(())
     }
 
     fn check_room(&self, state: &CudaState, tokens: &[u32]) -> Result<()> {
