@@ -66,7 +66,7 @@ const ORDER_FLOOR: f32 = 2e-3;
 /// the GPU that of every product, so the twin can under-predict it: since the CPU's two GDN forms
 /// were rewritten (32f0a2b and before it), the twin moves 2 layers by 8.6e-4 where the GPU is
 /// 4.3e-3 away. However its sums are ordered, a GPU that rounds where the bf16 CPU rounds stays
-/// well inside the rounding's own distance over a few layers (0.40, 0.57, 0.57 and 0.70 of it at
+/// well inside the rounding's own distance over a few layers (0.41, 0.62, 0.57 and 0.70 of it at
 /// 1, 2, 4 and 8 layers when this file was written), and one that rounds elsewhere or not at all
 /// is as far as the f32 CPU (a share of about 1).
 const ROUNDING_SHARE: f32 = 0.75;
