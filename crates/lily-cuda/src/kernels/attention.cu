@@ -21,11 +21,11 @@ extern "C" __global__ void attn_prep(const float* qkv, const float* q_norm, cons
     bool is_q = head < NH;
     int kv = head - NH;
     const float* src = is_q ? qkv + head * 2 * HD : qkv + NH * 2 * HD + kv * HD;
-    int p = *(const int*)pos.p[row];
+    int p = *(const int*)pos.at(row);
     const HeadValue value = load_head_value(is_q, qkv + NH * 2 * HD + NKV * HD + kv * HD, lane);
     float y[HEAD_PER_LANE];
     head_norm_rope(src, is_q ? q_norm : k_norm, eps, p, tmp, lane, y);
-    store_head(is_q, y, lane, q_out + (row * NH + head) * HD, (kv_t*)k_cache.p[row], (kv_t*)v_cache.p[row], p, kv,
+    store_head(is_q, y, lane, q_out + (row * NH + head) * HD, (kv_t*)k_cache.at(row), (kv_t*)v_cache.at(row), p, kv,
                value);
 }
 
@@ -37,10 +37,10 @@ attn_split(const float* q, RowPtrs k_cache, RowPtrs v_cache, RowPtrs pos, RowInt
            float* part_acc) {
     pdl_wait();
     __shared__ AsSmem<4> sm;
-    const int row = blockIdx.z, len = *(const int*)pos.p[row] + 1, splits = attn_live_splits(len, nsplit.n[row]);
+    const int row = blockIdx.z, len = *(const int*)pos.at(row) + 1, splits = attn_live_splits(len, nsplit.at(row));
     if ((int)blockIdx.y >= splits) return;
-    attn_split_block<4>(q + (row * NH + blockIdx.x * GROUP) * HD, (const kv_t*)k_cache.p[row],
-                        (const kv_t*)v_cache.p[row], len, blockIdx.x, blockIdx.y, splits,
+    attn_split_block<4>(q + (row * NH + blockIdx.x * GROUP) * HD, (const kv_t*)k_cache.at(row),
+                        (const kv_t*)v_cache.at(row), len, blockIdx.x, blockIdx.y, splits,
                         part_ml + row * ATTN_PARTS * 2, part_acc + row * ATTN_PARTS * HD, sm);
     STAMP_END(1)
 }
@@ -65,7 +65,7 @@ attn_combine(const float* part_ml, const float* part_acc, RowPtrs pos, RowInts n
     pdl_wait();
     const int h = blockIdx.x, row = blockIdx.y, kv = h / GROUP, g = h % GROUP;
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
-    const int splits = attn_live_splits(*(const int*)pos.p[row] + 1, nsplit.n[row]);
+    const int splits = attn_live_splits(*(const int*)pos.at(row) + 1, nsplit.at(row));
     // Split s of this head: (max, sum) at ml[s · GROUP · 2], its output at acc[s · GROUP · HD].
     const float* ml = part_ml + row * ATTN_PARTS * 2 + ((long)kv * splits * GROUP + g) * 2;
     const float* acc = part_acc + row * ATTN_PARTS * HD + ((long)kv * splits * GROUP + g) * HD;

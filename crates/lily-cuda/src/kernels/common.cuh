@@ -225,12 +225,26 @@ struct Mat {
 
 // A batched decode step's per-sequence buffers and counts (gpu.rs, RowPtrs and RowInts): row
 // r's at [r]. The step's activations lie row after row instead ([row][width], one buffer).
+//
+// Read an entry with at(r), never p[r]: indexing a kernel parameter by a runtime value makes
+// ptxas copy the whole parameter into each thread's local memory first (attn_split: a 224-byte
+// frame, 28 stores, and a local load at the head of its chain). Selecting among constant indices
+// reads the parameter bank in place.
 #define MAX_ROWS 8
+template <typename T>
+__device__ __forceinline__ T select_row(const T (&v)[MAX_ROWS], int r) {
+    T out = v[0];
+#pragma unroll
+    for (int i = 1; i < MAX_ROWS; ++i) out = r == i ? v[i] : out;
+    return out;
+}
 struct RowPtrs {
     void* p[MAX_ROWS];
+    __device__ __forceinline__ void* at(int r) const { return select_row(p, r); }
 };
 struct RowInts {
     int n[MAX_ROWS];
+    __device__ __forceinline__ int at(int r) const { return select_row(n, r); }
 };
 
 // ---- bf16 pairs for the tensor-core kernels (gemm.cu, gemm_wgmma.cu, attention_prefill.cu) ----

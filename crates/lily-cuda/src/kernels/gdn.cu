@@ -11,7 +11,7 @@ extern "C" __global__ void gdn_conv(const float* proj, const float* conv_w, RowP
     pdl_wait();
     int row = blockIdx.y, ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch < CONV_DIM)
-        out[row * CONV_DIM + ch] = gdn_conv_channel(ch, proj[row * GDN_PROJ + ch], conv_w, (float*)window.p[row]);
+        out[row * CONV_DIM + ch] = gdn_conv_channel(ch, proj[row * GDN_PROJ + ch], conv_w, (float*)window.at(row));
 }
 
 // One (value head, GDN_COLS columns) item per block, 4 row groups (GDN_COLS · 4 threads).
@@ -21,7 +21,7 @@ extern "C" __global__ void gdn_step(const float* conv, const float* proj, const 
     // The recurrent state is this kernel's own from the previous token, so the body reads it
     // before waiting. `blockIdx.z` is the batch row.
     gdn_step_cols<4>(blockIdx.x, blockIdx.y * GDN_COLS, conv + blockIdx.z * CONV_DIM, proj + blockIdx.z * GDN_PROJ,
-                     a_log, dt_bias, (float*)state.p[blockIdx.z], out + blockIdx.z * NV * DV, sm,
+                     a_log, dt_bias, (float*)state.at(blockIdx.z), out + blockIdx.z * NV * DV, sm,
                      [] { pdl_wait(); });
     STAMP_END(1)
 }

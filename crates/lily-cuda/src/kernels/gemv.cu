@@ -67,7 +67,7 @@ __device__ __forceinline__ void embed_row(const Mat& table, long r, float* out) 
     }                                                                                            \
     extern "C" __global__ void embed_rows_b##BITS(Mat table, RowPtrs tokens, float* out) {       \
         pdl_wait();                                                                              \
-        embed_row<BITS>(table, *(const u32*)tokens.p[blockIdx.x], out + (long)blockIdx.x * table.cols); \
+        embed_row<BITS>(table, *(const u32*)tokens.at(blockIdx.x), out + (long)blockIdx.x * table.cols); \
     }
 EMBED(4)
 EMBED(8)

@@ -586,7 +586,7 @@ __device__ void gemv_imma_gdn_in(Mat m0, Mat m1, Mat m2, Mat m3, int nx, const f
     const int ystride = m0.rows + m1.rows + m2.rows + m3.rows;
     auto put = [&](int n, int at, float v) {
         if (at < CONV_DIM)
-            conv[n * CONV_DIM + at] = gdn_conv_channel(at, v, conv_w, (float*)window.p[n]);
+            conv[n * CONV_DIM + at] = gdn_conv_channel(at, v, conv_w, (float*)window.at(n));
         else
             proj[(long)n * ystride + at] = v;
     };

@@ -18,7 +18,7 @@ extern "C" __global__ void argmax_partial(const float* logits, int stride, RowIn
     pdl_wait();
     __shared__ float sv[32];
     __shared__ int si[32];
-    const int row = blockIdx.y, n = choices.n[row];
+    const int row = blockIdx.y, n = choices.at(row);
     logits += (long)row * stride;
     float v = -INFINITY; int i = n;
     for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < n; e += gridDim.x * blockDim.x)
@@ -68,8 +68,8 @@ extern "C" __global__ void argmax_final(const float* part_v, const int* part_i, 
         if (argmax_before(ov, oi, v, i)) { v = ov; i = oi; }
     }
     if (lane != 0) return;
-    if (i >= choices.n[row]) i = 0;
-    *(u32*)token.p[row] = (u32)i;
+    if (i >= choices.at(row)) i = 0;
+    *(u32*)token.at(row) = (u32)i;
     chosen[row] = (u32)i;
-    *(int*)pos.p[row] += 1;
+    *(int*)pos.at(row) += 1;
 }
