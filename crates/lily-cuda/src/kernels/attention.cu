@@ -49,13 +49,17 @@ attn_split(const float* q, RowPtrs k_cache, RowPtrs v_cache, RowPtrs pos, RowInt
 // blockIdx.y, COMBINE_WARPS warps. A thread per dim walking the splits in turn (the persistent
 // step's attn_combine_one) is a chain of round trips to L2 that grows with the context: the max,
 // then each split's weight before its partial output can be requested, four splits at a time
-// (~130 round trips at 512 live splits, a 128K context). Here every split's weight is computed
-// at once, from loads issued together, into shared memory; then each warp sums its own range of
-// splits, a lane 8 dims (two float4 loads a split, COMBINE_UNROLL splits in flight), and the
-// warps' sums are added in warp order: a fixed order, so a row gets the same bits in any launch.
+// (~130 round trips at 512 live splits, a 128K context). Here thread s loads split s's (max, sum)
+// and the thread of dim d its gate, all right after the wait and once each, so the merge starts
+// one round trip in and the gate costs none at the end; every weight goes to shared memory; then
+// each warp sums its own range of splits, a lane 8 dims (two float4 loads a split, COMBINE_UNROLL
+// splits in flight), and the warps that had splits are added in warp order: a fixed order, so a
+// row gets the same bits in any launch.
 #define COMBINE_WARPS 32
 #define COMBINE_UNROLL 4
 static_assert(HD <= 8 * WARP, "attn_combine: 8 dims a lane");
+static_assert(COMBINE_WARPS * WARP >= MAX_ATTN_SPLITS, "attn_combine: a thread a split");
+static_assert(COMBINE_WARPS * WARP >= HD, "attn_combine: a thread a dim");
 
 extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * WARP)
 attn_combine(const float* part_ml, const float* part_acc, RowPtrs pos, RowInts nsplit, const float* qkv, float* out) {
@@ -63,27 +67,23 @@ attn_combine(const float* part_ml, const float* part_acc, RowPtrs pos, RowInts n
     __shared__ __align__(16) float wacc[COMBINE_WARPS][HD];
     __shared__ float scratch[WARP];
     pdl_wait();
-    const int h = blockIdx.x, row = blockIdx.y, kv = h / GROUP, g = h % GROUP;
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = blockDim.x / WARP;
+    const int h = blockIdx.x, row = blockIdx.y, kv = h / GROUP, g = h % GROUP, t = threadIdx.x;
+    const int lane = t % WARP, warp = t / WARP;
     const int splits = attn_live_splits(*(const int*)pos.at(row) + 1, nsplit.at(row));
     // Split s of this head: (max, sum) at ml[s · GROUP · 2], its output at acc[s · GROUP · HD].
     const float* ml = part_ml + row * ATTN_PARTS * 2 + ((long)kv * splits * GROUP + g) * 2;
     const float* acc = part_acc + row * ATTN_PARTS * HD + ((long)kv * splits * GROUP + g) * HD;
-    float mx = -INFINITY;
-    for (int s = threadIdx.x; s < splits; s += blockDim.x) mx = fmaxf(mx, load_act(ml + (long)s * GROUP * 2));
-    mx = block_max(mx, scratch);
+    const float2 mine = t < splits ? load_act2(ml + (long)t * GROUP * 2) : make_float2(-INFINITY, 0.f);
+    const float gate = t < HD ? load_act(qkv + row * ATTN_PROJ + h * 2 * HD + HD + t) : 0.f;
+    const float mx = block_max(mine.x, scratch);
     // Each split's weight exp(max_s - max), 0 for a split with no positions.
-    float sum = 0.f;
-    for (int s = threadIdx.x; s < splits; s += blockDim.x) {
-        const float2 v = load_act2(ml + (long)s * GROUP * 2);
-        const float f = v.x == -INFINITY ? 0.f : __expf(v.x - mx);
-        weight[s] = f;
-        sum += f * v.y;
-    }
-    sum = block_sum(sum, scratch);   // its barriers publish `weight` too
-    const int per = (splits + warps - 1) / warps, s0 = min(splits, warp * per), s1 = min(splits, s0 + per);
+    const float f = mine.x == -INFINITY ? 0.f : __expf(mine.x - mx);
+    if (t < splits) weight[t] = f;
+    const float sum = block_sum(f * mine.y, scratch);   // its barriers publish `weight` too
+    const int per = (splits + COMBINE_WARPS - 1) / COMBINE_WARPS, used = (splits + per - 1) / per;
+    const int s0 = min(splits, warp * per), s1 = min(splits, s0 + per);
     const int d0 = lane * 8;
-    if (d0 < HD) {
+    if (warp < used && d0 < HD) {
         float a[8] = {};
         // A split with no weight adds nothing, whatever its (unwritten) output holds.
         auto add = [&](float f, float4 x, float4 y) {
@@ -111,10 +111,9 @@ attn_combine(const float* part_ml, const float* part_acc, RowPtrs pos, RowInts n
         *(float4*)&wacc[warp][d0 + 4] = make_float4(a[4], a[5], a[6], a[7]);
     }
     __syncthreads();
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+    if (t < HD) {
         float total = 0.f;
-        for (int w = 0; w < warps; w++) total += wacc[w][d];
-        const float gate = load_act(qkv + row * ATTN_PROJ + h * 2 * HD + HD + d);
-        out[(row * NH + h) * HD + d] = total / sum * sigmoidf(gate);
+        for (int w = 0; w < used; w++) total += wacc[w][t];
+        out[(row * NH + h) * HD + t] = total / sum * sigmoidf(gate);
     }
 }
