@@ -305,6 +305,11 @@ pub const DECODE_FILE: KernelFile = KernelFile {
 /// The most KV splits decode attention uses (its partial results are sized for this many).
 pub const MAX_ATTN_SPLITS: usize = 1024;
 
+/// `attn_combine`'s block: a thread for each of the MAX_ATTN_SPLITS splits' (max, sum) and
+/// COMBINE_WARPS (kernels/attention.cu) warps summing their outputs. Any other size leaves
+/// splits out.
+pub const ATTN_COMBINE_THREADS: u32 = MAX_ATTN_SPLITS as u32;
+
 /// KV splits of decode attention for a sequence that can grow to `max_seq`: about 256 positions
 /// a split at the longest context, so a 128K context runs 512 splits per KV head (enough blocks
 /// to fill the GPU, each warp walking 64 positions), and never fewer than 64.
@@ -352,6 +357,7 @@ pub fn model_defines(c: &ModelConfig, kv: KvPrecision) -> Vec<(String, String)> 
         d("NORM_TOPK", (c.norm_topk_prob as u8).to_string()),
         d("KV_F32", ((kv == KvPrecision::F32) as u8).to_string()),
         d("MAX_ATTN_SPLITS", MAX_ATTN_SPLITS.to_string()),
+        d("COMBINE_WARPS", (ATTN_COMBINE_THREADS / 32).to_string()),
         d("IMMA_WARPS", crate::gemv_imma::IMMA_WARPS.to_string()),
     ]
 }

@@ -15,7 +15,7 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use lily_core::config::ModelConfig;
 
-use crate::compile::MAX_ATTN_SPLITS;
+use crate::compile::{ATTN_COMBINE_THREADS, MAX_ATTN_SPLITS};
 use crate::gemv::{GemvForm, GemvRoute, gemv, mat_route};
 use crate::gemv_imma::{ConvOutput, GatedInput, IMMA_SLAB, gemv_gated, gemv_gdn_in};
 use crate::gpu::{Gpu, MAX_ROWS, RowInts, RowPtrs, ptr};
@@ -532,8 +532,7 @@ pub fn encode_step(
                     qkv: p(&s.proj),
                     out: p(&s.attn_out),
                 };
-                // kernels/attention.cu, COMBINE_WARPS.
-                launch!(gpu, "attn_combine", (nh as u32, b, 1), 32 * 32, args);
+                launch!(gpu, "attn_combine", (nh as u32, b, 1), ATTN_COMBINE_THREADS, args);
                 mark("attention")?;
                 gemv(
                     gpu,

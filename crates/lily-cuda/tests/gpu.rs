@@ -336,7 +336,7 @@ fn run_attention(
     gpu.launch("attn_split", split_shape, &args).unwrap();
     let combine_shape = Shape {
         grid: (nh as u32, 1, 1),
-        block: hd.div_ceil(32) as u32 * 32,
+        block: lily_cuda::compile::ATTN_COMBINE_THREADS,
     };
     let args = AttnCombine {
         part_ml: p(&part_ml),

@@ -57,10 +57,9 @@ attn_split(const float* q, RowPtrs k_cache, RowPtrs v_cache, RowPtrs pos, RowInt
 // each warp sums its own range of splits, a lane 8 dims (two float4 loads a split, COMBINE_UNROLL
 // splits in flight), and the warps that had splits are added in warp order: a fixed order, so a
 // row gets the same bits in any launch.
-#define COMBINE_WARPS 32
 #define COMBINE_UNROLL 4
 static_assert(HD <= 8 * WARP, "attn_combine: 8 dims a lane");
-static_assert(COMBINE_WARPS * WARP >= MAX_ATTN_SPLITS, "attn_combine: a thread a split");
+static_assert(COMBINE_WARPS * WARP >= MAX_ATTN_SPLITS, "attn_combine: a thread a split");  // compile.rs, ATTN_COMBINE_THREADS
 static_assert(COMBINE_WARPS * WARP >= HD, "attn_combine: a thread a dim");
 
 extern "C" __global__ void __launch_bounds__(COMBINE_WARPS * WARP)
