@@ -532,7 +532,13 @@ pub fn encode_step(
                     qkv: p(&s.proj),
                     out: p(&s.attn_out),
                 };
-                launch!(gpu, "attn_combine", (nh as u32, b, 1), ATTN_COMBINE_THREADS, args);
+                launch!(
+                    gpu,
+                    "attn_combine",
+                    (nh as u32, b, 1),
+                    ATTN_COMBINE_THREADS,
+                    args
+                );
                 mark("attention")?;
                 gemv(
                     gpu,
