@@ -15,6 +15,7 @@ use lily_core::weights::{Linear, ModelWeights};
 use lily_cpu::CpuBackend;
 use lily_cuda::CudaBackend;
 use lily_cuda::KvPrecision;
+use lily_cuda::compile::{ATTN_COMBINE_THREADS, MAX_ATTN_SPLITS, attn_splits};
 use lily_cuda::gpu::{Gpu, RowInts, RowPtrs, Shape, ptr};
 use lily_cuda::kernel_args::{AttnCombine, AttnSplit, GemvAdd};
 use lily_cuda::mat::{DeviceMat, MatArg, gemv_shape};
@@ -264,6 +265,10 @@ fn decode_attention_matches_a_direct_softmax() {
             (300, 274),
             (700, 3),
             (20_000, 80),
+            // A 128K context as a 128K state splits it (512 splits, all live), and as many live
+            // splits as the partial buffers hold (attn_combine's block has a thread for each).
+            (131_072, attn_splits(131_072)),
+            (70_000, MAX_ATTN_SPLITS),
         ] {
             let n = len * nkv * hd;
             let seed = len as u64 * 7 + splits as u64;
@@ -336,7 +341,7 @@ fn run_attention(
     gpu.launch("attn_split", split_shape, &args).unwrap();
     let combine_shape = Shape {
         grid: (nh as u32, 1, 1),
-        block: lily_cuda::compile::ATTN_COMBINE_THREADS,
+        block: ATTN_COMBINE_THREADS,
     };
     let args = AttnCombine {
         part_ml: p(&part_ml),
@@ -383,12 +388,16 @@ fn check_attention(
         let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
         let w: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
         let sum: f64 = w.iter().sum();
-        for d in 0..hd {
-            let a: f64 = (0..len)
-                .map(|p| w[p] * v[(p * nkv + kh) * hd + d] as f64)
-                .sum();
+        // Position by position, so a 128K context's values are read in order.
+        let mut a = vec![0f64; hd];
+        for (p, wp) in w.iter().enumerate() {
+            for (ad, vd) in a.iter_mut().zip(&v[(p * nkv + kh) * hd..][..hd]) {
+                *ad += wp * *vd as f64;
+            }
+        }
+        for (d, ad) in a.iter().enumerate() {
             let gate = qkv[h * 2 * hd + hd + d] as f64;
-            want[h * hd + d] = (a / sum / (1.0 + (-gate).exp())) as f32;
+            want[h * hd + d] = (ad / sum / (1.0 + (-gate).exp())) as f32;
         }
     }
     let d = rel_diff(out, &want);
