@@ -1,9 +1,43 @@
 #!/usr/bin/env bash
-# Builds what a GPU run needs into .gpu/ (git-ignored): the release `lily` binary and the CUDA
-# test binary. Then run tools/gpu-check.sh on the GPU machine with `.gpu` carried.
+# Builds what a GPU run needs into .gpu/ (git-ignored): the release `lily` binary, every CUDA
+# test binary, with NVRTC_LIB the kernels' PTX, with VARIANTS other revisions' `lily` (below).
+# Then run tools/gpu-check.sh on the GPU machine with `.gpu` carried (64 MiB with the tracked
+# files: `xz -9` the binaries a call does not need unpacked; `ab` unpacks them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu
+cache=${KERNEL_CACHE:-/tmp/lily-kernel-ptx}
+# The kernels' PTX for the full-size model as the binaries look it up (compile.rs's cache, keyed
+# by source and options), gathered over every tree built here. Needs libnvrtc.so.13 (the
+# nvidia-cuda-nvrtc wheel) in NVRTC_LIB; without it the GPU machine compiles there (~40 s a binary).
+kernel_ptx() {
+  [ -n "${NVRTC_LIB:-}" ] || return 0
+  cargo build -q --release -p lily-cuda --example kernel_ptx
+  LD_LIBRARY_PATH=$NVRTC_LIB LILY_KERNEL_CACHE=$cache \
+    "${CARGO_TARGET_DIR:-target}/release/examples/kernel_ptx" qwen3.6-35b-a3b sm_90 "$cache/by-file" > /dev/null
+  rm -rf "$cache/by-file"
+}
+# VARIANTS="NAME:REV ...": `lily` of each revision too, as .gpu/lily-NAME inside one solid
+# .gpu/lilies.txz (they differ only in their kernel sources, so five pack into ~8.5 MB where one
+# alone is 8), for `VARIANTS=... tools/gpu-check.sh ab`. Each revision is checked out here in
+# turn: one target folder shared by two worktrees has built stale binaries.
+if [ -n "${VARIANTS:-}" ]; then
+  [ -z "$(git status --porcelain --untracked-files=no)" ] || { echo "VARIANTS needs a clean tree" >&2; exit 1; }
+  home=$(git rev-parse --abbrev-ref HEAD)
+  names=()
+  for v in $VARIANTS; do
+    git checkout -q "${v#*:}"
+    cargo build -q --release -p lily
+    cp "${CARGO_TARGET_DIR:-target}/release/lily" ".gpu/lily-${v%%:*}"
+    strip ".gpu/lily-${v%%:*}"
+    kernel_ptx
+    names+=("lily-${v%%:*}")
+    echo "lily-${v%%:*}: $(git rev-parse --short HEAD)"
+  done
+  git checkout -q "$home"
+  tar -C .gpu -cf - "${names[@]}" | xz -T1 -9e > .gpu/lilies.txz
+  (cd .gpu && rm -f "${names[@]}")
+fi
 cargo build --release -p lily
 cp "${CARGO_TARGET_DIR:-target}/release/lily" .gpu/lily
 # Every lily-cuda test binary named gpu* (they need a GPU), as .gpu/test-<name>.
@@ -17,15 +51,8 @@ for line in sys.stdin:
   | while read -r name bin; do cp "$bin" ".gpu/test-$name"; done
 strip .gpu/lily .gpu/test-* 2>/dev/null || true
 ls -la .gpu
-# The kernels' PTX for the full-size model as the binaries look it up (compile.rs's cache, keyed
-# by source and options), packed for gpu-check.sh: a fresh GPU machine then skips NVRTC (~40 s a
-# binary). Needs libnvrtc.so.13 (the nvidia-cuda-nvrtc wheel) on LD_LIBRARY_PATH; without it the
-# machine compiles there as before. KERNEL_CACHE gathers several trees' PTX (build each in turn).
+# The PTX of this tree too, packed for gpu-check.sh.
 if [ -n "${NVRTC_LIB:-}" ]; then
-  cache=${KERNEL_CACHE:-/tmp/lily-kernel-ptx}
-  cargo build --release -p lily-cuda --example kernel_ptx
-  LD_LIBRARY_PATH=$NVRTC_LIB LILY_KERNEL_CACHE=$cache \
-    "${CARGO_TARGET_DIR:-target}/release/examples/kernel_ptx" qwen3.6-35b-a3b sm_90 "$cache/by-file" > /dev/null
-  rm -rf "$cache/by-file"
+  kernel_ptx
   tar -C "$cache" -cf - . | xz -T0 -9 > .gpu/kernels.txz
 fi

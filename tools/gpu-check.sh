@@ -49,11 +49,13 @@ if [ "$step" = peer ]; then
 fi
 if [ "$step" = ab ]; then
   # A/B in one lease: the test binaries named in TESTS first, then the decode bench of each of
-  # VARIANTS (if any) in turn, NAME:BINARY[:VAR=VALUE,...] with BINARY under .gpu/ (a .xz there is unpacked
-  # first), e.g. VARIANTS="base:lily-base: new:lily: base:lily-base: new:lily:". One line each
+  # VARIANTS (if any) in turn, NAME:BINARY[:VAR=VALUE,...] with BINARY under .gpu/ (a .xz there,
+  # and .gpu/lilies.txz, are unpacked first), e.g. VARIANTS="base:lily-base: new:lily: base:lily-base: new:lily:". One line each
   # with its decode tok/s (B = 1 and 8 at each context, in the table's order); JSON into $out;
   # FAMILIES=1 adds each variant's per-family step profile, SAMPLED=1 the sampled rows.
   (cd .gpu && for f in *.xz */*.xz; do [ -e "${f%.xz}" ] || xz -dk "$f"; chmod +x "${f%.xz}"; done) 2>/dev/null
+  # VARIANTS=... tools/gpu-build.sh packs the variants' binaries in one archive.
+  [ -f .gpu/lilies.txz ] && tar -xJf .gpu/lilies.txz -C .gpu --skip-old-files
   # TEST_JOBS test binaries at once (they are not timed; the GPU has room for several).
   test_one() {
     local log="$out/${1//\//-}.log"
