@@ -24,9 +24,15 @@ kernel_ptx() {
 if [ -n "${VARIANTS:-}" ]; then
   [ -z "$(git status --porcelain --untracked-files=no)" ] || { echo "VARIANTS needs a clean tree" >&2; exit 1; }
   home=$(git rev-parse --abbrev-ref HEAD)
+  [ "$home" != HEAD ] || home=$(git rev-parse HEAD)
+  # Every revision resolved first: HEAD~1 means something else once another is checked out.
+  revs=()
+  for v in $VARIANTS; do revs+=("$(git rev-parse --verify "${v#*:}^{commit}")"); done
   names=()
+  i=0
   for v in $VARIANTS; do
-    git checkout -q "${v#*:}"
+    git checkout -q "${revs[$i]}"
+    i=$((i + 1))
     cargo build -q --release -p lily
     cp "${CARGO_TARGET_DIR:-target}/release/lily" ".gpu/lily-${v%%:*}"
     strip ".gpu/lily-${v%%:*}"
