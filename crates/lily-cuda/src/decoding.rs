@@ -11,7 +11,8 @@ use lily_core::choice::{Choice, Pick};
 use crate::decode::PersistentStep;
 use crate::pick::{self, PickRow};
 use crate::state::CudaState;
-use crate::step::{self, Scratch, StepRow, Timeline, encode_step};
+use crate::step::{self, Scratch, StepRow, encode_step};
+use crate::timeline::Timeline;
 use crate::{Buffers, CudaBackend};
 
 /// A captured step of several sequences: which states (by [`CudaState::id`]) with which

@@ -30,6 +30,7 @@ mod state;
 mod step;
 mod step_constants;
 pub mod synthetic;
+mod timeline;
 pub mod weights;
 
 use std::sync::Mutex;

@@ -7,7 +7,8 @@ use anyhow::{Context, Result, ensure};
 use crate::decode::{self, PersistentStep};
 use crate::prefill::encode_chunk;
 use crate::state::CudaState;
-use crate::step::{Scratch, StepRow, Timeline, encode_step};
+use crate::step::{Scratch, StepRow, encode_step};
+use crate::timeline::Timeline;
 use crate::{CudaBackend, stamps};
 
 impl CudaBackend {

@@ -16,7 +16,7 @@ use crate::kernel_args::{AddRmsNorm, Embed};
 use crate::launch;
 use crate::moe_prefill::{MoeTile, TileMap};
 use crate::state::{CudaState, LayerState};
-use crate::step::Timeline;
+use crate::timeline::Timeline;
 use crate::weights::{DeviceAttention, DeviceGdn, DeviceMixer, DeviceWeights};
 use crate::{gdn_prefill, gemm, moe_prefill};
 
