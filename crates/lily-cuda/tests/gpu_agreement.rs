@@ -305,9 +305,28 @@ struct FullWidth {
     rounded: f32,
     rounding: f32,
     twin: f32,
+    /// The cosine of GPU–bf16 with f32–bf16 ([`toward`]).
+    toward_f32: f64,
     greedy_exact: Agreement,
     greedy_rounded: Agreement,
     reference: Vec<f32>,
+}
+
+/// The cosine between `a − base` and `b − base`: where the GPU (`a`) stands from the bf16 CPU
+/// (`base`), taken along the f32 CPU's (`b`) direction. Summing in another order moves the logits
+/// across it (the order twin: 0.07 at two layers), skipping one of the bf16 CPU's rounding sites
+/// moves them along it (0.13–0.75 at one and two layers, by site, measured on the CPU with one
+/// site's products in f32), and a rounding the bf16 CPU does not make moves them against it.
+/// Printed, not asserted: it says which of the three the GPU's distance is.
+fn toward(a: &[f32], b: &[f32], base: &[f32]) -> f64 {
+    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
+    for ((x, y), z) in a.iter().zip(b).zip(base) {
+        let (dx, dy) = (f64::from(x - z), f64::from(y - z));
+        ab += dx * dy;
+        aa += dx * dx;
+        bb += dy * dy;
+    }
+    ab / (aa * bb).sqrt()
 }
 
 /// GPU prefill against both CPUs on a full-width model, for each prompt: against the f32 CPU the
@@ -341,6 +360,7 @@ fn full_width_agreement(
                 rounded: rel_diff(&ours, &rounded),
                 rounding: rel_diff(&reference, &rounded),
                 twin: rel_diff(&twin, &rounded),
+                toward_f32: toward(&ours, &reference, &rounded),
                 greedy_exact: greedy_agreement(&gpu, &cpus.f32, prompt, 16),
                 greedy_rounded: greedy_agreement(&gpu, &cpus.bf16, prompt, 16),
                 reference,
@@ -357,9 +377,16 @@ fn full_width_agreement(
             .max(ROUNDING_SHARE * r.rounding);
         eprintln!(
             "{label}, prompt {}: last logits GPU–f32 {:.2e}, GPU–bf16 {:.2e}, f32–bf16 {:.2e}; \
-             bf16 order twin {:.2e}; one bf16 rounding on the f32 CPU {sensitivity:.2e}; greedy \
-             against f32 {}; against bf16 {}",
-            r.len, r.exact, r.rounded, r.rounding, r.twin, r.greedy_exact, r.greedy_rounded
+             GPU–bf16 along f32–bf16 {:.3}; bf16 order twin {:.2e}; one bf16 rounding on the f32 \
+             CPU {sensitivity:.2e}; greedy against f32 {}; against bf16 {}",
+            r.len,
+            r.exact,
+            r.rounded,
+            r.rounding,
+            r.toward_f32,
+            r.twin,
+            r.greedy_exact,
+            r.greedy_rounded
         );
         let f32_bound = BF16_PREFILL.max(4.0 * sensitivity);
         let checks = [
