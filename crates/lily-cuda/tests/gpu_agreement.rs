@@ -313,11 +313,12 @@ struct FullWidth {
 }
 
 /// The cosine between `a − base` and `b − base`: where the GPU (`a`) stands from the bf16 CPU
-/// (`base`), taken along the f32 CPU's (`b`) direction. Summing in another order moves the logits
-/// across it (the order twin: 0.07 at two layers), skipping one of the bf16 CPU's rounding sites
-/// moves them along it (0.13–0.75 at one and two layers, by site, measured on the CPU with one
-/// site's products in f32), and a rounding the bf16 CPU does not make moves them against it.
-/// Printed, not asserted: it says which of the three the GPU's distance is.
+/// (`base`), taken along the f32 CPU's (`b`) direction. Skipping one of the bf16 CPU's rounding
+/// sites moves the logits along it (0.13–0.75 at one and two layers, by site, measured on the CPU
+/// with one site's products in f32); summing in another order moves them across it (the order
+/// twin: 0.07 at two layers), and so does a rounding the bf16 CPU does not make, which is
+/// independent of every rounding it does, but by a rounding's size rather than an order's.
+/// Printed, not asserted: with the distance, it says which of the three the GPU's is.
 fn toward(a: &[f32], b: &[f32], base: &[f32]) -> f64 {
     let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
     for ((x, y), z) in a.iter().zip(b).zip(base) {

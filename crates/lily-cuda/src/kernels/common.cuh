@@ -224,7 +224,7 @@ struct Mat {
 };
 
 // A batched decode step's per-sequence buffers and counts (gpu.rs, RowPtrs and RowInts): row
-// r's at [r]. The step's activations lie row after row instead ([row][width], one buffer).
+// r's is entry r. The step's activations lie row after row instead ([row][width], one buffer).
 //
 // Read an entry with at(r), never p[r]: indexing a kernel parameter by a runtime value makes
 // ptxas copy the whole parameter into each thread's local memory first (attn_split: a 224-byte
