@@ -138,6 +138,23 @@ if [ "$step" = ncu-detail ]; then
   grep -E "^  [a-z_0-9]+ \(|Duration|Executed Instructions  |Registers Per|Achieved Active Warps|Eligible Warps|DRAM Throughput|Grid Size|issue_stalled" \
     "$out/ncu-detail.txt"
 fi
+if [ "$step" = ncu-prefill ]; then
+  # The prefill GEMMs of one 4K chunk under Nsight Compute: the sections of ncu-detail and the
+  # compute pipes' load (is the tensor pipe waiting on the loads, or the loads on the pipe?).
+  stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' no_instruction \
+    long_scoreboard barrier membar wait short_scoreboard math_pipe_throttle lg_throttle mio_throttle \
+    dispatch_stall sleeping)
+  stalls=${stalls%,}
+  ncu --clock-control none \
+    --kernel-name "regex:^(${KERNELS:-gemm_wgmma_grouped64_b4|gemm_wgmma_b4})$" \
+    --launch-skip "${SKIP:-40}" --launch-count "${COUNT:-6}" --section SpeedOfLight --section Occupancy \
+    --section WarpStateStats --section SchedulerStats --section InstructionStats --section LaunchStats \
+    --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis --metrics "$stalls" \
+    .gpu/lily bench --model synthetic:qwen3.6-35b-a3b --device cuda --prompt-lens 4096 --contexts 256 \
+    --decode-steps 1 --runs 1 > "$out/ncu-prefill.txt" 2> "$out/ncu-prefill.err"
+  grep -E "^  [a-z_0-9]+ \(|Duration|Executed Instructions  |Registers Per|Achieved Active Warps|Eligible Warps|DRAM Throughput|Compute \(SM\) Throughput|L1/TEX Hit|L2 Hit|Grid Size|Block Limit|issue_stalled|Issue Slots Busy|Executed Ipc A" \
+    "$out/ncu-prefill.txt"
+fi
 if [ "$step" = peer-cpu ]; then
   # llama.cpp for the CPU only (~2 min on 16 cores) while its GGUF is written, for `cpu` next.
   bash .gpu/peer/peer.sh >/dev/null 2>&1

@@ -3,6 +3,7 @@
 use anyhow::{Result, ensure};
 use lily_core::config::ModelConfig;
 
+use crate::gemm::GemmX;
 use crate::gpu::{Gpu, Shape};
 use crate::kernel_args::{AttnPrefill, AttnPrepRows};
 use crate::launch;
@@ -100,8 +101,9 @@ pub struct AttnChunk {
     /// `pos0 + tokens` positions.
     pub k_cache: u64,
     pub v_cache: u64,
-    /// The gated attention output `[tokens, NH·HD]` f32.
-    pub out: u64,
+    /// The gated attention output `[tokens, NH·HD]` f32, and its bf16 copy where wanted (the
+    /// output projection's X).
+    pub out: GemmX,
 }
 
 /// The CUDA limit on a grid's y dimension, which counts tokens (or query tiles) here.
@@ -203,7 +205,8 @@ pub fn attend_with(gpu: &Gpu, c: &ModelConfig, chunk: &AttnChunk, block: AttnBlo
             t,
             qkv: chunk.qkv,
             ld,
-            out: chunk.out,
+            out: chunk.out.f32,
+            out16: chunk.out.bf16.unwrap_or(0),
         },
     )
 }

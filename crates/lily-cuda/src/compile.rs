@@ -179,7 +179,12 @@ pub const KERNEL_FILES: [KernelFile; 16] = [
         name: "gemm_wgmma",
         headers: &[],
         source: include_str!("kernels/gemm_wgmma.cu"),
-        entries: &["gemm_wgmma_b4", "gemm_wgmma_grouped64_b4"],
+        entries: &[
+            "gemm_wgmma_b4",
+            "gemm_wgmma_grouped64_b4",
+            "gemm_wgmma_b4_x16",
+            "gemm_wgmma_grouped64_b4_x16",
+        ],
         only_for: Some("sm_90a"),
         decode_kernels: None,
     },

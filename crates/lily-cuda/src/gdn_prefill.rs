@@ -8,6 +8,7 @@ use anyhow::{Result, ensure};
 use lily_core::config::ModelConfig;
 
 use crate::gdn_chunked;
+use crate::gemm::GemmX;
 use crate::gpu::Gpu;
 use crate::kernel_args::{GdnConvRows, GdnGatedNormRows, GdnScan, GdnScanPrep};
 use crate::launch;
@@ -213,9 +214,10 @@ pub fn gated_norm_rows(
     ld: usize,
     t: usize,
     norm: u64,
-    y: u64,
+    y: impl Into<GemmX>,
     eps: f32,
 ) -> Result<()> {
+    let y = y.into();
     check_chunk(t, ld, c)?;
     if t == 0 {
         return Ok(());
@@ -227,7 +229,8 @@ pub fn gated_norm_rows(
         proj,
         ld: ld as i32,
         w: norm,
-        y,
+        y: y.f32,
+        y16: y.bf16.unwrap_or(0),
         eps,
     };
     launch!(

@@ -5,7 +5,9 @@
 
 use anyhow::{Result, ensure};
 
-use crate::gemm_wgmma::{self, GemmPath, WGMMA_DENSE, WGMMA_GROUPED_SHARED};
+use crate::gemm_wgmma::{
+    self, GemmPath, WGMMA_DENSE, WGMMA_DENSE_X16, WGMMA_GROUPED_SHARED, WGMMA_GROUPED_X16_SHARED,
+};
 use crate::gpu::{Gpu, Shape, ptr};
 use crate::kernel_args::{Gemm, GemmGrouped, GemmReduce};
 use crate::mat::DeviceMat;
@@ -22,6 +24,22 @@ pub(crate) const GEMM_THREADS: u32 = 256;
 const REDUCE_THREADS: u32 = 256;
 /// CUDA's limit on a grid's y dimension, which counts row tiles.
 const MAX_GRID_Y: usize = 65_535;
+
+/// The X rows of a GEMM: f32, and where their producer also wrote them rounded to bf16 (as
+/// every GEMM kernel rounds f32 X on loading it), that copy, which the wgmma kernels read
+/// instead: half the bytes, and copied into shared memory as they are, several steps ahead. The
+/// products are the same bits either way. A bare address is f32 rows alone.
+#[derive(Clone, Copy, Debug)]
+pub struct GemmX {
+    pub f32: u64,
+    pub bf16: Option<u64>,
+}
+
+impl From<u64> for GemmX {
+    fn from(f32: u64) -> Self {
+        GemmX { f32, bf16: None }
+    }
+}
 
 /// A dense GEMM kernel's block shape, for its grid and the split-K policy.
 #[derive(Clone, Copy, Debug)]
@@ -149,19 +167,20 @@ fn check_weight(w: &DeviceMat) -> Result<()> {
 }
 
 /// `y[r, col0 + n] = Σ_k x[r, k] · w[n, k]` for `r < m`, `n < w.rows`: `x` is row-major
-/// `[m, w.cols]` f32 (4-byte alignment suffices), `y` has a row stride of `ldy` floats. Cells of
+/// `[m, w.cols]` f32 (4-byte alignment suffices; its bf16 copy 16-byte), `y` has a row stride of `ldy` floats. Cells of
 /// `y` outside those rows and columns are left as they are. `m == 0` launches nothing. When the
 /// output tiles are too few to fill the GPU, K is split and a second launch adds the splits' partial
 /// sums in a fixed order (the same result on every run).
 pub fn gemm(
     gpu: &Gpu,
     w: &DeviceMat,
-    x: u64,
+    x: impl Into<GemmX>,
     m: usize,
     y: u64,
     ldy: usize,
     col0: usize,
 ) -> Result<()> {
+    let x = x.into();
     check_weight(w)?;
     if m == 0 {
         return Ok(());
@@ -172,10 +191,15 @@ pub fn gemm(
         col0 + w.rows
     );
     let warg = w.arg(gpu);
-    let (name, tiling) = if gpu.gemm_path() == GemmPath::Wgmma && gemm_wgmma::takes(&warg, w.bits) {
-        (gemm_wgmma::DENSE_ENTRY.to_string(), WGMMA_DENSE)
-    } else {
-        (format!("gemm_b{}", w.bits), MMA_DENSE)
+    let wgmma = gpu.gemm_path() == GemmPath::Wgmma && gemm_wgmma::takes(&warg, w.bits);
+    let (name, tiling, x) = match (wgmma, x.bf16) {
+        (true, Some(x16)) => (
+            gemm_wgmma::DENSE_X16_ENTRY.to_string(),
+            WGMMA_DENSE_X16,
+            x16,
+        ),
+        (true, None) => (gemm_wgmma::DENSE_ENTRY.to_string(), WGMMA_DENSE, x.f32),
+        (false, _) => (format!("gemm_b{}", w.bits), MMA_DENSE, x.f32),
     };
     let row_tiles = m.div_ceil(tiling.bm);
     ensure!(
@@ -251,7 +275,7 @@ pub fn gemm_grouped(
     gpu: &Gpu,
     w: &DeviceMat,
     n: usize,
-    x: u64,
+    x: impl Into<GemmX>,
     gather: u64,
     map: &TileMap,
     y: u64,
@@ -270,15 +294,24 @@ pub fn gemm_grouped(
         max_tiles <= MAX_GRID_Y,
         "{max_tiles} expert tiles are too many for one GEMM launch"
     );
-    let warg = w.arg(gpu);
+    let (warg, x) = (w.arg(gpu), x.into());
     let wgmma = map.height == MoeTile::Rows64 && grouped_tall_path(gpu, w) == GemmPath::Wgmma;
-    let (name, shared) = if wgmma {
-        (gemm_wgmma::GROUPED_ENTRY.to_string(), WGMMA_GROUPED_SHARED)
-    } else {
-        (
+    let (name, shared, x) = match (wgmma, x.bf16) {
+        (true, Some(x16)) => (
+            gemm_wgmma::GROUPED_X16_ENTRY.to_string(),
+            WGMMA_GROUPED_X16_SHARED,
+            x16,
+        ),
+        (true, None) => (
+            gemm_wgmma::GROUPED_ENTRY.to_string(),
+            WGMMA_GROUPED_SHARED,
+            x.f32,
+        ),
+        (false, _) => (
             grouped_entry(map.height, w.bits),
             grouped_shared(map.height),
-        )
+            x.f32,
+        ),
     };
     let grid = (n.div_ceil(GEMM_GROUPED_BN) as u32, max_tiles as u32, 1);
     let args = GemmGrouped {
@@ -320,7 +353,7 @@ mod tests {
         launched.sort();
         loaded.sort();
         assert_eq!(launched, loaded);
-        assert_eq!(dynamic_shared(false).len(), dynamic_shared(true).len() - 2);
+        assert_eq!(dynamic_shared(false).len(), dynamic_shared(true).len() - 4);
         for bits in [4, 8, 32] {
             let mut made = vec![format!("GEMM_DENSE({bits})")];
             made.extend(MoeTile::ALL.map(|h| format!("GEMM_GROUPED({}, {bits})", h.rows())));

@@ -67,12 +67,30 @@ pub fn takes(w: &MatArg, bits: u32) -> bool {
 pub(crate) const DENSE_ENTRY: &str = "gemm_wgmma_b4";
 /// The grouped entry for 64-row expert tiles (gemm_grouped64_b4's arguments).
 pub(crate) const GROUPED_ENTRY: &str = "gemm_wgmma_grouped64_b4";
+/// The same two with X as bf16 rows (`GemmX::bf16`), every operand copied steps ahead.
+pub(crate) const DENSE_X16_ENTRY: &str = "gemm_wgmma_b4_x16";
+pub(crate) const GROUPED_X16_ENTRY: &str = "gemm_wgmma_grouped64_b4_x16";
 
 /// Dynamic shared memory of a block with `bm` rows of X (`gemm_wgmma_shared_bytes`): two X and
 /// two W tiles of 128-byte rows, and 1 KiB to align them to 1,024 bytes.
 const fn shared_bytes(bm: usize) -> u32 {
     (2 * (bm + GEMM_GROUPED_BN) * 128 + 1024) as u32
 }
+
+/// Bytes of an _x16 block's raw slot: a step's codes (32 bytes a W row) and a window's scales
+/// and biases (8 bytes each a row); `GEMM_WG_RAW_BYTES`.
+const RAW_SLOT_BYTES: usize = GEMM_GROUPED_BN * (32 + 8 + 8);
+
+/// Dynamic shared memory of an _x16 block of `bm` rows copying `ahead` steps ahead
+/// (`gemm_wgmma_x16_shared_bytes`): `ahead` + 1 X tiles, two W tiles, `ahead` raw slots, 1 KiB
+/// of alignment.
+const fn x16_shared_bytes(bm: usize, ahead: usize) -> u32 {
+    ((ahead + 1) * bm * 128 + 2 * GEMM_GROUPED_BN * 128 + ahead * RAW_SLOT_BYTES + 1024) as u32
+}
+
+/// Steps ahead the _x16 entries copy (`GEMM_WG_DENSE_AHEAD`, `GEMM_WG_GROUPED_AHEAD`).
+const DENSE_AHEAD: usize = 3;
+const GROUPED_AHEAD: usize = 2;
 
 /// Dense blocks: 128 × 256 (128 accumulators a thread), one an SM, 97 KiB.
 pub(crate) const WGMMA_DENSE: DenseTiling = DenseTiling {
@@ -83,20 +101,33 @@ pub(crate) const WGMMA_DENSE: DenseTiling = DenseTiling {
     shared: shared_bytes(128),
 };
 
+/// Dense _x16 blocks: the same tiles, 165 KiB.
+pub(crate) const WGMMA_DENSE_X16: DenseTiling = DenseTiling {
+    shared: x16_shared_bytes(128, DENSE_AHEAD),
+    ..WGMMA_DENSE
+};
+
 /// Grouped blocks (64-row tiles, 256 columns): 81 KiB, two an SM.
 pub(crate) const WGMMA_GROUPED_SHARED: u32 = shared_bytes(64);
+/// Grouped _x16 blocks: 113 KiB, two an SM.
+pub(crate) const WGMMA_GROUPED_X16_SHARED: u32 = x16_shared_bytes(64, GROUPED_AHEAD);
 
 // A step of a tile row is one 128-byte swizzle row of bf16, and a split along K whole steps.
 const _: () = assert!(WGMMA_DENSE.bk * 2 == 128 && SPLIT_MIN_K.is_multiple_of(WGMMA_DENSE.bk));
-// Two grouped blocks fit an SM of the H200 (228 KiB, of which 1 KiB a block is reserved).
+// Two grouped blocks fit an SM of the H100 and H200 (228 KiB, of which 1 KiB a block is
+// reserved), with X in f32 or bf16; one dense _x16 block fits the 227 KiB a block may take.
 const _: () = assert!(2 * (WGMMA_GROUPED_SHARED + 1024) <= 228 * 1024);
+const _: () = assert!(2 * (WGMMA_GROUPED_X16_SHARED + 1024) <= 228 * 1024);
+const _: () = assert!(WGMMA_DENSE_X16.shared <= 227 * 1024);
 
 /// The entries and the dynamic shared memory each launches with (above the default 48 KiB, so
 /// `Gpu::new` raises their limit).
-pub(crate) fn dynamic_shared() -> [(String, u32); 2] {
+pub(crate) fn dynamic_shared() -> [(String, u32); 4] {
     [
         (DENSE_ENTRY.to_string(), WGMMA_DENSE.shared),
         (GROUPED_ENTRY.to_string(), WGMMA_GROUPED_SHARED),
+        (DENSE_X16_ENTRY.to_string(), WGMMA_DENSE_X16.shared),
+        (GROUPED_X16_ENTRY.to_string(), WGMMA_GROUPED_X16_SHARED),
     ]
 }
 
@@ -130,6 +161,9 @@ pub(crate) mod tests {
         assert_eq!(GEMM_GROUPED_BN, define(wgmma, "GEMM_WG_BN"));
         assert_eq!(MoeTile::Rows64.rows(), define(wgmma, "GEMM_WG_GROUPED_BM"));
         assert_eq!(GEMM_THREADS as usize, define(wgmma, "GEMM_WG_THREADS"));
+        assert_eq!(DENSE_AHEAD, define(wgmma, "GEMM_WG_DENSE_AHEAD"));
+        assert_eq!(GROUPED_AHEAD, define(wgmma, "GEMM_WG_GROUPED_AHEAD"));
+        assert!(wgmma.contains("#define GEMM_WG_RAW_BYTES (GEMM_WG_BN * (32 + 8 + 8))"));
         for (entry, _) in dynamic_shared() {
             assert!(file("gemm_wgmma").entries.contains(&entry.as_str()));
         }

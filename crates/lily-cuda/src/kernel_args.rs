@@ -173,7 +173,7 @@ kernel_args! {
     // ---- Prefill (prefill.rs and its stages) ----
     /// `embed_b*`: the rows of a chunk's tokens.
     Embed { table: MatArg, tokens: u64, out: u64 }
-    AddRmsNorm { hidden: u64, delta: u64, scale: u64, out: u64, n: i32, eps: f32 }
+    AddRmsNorm { hidden: u64, delta: u64, scale: u64, out: u64, out16: u64, n: i32, eps: f32 }
     AttnPrepRows {
         qkv: u64, ld: i32, q_norm: u64, k_norm: u64, pos0: i32, q_out: u64, k_cache: u64,
         v_cache: u64, eps: f32,
@@ -181,6 +181,7 @@ kernel_args! {
     /// `attn_prefill_r*_s*`.
     AttnPrefill {
         q: u64, k_cache: u64, v_cache: u64, pos0: i32, t: i32, qkv: u64, ld: i32, out: u64,
+        out16: u64,
     }
     GdnConvRows { proj: u64, ld: i32, t: i32, conv_w: u64, window: u64, out: u64 }
     GdnScanPrep {
@@ -189,7 +190,7 @@ kernel_args! {
     GdnScan { conv: u64, prep: u64, t: i32, state: u64, out: u64 }
     GdnChunkPrep { prep: u64, t: i32, scratch: u64 }
     GdnChunkScan { conv: u64, prep: u64, scratch: u64, t: i32, state: u64, out: u64 }
-    GdnGatedNormRows { o: u64, proj: u64, ld: i32, w: u64, y: u64, eps: f32 }
+    GdnGatedNormRows { o: u64, proj: u64, ld: i32, w: u64, y: u64, y16: u64, eps: f32 }
     /// `gemm_b*` and `gemm_wgmma_b4`.
     Gemm { w: MatArg, x: u64, m: i32, y: u64, ldy: i32, col0: i32, k_split: i32 }
     GemmReduce { part: u64, splits: i32, m: i32, n: i32, y: u64, ldy: i32, col0: i32 }
@@ -202,7 +203,7 @@ kernel_args! {
         ids: u64, pairs: i32, tile_rows: i32, gather: u64, slot_of: u64, tiles: u64,
         num_tiles: u64,
     }
-    MoeSwiglu { gate: u64, up: u64, n: i32, act: u64 }
+    MoeSwiglu { gate: u64, up: u64, n: i32, act: u64, act16: u64 }
     MoeCombine {
         down: u64, slot_of: u64, weights: u64, logits: u64, shared: u64, h: i32, out: u64,
     }
@@ -307,14 +308,16 @@ pub fn entries() -> Vec<Entry> {
     all.extend(each::<GdnChunkScan>(one("gdn_chunk_scan")));
     all.extend(each::<GdnGatedNormRows>(one("gdn_gated_norm_rows")));
     all.extend(each::<Gemm>(
-        bits("gemm").into_iter().chain(one("gemm_wgmma_b4")),
+        bits("gemm")
+            .into_iter()
+            .chain(["gemm_wgmma_b4", "gemm_wgmma_b4_x16"].map(String::from)),
     ));
     all.extend(each::<GemmReduce>(one("gemm_reduce")));
     all.extend(each::<GemmGrouped>(
         bits("gemm_grouped16")
             .into_iter()
             .chain(bits("gemm_grouped64"))
-            .chain(one("gemm_wgmma_grouped64_b4")),
+            .chain(["gemm_wgmma_grouped64_b4", "gemm_wgmma_grouped64_b4_x16"].map(String::from)),
     ));
     all.extend(each::<MoeTopkRows>(one("moe_topk_rows")));
     all.extend(each::<MoeSort>(one("moe_sort")));

@@ -6,6 +6,7 @@
 
 use anyhow::{Context, Result};
 
+use crate::gemm::GemmX;
 use crate::gemm_wgmma::GemmPath;
 use crate::gpu::Gpu;
 use crate::kernel_args::{MoeCombine, MoeSort, MoeSwiglu, MoeTopkRows};
@@ -133,8 +134,10 @@ pub fn sort(
     Ok(())
 }
 
-/// `act[i] = silu(gate[i]) · up[i]` for i < n (f32 buffers of n elements).
-pub fn swiglu(gpu: &Gpu, gate: u64, up: u64, n: usize, act: u64) -> Result<()> {
+/// `act[i] = silu(gate[i]) · up[i]` for i < n (f32 buffers of n elements), into `act.f32` and,
+/// rounded to bf16, into `act.bf16` where given: the down projection's X (`GemmX`).
+pub fn swiglu(gpu: &Gpu, gate: u64, up: u64, n: usize, act: impl Into<GemmX>) -> Result<()> {
+    let act = act.into();
     if n == 0 {
         return Ok(());
     }
@@ -143,7 +146,8 @@ pub fn swiglu(gpu: &Gpu, gate: u64, up: u64, n: usize, act: u64) -> Result<()> {
         gate,
         up,
         n: int(n, "elements")?,
-        act,
+        act: act.f32,
+        act16: act.bf16.unwrap_or(0),
     };
     launch!(
         gpu,

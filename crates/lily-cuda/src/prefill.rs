@@ -11,6 +11,8 @@ use lily_core::config::ModelConfig;
 
 use crate::attention_prefill::{self, AttnChunk};
 use crate::gdn_prefill::GdnPrefillRoute;
+use crate::gemm::GemmX;
+use crate::gemm_wgmma::GemmPath;
 use crate::gpu::{Gpu, ptr};
 use crate::kernel_args::{AddRmsNorm, Embed};
 use crate::launch;
@@ -27,6 +29,8 @@ pub struct PrefillScratch {
     tokens: CudaSlice<u32>,
     hidden: CudaSlice<f32>,
     x: CudaSlice<f32>,
+    /// `x` rounded to bf16, two a word, for the GEMMs that read it so (`GemmX`).
+    x16: CudaSlice<u32>,
     /// The mixer's fused input projection, `[T, proj_width]`.
     proj: CudaSlice<f32>,
     conv: CudaSlice<f32>,
@@ -36,6 +40,8 @@ pub struct PrefillScratch {
     gdn_y: CudaSlice<f32>,
     q: CudaSlice<f32>,
     attn_out: CudaSlice<f32>,
+    /// The mixer's output projection's X (`gdn_y` or `attn_out`) rounded to bf16.
+    mix16: CudaSlice<u32>,
     mix_out: CudaSlice<f32>,
     /// `[T, NE + 1]`: router logits, then the shared-expert gate logit.
     router: CudaSlice<f32>,
@@ -48,6 +54,9 @@ pub struct PrefillScratch {
     /// Routed expert rows in sorted-slot order: gate (then SwiGLU in place), up, down.
     gate: CudaSlice<f32>,
     up: CudaSlice<f32>,
+    /// The SwiGLU rows rounded to bf16 for the down projections, the routed experts' and then the
+    /// shared expert's (fewer: `t · shared` against `t · top_k · inter`).
+    act16: CudaSlice<u32>,
     down: CudaSlice<f32>,
     shared_gate: CudaSlice<f32>,
     shared_up: CudaSlice<f32>,
@@ -70,7 +79,7 @@ impl PrefillScratch {
     }
 
     /// Element counts of every buffer, in field order (all 4-byte elements).
-    fn sizes(c: &ModelConfig, chunk: usize, route: Option<GdnPrefillRoute>) -> [usize; 25] {
+    fn sizes(c: &ModelConfig, chunk: usize, route: Option<GdnPrefillRoute>) -> [usize; 28] {
         let (gdn, attn) = proj_widths(c);
         let (h, t) = (c.hidden_size, chunk);
         let pairs = t * c.experts_per_token;
@@ -85,6 +94,7 @@ impl PrefillScratch {
             t,
             t * h,
             t * h,
+            (t * h).div_ceil(2),
             t * gdn.max(attn),
             t * c.gdn_conv_dim(),
             gdn_prefill::scan_scratch_floats(c, t, route),
@@ -92,6 +102,7 @@ impl PrefillScratch {
             t * c.gdn_value_dim(),
             t * heads,
             t * heads,
+            (t * heads.max(c.gdn_value_dim())).div_ceil(2),
             t * h,
             t * (c.num_experts + 1),
             pairs,
@@ -102,6 +113,7 @@ impl PrefillScratch {
             1,
             pairs * inter,
             pairs * inter,
+            (pairs * inter).max(t * shared).div_ceil(2),
             pairs * h,
             t * shared,
             t * shared,
@@ -117,28 +129,31 @@ impl PrefillScratch {
             tokens: gpu.zeros(n[0])?,
             hidden: gpu.zeros(n[1])?,
             x: gpu.zeros(n[2])?,
-            proj: gpu.zeros(n[3])?,
-            conv: gpu.zeros(n[4])?,
-            gdn_prep: gpu.zeros(n[5])?,
-            gdn_o: gpu.zeros(n[6])?,
-            gdn_y: gpu.zeros(n[7])?,
-            q: gpu.zeros(n[8])?,
-            attn_out: gpu.zeros(n[9])?,
-            mix_out: gpu.zeros(n[10])?,
-            router: gpu.zeros(n[11])?,
-            ids: gpu.zeros(n[12])?,
-            weights: gpu.zeros(n[13])?,
-            gather: gpu.zeros(n[14])?,
-            slot_of: gpu.zeros(n[15])?,
-            tiles: gpu.zeros(n[16])?,
-            num_tiles: gpu.zeros(n[17])?,
-            gate: gpu.zeros(n[18])?,
-            up: gpu.zeros(n[19])?,
-            down: gpu.zeros(n[20])?,
-            shared_gate: gpu.zeros(n[21])?,
-            shared_up: gpu.zeros(n[22])?,
-            shared_down: gpu.zeros(n[23])?,
-            moe_out: gpu.zeros(n[24])?,
+            x16: gpu.zeros(n[3])?,
+            proj: gpu.zeros(n[4])?,
+            conv: gpu.zeros(n[5])?,
+            gdn_prep: gpu.zeros(n[6])?,
+            gdn_o: gpu.zeros(n[7])?,
+            gdn_y: gpu.zeros(n[8])?,
+            q: gpu.zeros(n[9])?,
+            attn_out: gpu.zeros(n[10])?,
+            mix16: gpu.zeros(n[11])?,
+            mix_out: gpu.zeros(n[12])?,
+            router: gpu.zeros(n[13])?,
+            ids: gpu.zeros(n[14])?,
+            weights: gpu.zeros(n[15])?,
+            gather: gpu.zeros(n[16])?,
+            slot_of: gpu.zeros(n[17])?,
+            tiles: gpu.zeros(n[18])?,
+            num_tiles: gpu.zeros(n[19])?,
+            gate: gpu.zeros(n[20])?,
+            up: gpu.zeros(n[21])?,
+            act16: gpu.zeros(n[22])?,
+            down: gpu.zeros(n[23])?,
+            shared_gate: gpu.zeros(n[24])?,
+            shared_up: gpu.zeros(n[25])?,
+            shared_down: gpu.zeros(n[26])?,
+            moe_out: gpu.zeros(n[27])?,
         })
     }
 }
@@ -180,14 +195,27 @@ pub fn encode_chunk(
     let (h, eps) = (c.hidden_size, c.rms_norm_eps);
     let rows = t as u32;
     let norm_block = (h.div_ceil(32) * 32).min(1024) as u32;
-    // out = RMSNorm(hidden += delta) · scale for `rows` rows (delta 0: none).
-    let add_rms_norm = |rows: u32, hidden: u64, delta: u64, scale: u64, out: u64| -> Result<()> {
+    // The normed rows that the mixer's and the MoE's GEMMs read, in f32 and, where the wgmma
+    // kernels read them, in bf16 too (`GemmX`).
+    let wgmma = gpu.gemm_path() == GemmPath::Wgmma;
+    let with16 = |f32, bf16: &CudaSlice<u32>| GemmX {
+        f32,
+        bf16: wgmma.then(|| ptr(bf16, &gpu.stream)),
+    };
+    let x = with16(p(&s.x), &s.x16);
+    // The output projection's X, from the GDN's gated norm or from attention.
+    let gdn_y = with16(p(&s.gdn_y), &s.mix16);
+    let attn_out = with16(p(&s.attn_out), &s.mix16);
+    // out = RMSNorm(hidden += delta) · scale for `rows` rows (delta 0: none), and its bf16 copy
+    // into out16 unless that is 0.
+    let add_rms_norm = |rows: u32, hidden: u64, delta: u64, scale: u64, out: GemmX| -> Result<()> {
         let n = h as i32;
         let args = AddRmsNorm {
             hidden,
             delta,
             scale,
-            out,
+            out: out.f32,
+            out16: out.bf16.unwrap_or(0),
             n,
             eps,
         };
@@ -207,7 +235,7 @@ pub fn encode_chunk(
 
     let mut delta = 0u64;
     for (layer, ls) in w.layers.iter().zip(&state.layers) {
-        add_rms_norm(rows, p(&s.hidden), delta, p(&layer.input_norm), p(&s.x))?;
+        add_rms_norm(rows, p(&s.hidden), delta, p(&layer.input_norm), x)?;
         mark("rms norm")?;
         match (&layer.mixer, ls) {
             (DeviceMixer::GatedDeltaNet(g), LayerState::GatedDeltaNet { window, recurrent }) => {
@@ -221,7 +249,7 @@ pub fn encode_chunk(
                 } = g.as_ref();
                 let mut col = 0;
                 for m in proj {
-                    gemm::gemm(gpu, m, p(&s.x), t, p(&s.proj), gdn_w, col)?;
+                    gemm::gemm(gpu, m, x, t, p(&s.proj), gdn_w, col)?;
                     col += m.rows;
                 }
                 mark("mixer input gemm")?;
@@ -257,11 +285,11 @@ pub fn encode_chunk(
                     gdn_w,
                     t,
                     p(norm),
-                    p(&s.gdn_y),
+                    gdn_y,
                     eps,
                 )?;
                 mark("gated deltanet")?;
-                gemm::gemm(gpu, out_proj, p(&s.gdn_y), t, p(&s.mix_out), h, 0)?;
+                gemm::gemm(gpu, out_proj, gdn_y, t, p(&s.mix_out), h, 0)?;
                 mark("mixer output gemm")?;
             }
             (DeviceMixer::Attention(a), LayerState::Attention { k, v }) => {
@@ -273,7 +301,7 @@ pub fn encode_chunk(
                 } = a.as_ref();
                 let mut col = 0;
                 for m in proj {
-                    gemm::gemm(gpu, m, p(&s.x), t, p(&s.proj), attn_w, col)?;
+                    gemm::gemm(gpu, m, x, t, p(&s.proj), attn_w, col)?;
                     col += m.rows;
                 }
                 mark("mixer input gemm")?;
@@ -285,25 +313,19 @@ pub fn encode_chunk(
                     q: p(&s.q),
                     k_cache: ptr(k, &gpu.stream),
                     v_cache: ptr(v, &gpu.stream),
-                    out: p(&s.attn_out),
+                    out: attn_out,
                 };
                 attention_prefill::prep_rows(gpu, c, &chunk, p(q_norm), p(k_norm))?;
                 attention_prefill::attend(gpu, c, &chunk)?;
                 mark("attention")?;
-                gemm::gemm(gpu, o_proj, p(&s.attn_out), t, p(&s.mix_out), h, 0)?;
+                gemm::gemm(gpu, o_proj, attn_out, t, p(&s.mix_out), h, 0)?;
                 mark("mixer output gemm")?;
             }
             _ => unreachable!("states are built from the same config as the weights"),
         }
-        add_rms_norm(
-            rows,
-            p(&s.hidden),
-            p(&s.mix_out),
-            p(&layer.post_norm),
-            p(&s.x),
-        )?;
+        add_rms_norm(rows, p(&s.hidden), p(&s.mix_out), p(&layer.post_norm), x)?;
         mark("rms norm")?;
-        encode_moe(gpu, c, layer, s, t, &mut mark)?;
+        encode_moe(gpu, c, layer, s, x, t, &mut mark)?;
         delta = p(&s.moe_out);
     }
     // The final norm, for the rows whose logits are wanted.
@@ -314,7 +336,7 @@ pub fn encode_chunk(
         at(&s.hidden),
         at(&s.moe_out),
         p(&w.final_norm),
-        at(&s.x),
+        at(&s.x).into(),
     )?;
     mark("rms norm")?;
     Ok(at(&s.x))
@@ -323,11 +345,13 @@ pub fn encode_chunk(
 /// The MoE block over the chunk: router and shared gate as one `[T, NE+1]` GEMM output, top-k,
 /// the pairs sorted by expert into tiles of the height the chunk's length calls for, gate/up/down
 /// as grouped GEMMs over the tiles, the shared expert as dense GEMMs, and the weighted combine.
+/// `x` is the post-attention norm's output (`s.x`, and its bf16 copy where there is one).
 fn encode_moe(
     gpu: &Gpu,
     c: &ModelConfig,
     layer: &crate::weights::DeviceLayer,
     s: &mut PrefillScratch,
+    x: GemmX,
     t: usize,
     mark: &mut impl FnMut(&'static str) -> Result<()>,
 ) -> Result<()> {
@@ -350,24 +374,29 @@ fn encode_moe(
     };
     moe_prefill::sort(gpu, pi(&s.ids), pairs, pi(&s.gather), pi(&s.slot_of), &map)?;
     mark("router + sort")?;
-    let grouped = |w, n, x, gather, y| gemm::gemm_grouped(gpu, w, n, x, gather, &map, y);
-    grouped(&m.gate, inter, p(&s.x), pi(&s.gather), p(&s.gate))?;
-    grouped(&m.up, inter, p(&s.x), pi(&s.gather), p(&s.up))?;
-    moe_prefill::swiglu(gpu, p(&s.gate), p(&s.up), pairs * inter, p(&s.gate))?;
-    grouped(&m.down, h, p(&s.gate), 0, p(&s.down))?;
+    let grouped = |w, n, x: GemmX, gather, y| gemm::gemm_grouped(gpu, w, n, x, gather, &map, y);
+    grouped(&m.gate, inter, x, pi(&s.gather), p(&s.gate))?;
+    grouped(&m.up, inter, x, pi(&s.gather), p(&s.up))?;
+    // The down projections' X: f32 in place of gate, and bf16 where the wgmma kernels read it.
+    let act = |f32| GemmX {
+        f32,
+        bf16: x.bf16.map(|_| ptr(&s.act16, &gpu.stream)),
+    };
+    moe_prefill::swiglu(gpu, p(&s.gate), p(&s.up), pairs * inter, act(p(&s.gate)))?;
+    grouped(&m.down, h, act(p(&s.gate)), 0, p(&s.down))?;
     mark("expert gemms")?;
 
     let [sg, su, sd] = &m.shared;
-    gemm::gemm(gpu, sg, p(&s.x), t, p(&s.shared_gate), shared, 0)?;
-    gemm::gemm(gpu, su, p(&s.x), t, p(&s.shared_up), shared, 0)?;
+    gemm::gemm(gpu, sg, x, t, p(&s.shared_gate), shared, 0)?;
+    gemm::gemm(gpu, su, x, t, p(&s.shared_up), shared, 0)?;
     moe_prefill::swiglu(
         gpu,
         p(&s.shared_gate),
         p(&s.shared_up),
         t * shared,
-        p(&s.shared_gate),
+        act(p(&s.shared_gate)),
     )?;
-    gemm::gemm(gpu, sd, p(&s.shared_gate), t, p(&s.shared_down), h, 0)?;
+    gemm::gemm(gpu, sd, act(p(&s.shared_gate)), t, p(&s.shared_down), h, 0)?;
     mark("shared expert")?;
     moe_prefill::combine(
         gpu,

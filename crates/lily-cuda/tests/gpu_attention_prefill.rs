@@ -15,6 +15,7 @@ use lily_core::rng::uniform_at;
 use lily_cpu::ops::rms_norm_rows;
 use lily_cuda::KvPrecision;
 use lily_cuda::attention_prefill::{AttnBlock, AttnChunk, KEY_TILE, attend_with, prep_rows};
+use lily_cuda::gemm::GemmX;
 use lily_cuda::gpu::{Gpu, ptr};
 use support::{NEEDS_GPU, time_ms};
 
@@ -299,17 +300,29 @@ fn run_case(gpu: &Gpu, c: &ModelConfig, t: usize, pos0: usize, pad: usize, seed:
         q: p(&d_q),
         k_cache: kc.ptr(gpu),
         v_cache: vc.ptr(gpu),
-        out: 0,
+        out: 0.into(),
     };
     prep_rows(gpu, c, &chunk, p(&d_qn), p(&d_kn)).unwrap();
     // Each shape writes into NaNs, so a row it skips reads as an infinite error.
     let mut outs = Vec::new();
     for block in fitting_blocks(gpu, c) {
         let d_out = gpu.upload(&vec![f32::NAN; t * qw]).unwrap();
-        chunk.out = p(&d_out);
+        let d_out16 = gpu.zeros::<u16>(t * qw).unwrap();
+        chunk.out = GemmX {
+            f32: p(&d_out),
+            bf16: Some(ptr(&d_out16, &gpu.stream)),
+        };
         attend_with(gpu, c, &chunk, block).unwrap();
         gpu.sync().unwrap();
         let out = gpu.download(&d_out).unwrap();
+        // The bf16 copy (the output projection's X) is the f32 output rounded to nearest even.
+        let out16 = gpu.download(&d_out16).unwrap();
+        let off = out
+            .iter()
+            .zip(&out16)
+            .filter(|&(&v, &b)| bf16::from_f32(v).to_bits() != b)
+            .count();
+        assert_eq!(off, 0, "{block:?}: bf16 output not the f32 output rounded");
         let start = Instant::now();
         attend_with(gpu, c, &chunk, block).unwrap();
         gpu.sync().unwrap();
@@ -476,7 +489,7 @@ fn prefill_attention_speed_by_context() {
             q: p(&q),
             k_cache: ptr(&k_cache, &gpu.stream),
             v_cache: ptr(&v_cache, &gpu.stream),
-            out: p(&out),
+            out: p(&out).into(),
         };
         let flops = causal_flops(&c, T, pos0);
         for block in fitting_blocks(&gpu, &c) {

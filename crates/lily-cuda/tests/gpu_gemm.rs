@@ -16,12 +16,25 @@ use lily_core::rng::{mix64, uniform_at};
 use lily_core::synthetic::synthetic_config;
 use lily_core::weights::Linear;
 use lily_cuda::KvPrecision;
-use lily_cuda::gemm::{gemm, gemm_grouped};
+use lily_cuda::gemm::{GemmX, gemm, gemm_grouped};
 use lily_cuda::gemm_wgmma::{GemmPath, takes};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
 use lily_cuda::moe_prefill::{MoeTile, TileMap, max_tiles};
 use support::{NEEDS_GPU, gemm_paths, random_linear_grouped};
+
+/// `x` rounded to bf16 to nearest even (as the norm that writes a GEMM's bf16 X rounds it), on
+/// the device: what `GemmX::bf16` points at.
+fn upload_bf16(gpu: &Gpu, x: &[f32]) -> cudarc::driver::CudaSlice<u16> {
+    let bits: Vec<u16> = x.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    gpu.upload(&bits).unwrap()
+}
+
+/// Whether the products of `path` on `gpu` read `GemmX::bf16` where one is given: the wgmma
+/// kernels, for the weights they take.
+fn reads_bf16_x(gpu: &Gpu, path: GemmPath, w: &DeviceMat) -> bool {
+    path == GemmPath::Wgmma && takes(&w.arg(gpu), w.bits)
+}
 
 /// A quiet NaN with a payload no arithmetic produces: a cell holding it was never written.
 const SENTINEL: u32 = 0x7fc0_dead;
@@ -179,6 +192,7 @@ fn check_dense(
     let mut xbuf = vec![0f32; c.offset];
     xbuf.extend(&x);
     let dx = gpu.upload(&xbuf).unwrap();
+    let dx16 = upload_bf16(gpu, &x);
     let rows = rows_to_check(m);
     let id = |r: usize| r;
     let zero = |_: usize| 0;
@@ -198,6 +212,27 @@ fn check_dense(
         let (xp, yp) = (ptr(&dx, &gpu.stream), ptr(&dy, &gpu.stream));
         gemm(gpu, &w, xp + at, m, yp + at, ldy, col0).unwrap();
         let y = gpu.download(&dy).unwrap();
+        if reads_bf16_x(gpu, path, &w) {
+            // X as bf16 rows (the _x16 kernels): the same products, to the bit, and the same
+            // cells written.
+            let dy16 = gpu.upload(&vec![f32::from_bits(SENTINEL); ylen]).unwrap();
+            let x = GemmX {
+                f32: xp + at,
+                bf16: Some(ptr(&dx16, &gpu.stream)),
+            };
+            gemm(gpu, &w, x, m, ptr(&dy16, &gpu.stream) + at, ldy, col0).unwrap();
+            let y16 = gpu.download(&dy16).unwrap();
+            let differ = y
+                .iter()
+                .zip(&y16)
+                .filter(|(a, b)| a.to_bits() != b.to_bits());
+            assert_eq!(
+                differ.count(),
+                0,
+                "bf16 X parts from f32 X: {}-bit m {m} n {n} k {k}",
+                c.bits
+            );
+        }
         let y = &y[c.offset..];
         for (i, v) in y.iter().enumerate() {
             let (r, col) = (i / ldy, i % ldy);
@@ -349,7 +384,7 @@ fn run_grouped(
     gpu: &Gpu,
     c: &Grouped,
     w: &DeviceMat,
-    x: u64,
+    x: impl Into<GemmX>,
     gather: u64,
     height: MoeTile,
 ) -> Vec<f32> {
@@ -427,6 +462,7 @@ fn check_grouped(
         .map(|i| uniform_at(seed + 1, i as u64))
         .collect();
     let (dx, dg) = (gpu.upload(&x).unwrap(), gpu.upload(&gather).unwrap());
+    let dx16 = upload_bf16(gpu, &x);
     let gather_ptr = if c.gather_tokens.is_some() {
         ptr(&dg, &gpu.stream)
     } else {
@@ -449,6 +485,25 @@ fn check_grouped(
         gpu.set_gemm_path(path).unwrap();
         for height in MoeTile::ALL {
             let y = run_grouped(gpu, c, &w, ptr(&dx, &gpu.stream), gather_ptr, height);
+            if height == MoeTile::Rows64 && reads_bf16_x(gpu, path, &w) {
+                let x = GemmX {
+                    f32: ptr(&dx, &gpu.stream),
+                    bf16: Some(ptr(&dx16, &gpu.stream)),
+                };
+                let y16 = run_grouped(gpu, c, &w, x, gather_ptr, height);
+                let differ = y
+                    .iter()
+                    .zip(&y16)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits());
+                assert_eq!(
+                    differ.count(),
+                    0,
+                    "bf16 X parts from f32 X: {}-bit n {n} k {k} counts {:?} gather {:?}",
+                    c.bits,
+                    c.counts,
+                    c.gather_tokens
+                );
+            }
             let got: Vec<Vec<f32>> = rows
                 .iter()
                 .map(|&s| y[s * n..(s + 1) * n].to_vec())

@@ -11,7 +11,7 @@ use lily_core::config::{ModelConfig, QWEN36_35B_A3B_CONFIG};
 use lily_core::rng::{mix64, uniform_at};
 use lily_core::synthetic::synthetic_config;
 use lily_cuda::KvPrecision;
-use lily_cuda::gemm::{gemm, gemm_grouped};
+use lily_cuda::gemm::{GemmX, gemm, gemm_grouped};
 use lily_cuda::gemm_wgmma::{GemmPath, takes};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
@@ -26,6 +26,13 @@ fn kernel_file(gpu: &Gpu, path: GemmPath, w: &DeviceMat) -> &'static str {
     } else {
         "gemm.cu"
     }
+}
+
+/// `x` rounded to bf16, as bits.
+fn bf16_bits(x: &[f32]) -> Vec<u16> {
+    x.iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect()
 }
 
 /// TFLOP/s of `flops` in `ms`.
@@ -47,6 +54,12 @@ fn gemm_speed_at_prefill_shapes() {
     let x: Vec<f32> = (0..t * 4096).map(|i| uniform_at(5, i as u64)).collect();
     let dx = gpu.upload(&x).unwrap();
     let xp = ptr(&dx, &gpu.stream);
+    // The same rows as bf16 (`GemmX::bf16`, what prefill's norms write), for the _x16 kernels.
+    let dx16 = gpu.upload(&bf16_bits(&x)).unwrap();
+    let x16 = GemmX {
+        f32: xp,
+        bf16: Some(ptr(&dx16, &gpu.stream)),
+    };
     for (bits, n, k) in [
         (4u32, 2048usize, 2048usize),
         (4, 8192, 2048),
@@ -65,6 +78,11 @@ fn gemm_speed_at_prefill_shapes() {
             let file = kernel_file(&gpu, path, &w);
             line += &format!(" {path:?} ({file}) {ms:.3} ms ({rate:.0} TFLOP/s);");
             assert!(gpu.download(&dy).unwrap().iter().all(|v| v.is_finite()));
+            if file == "gemm_wgmma.cu" {
+                let ms = time_ms(&gpu, &|| gemm(&gpu, &w, x16, t, yp, n, 0).unwrap());
+                let rate = tflops(2 * t * n * k, ms);
+                line += &format!(" {path:?} bf16 X ({file}) {ms:.3} ms ({rate:.0} TFLOP/s);");
+            }
         }
         eprintln!("{line}");
     }
@@ -119,6 +137,7 @@ fn grouped_gemm_speed_by_tokens() {
         let pairs = t * top_k;
         let x: Vec<f32> = (0..t * h).map(|i| uniform_at(23, i as u64)).collect();
         let dx = gpu.upload(&x).unwrap();
+        let dx16 = gpu.upload(&bf16_bits(&x)).unwrap();
         let ids = gpu
             .upload(&random_routing(t, top_k, experts, t as u64))
             .unwrap();
@@ -178,6 +197,19 @@ fn grouped_gemm_speed_by_tokens() {
                     tflops(flops, down_ms),
                     2.0 * gate_ms + down_ms
                 );
+                if file == "gemm_wgmma.cu" {
+                    let x16 = GemmX {
+                        f32: xp,
+                        bf16: Some(ptr(&dx16, &gpu.stream)),
+                    };
+                    let ms = time_ms(&gpu, &|| {
+                        gemm_grouped(&gpu, &gate, inter, x16, gp, &map, ap).unwrap()
+                    });
+                    line += &format!(
+                        " {path:?} bf16 X: gate|up {ms:.3} ms ({:.0} TFLOP/s);",
+                        tflops(flops, ms)
+                    );
+                }
                 assert!(
                     finite(&gpu, &act) && finite(&gpu, &out),
                     "t {t} {height:?} {path:?}: non-finite outputs"

@@ -6,6 +6,7 @@ use cudarc::driver::CudaSlice;
 use lily_core::config::{ModelConfig, QWEN36_35B_A3B_CONFIG};
 use lily_core::rng::{Rng, mix64, uniform_at};
 use lily_cuda::KvPrecision;
+use lily_cuda::gemm::GemmX;
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::moe_prefill::{MoeTile, TileMap, combine, max_tiles, sort, swiglu, topk_rows};
 
@@ -318,10 +319,23 @@ fn swiglu_matches_the_cpu() {
         let gate: Vec<f32> = (0..n).map(|i| 8.0 * uniform_at(11, i as u64)).collect();
         let up: Vec<f32> = (0..n).map(|i| 2.0 * uniform_at(12, i as u64)).collect();
         let act = gpu.zeros::<f32>(n).unwrap();
+        let act16 = gpu.zeros::<u16>(n).unwrap();
         let (dg, du) = (dev(&gpu, &gate), dev(&gpu, &up));
         let s = &gpu.stream;
-        swiglu(&gpu, ptr(&dg, s), ptr(&du, s), n, ptr(&act, s)).unwrap();
+        let out = GemmX {
+            f32: ptr(&act, s),
+            bf16: Some(ptr(&act16, s)),
+        };
+        swiglu(&gpu, ptr(&dg, s), ptr(&du, s), n, out).unwrap();
         let got = gpu.download(&act).unwrap();
+        // The bf16 copy is the f32 result rounded to nearest even, as the GEMMs round f32 X.
+        let got16 = gpu.download(&act16).unwrap();
+        let off = got
+            .iter()
+            .zip(&got16)
+            .filter(|&(&v, &b)| half::bf16::from_f32(v).to_bits() != b)
+            .count();
+        assert_eq!(off, 0, "swiglu n {n}: bf16 copy not the f32 result rounded");
         let want: Vec<f64> = gate
             .iter()
             .zip(&up)

@@ -147,11 +147,13 @@ __device__ __forceinline__ void fa_phase(int half, int halves, u32 slots_at, con
 
 // Causal attention: query row i (position pos0 + i) sees cache positions 0..=pos0+i; softmax
 // scale 1/sqrt(HD); the output is multiplied by sigmoid(gate) from qkv. q: [T, NH·HD] from
-// attn_prep_rows; out: [T, NH·HD]. Grid (NKV, ceil(T·GROUP / ROWS)), 2·ROWS threads, dynamic
+// attn_prep_rows; out: [T, NH·HD], and the same rounded to bf16 into out16 when given (the output
+// projection's X on the wgmma path, rounded as the GEMMs round f32 X). Grid (NKV, ceil(T·GROUP / ROWS)), 2·ROWS threads, dynamic
 // shared memory (ROWS + SLOTS·FA_KEYS)·HD·2 bytes: the block's queries, then the ring.
 template <int ROWS, int SLOTS>
 __device__ __forceinline__ void attn_prefill_rows(const float* q, const kv_t* k_cache, const kv_t* v_cache,
-                                                  int pos0, int t, const float* qkv, int ld, float* out) {
+                                                  int pos0, int t, const float* qkv, int ld, float* out,
+                                                  u16* out16) {
     constexpr int THREADS = 2 * ROWS;
     static_assert(ROWS % 16 == 0 && SLOTS >= 2, "16 rows a warp, at least two slots");
     extern __shared__ __align__(128) u16 fa_smem[];
@@ -345,6 +347,7 @@ __device__ __forceinline__ void attn_prefill_rows(const float* q, const kv_t* k_
             v.x = o[n][2 * half] * inv_l * sigmoidf(gate[d]);
             v.y = o[n][2 * half + 1] * inv_l * sigmoidf(gate[d + 1]);
             *(float2*)(dst + d) = v;
+            if (out16) *(u32*)(out16 + ((long)row * NH + head) * HD + d) = pack_bf16x2(v.x, v.y);
         }
     }
 }
@@ -355,9 +358,10 @@ __device__ __forceinline__ void attn_prefill_rows(const float* q, const kv_t* k_
 #define ATTN_PREFILL(ROWS, SLOTS)                                                                  \
     extern "C" __global__ void __launch_bounds__(2 * ROWS)                                        \
         attn_prefill_r##ROWS##_s##SLOTS(const float* q, const kv_t* k_cache, const kv_t* v_cache, \
-                                        int pos0, int t, const float* qkv, int ld, float* out) {  \
+                                        int pos0, int t, const float* qkv, int ld, float* out,    \
+                                        u16* out16) {                                              \
         pdl_wait();                                                                                \
-        attn_prefill_rows<ROWS, SLOTS>(q, k_cache, v_cache, pos0, t, qkv, ld, out);               \
+        attn_prefill_rows<ROWS, SLOTS>(q, k_cache, v_cache, pos0, t, qkv, ld, out, out16);        \
     }
 
 ATTN_PREFILL(128, 4)

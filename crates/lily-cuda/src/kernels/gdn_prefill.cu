@@ -202,10 +202,11 @@ extern "C" __global__ void gdn_scan(const float* conv, const float* prep, int t,
         if (active && row0 + e < DK) S[(row0 + e) * DV + col] = s[e];
 }
 
-// Gated RMSNorm per (token, value head): y = rms_norm(o)·w ⊙ silu(z), z from the token's proj row.
+// Gated RMSNorm per (token, value head): y = rms_norm(o)·w ⊙ silu(z), z from the token's proj row;
+// and y rounded to bf16 into y16 when given (the output projection's X on the wgmma path).
 // Grid (NV, t), any multiple of 32 threads (each strides over DV).
 extern "C" __global__ void gdn_gated_norm_rows(const float* o, const float* proj, int ld,
-                                               const float* w, float* y, float eps) {
+                                               const float* w, float* y, u16* y16, float eps) {
     pdl_wait();
     __shared__ float scratch[32];
     int j = blockIdx.x, tok = blockIdx.y;
@@ -215,5 +216,10 @@ extern "C" __global__ void gdn_gated_norm_rows(const float* o, const float* proj
     float ss = 0.f;
     for (int d = threadIdx.x; d < DV; d += blockDim.x) ss += x[d] * x[d];
     float inv = rsqrtf(block_sum(ss, scratch) / DV + eps);
-    for (int d = threadIdx.x; d < DV; d += blockDim.x) dst[d] = x[d] * inv * w[d] * siluf(z[d]);
+    u16* dst16 = y16 ? y16 + (long)tok * NV * DV + j * DV : nullptr;
+    for (int d = threadIdx.x; d < DV; d += blockDim.x) {
+        const float v = x[d] * inv * w[d] * siluf(z[d]);
+        dst[d] = v;
+        if (dst16) dst16[d] = (u16)pack_bf16x2(v, 0.f);
+    }
 }

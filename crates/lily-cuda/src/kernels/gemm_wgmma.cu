@@ -239,6 +239,42 @@ __device__ __forceinline__ void wg_store_w(const WgWLoad& r, u32 tile, u32 slot)
     }
 }
 
+// Writes a warpgroup's accumulators: Y[y_row0 + i, y_col0 + j] for the tile's rows i < m_valid
+// and columns j < n_valid.
+template <int BM>
+__device__ __forceinline__ void wg_store_acc(const float (&acc)[BM == GEMM_WG_DENSE_BM ? GEMM_WG_BN / 2 : GEMM_WG_BN / 4],
+                                             float* __restrict__ y, long y_row0, long ldy, long y_col0, int m_valid,
+                                             int n_valid) {
+    constexpr bool DENSE = BM == GEMM_WG_DENSE_BM;
+    constexpr int WN = DENSE ? GEMM_WG_BN : GEMM_WG_BN / 2;
+    const int tid = threadIdx.x, wg = tid / 128, warp = (tid / WARP) % 4, lane = tid % WARP;
+    // Accumulator 4j + 2h + e of a lane: row 16·warp + lane/4 + 8h of its warpgroup's rows, column
+    // 8j + 2·(lane%4) + e of its columns. Pairs go out as one 8-byte store where aligned.
+    const int row0 = (DENSE ? 64 * wg : 0) + 16 * warp + lane / 4;
+    const int col_base = (DENSE ? 0 : WN * wg) + 2 * (lane % 4);
+    // Every column of the warpgroup live and 8-byte-aligned pairs: unchecked pair stores.
+    const bool fast = ((unsigned long long)(y + y_row0 * ldy + y_col0) & 7) == 0 && ldy % 2 == 0 &&
+                      (DENSE ? 0 : WN * wg) + WN <= n_valid;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int row = row0 + 8 * h;
+        if (row >= m_valid) continue;
+        float* out = y + (y_row0 + row) * ldy + y_col0 + col_base;
+        if (fast) {
+#pragma unroll
+            for (int j = 0; j < WN / 8; j++)
+                *(float2*)(out + 8 * j) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < WN / 8; j++) {
+                const int col = col_base + 8 * j;
+                if (col < n_valid) out[8 * j] = acc[4 * j + 2 * h];
+                if (col + 1 < n_valid) out[8 * j + 1] = acc[4 * j + 2 * h + 1];
+            }
+        }
+    }
+}
+
 // One block's tile: Y[y_row0 + i, y_col0 + j] = Σ_k X[row i] · W[w_row0 + j] for i < m_valid,
 // j < n_valid, k in [k0, k1) (whole steps). X row i is x_row0 + i, or gather[x_row0 + i] when
 // GATHER and gather is given; X rows have K = w.cols values; m_valid ≤ BM. BM 128: dense
@@ -343,32 +379,215 @@ __device__ __forceinline__ void wgmma_tile(const Mat& w, long w_row0, int n_vali
         __syncthreads();
     }
     if (!live) return;
+    wg_store_acc<BM>(acc, y, y_row0, ldy, y_col0, m_valid, n_valid);
+}
 
-    // Accumulator 4j + 2h + e of a lane: row 16·warp + lane/4 + 8h of its warpgroup's rows, column
-    // 8j + 2·(lane%4) + e of its columns. Pairs go out as one 8-byte store where aligned.
-    const int row0 = (DENSE ? 64 * wg : 0) + 16 * warp + lane / 4;
-    const int col_base = (DENSE ? 0 : WN * wg) + 2 * (lane % 4);
-    // Every column of the warpgroup live and 8-byte-aligned pairs: unchecked pair stores.
-    const bool fast = ((unsigned long long)(y + y_row0 * ldy + y_col0) & 7) == 0 && ldy % 2 == 0 &&
-                      (DENSE ? 0 : WN * wg) + WN <= n_valid;
+// ---- X given as bf16 rows (the _x16 entries): every operand by cp.async, D steps ahead ----
+//
+// Why: with X in f32 a step's loads pass through registers, and the accumulators leave room for
+// one step's only, so every step waits out a global round trip (W's codes from DRAM, X from L2)
+// beside a few hundred cycles of tensor work; and every column block reads X from L2 at four
+// bytes a value (a dense block: 32 KB of X against 8 KB of codes a step). When the producer
+// writes X rounded to bf16 (the same round to nearest even that wg_store_x applies), X needs no
+// conversion: its 16-byte chunks go by cp.async straight into the swizzled wgmma tile, into a
+// ring of D + 1 tiles, D steps ahead of the wgmma that reads them. W's codes and scale windows go
+// by cp.async into a ring of D raw slots, D steps ahead of their dequantisation, which stays in
+// registers (a thread dequantises the W row it copied, row tid of the block's 256, so it waits
+// for its own copies only: cp.async.wait_group, no barrier). cp.async holds no registers while
+// in flight. A raw slot is the codes as two 16-byte halves, [half][row], then the window's four
+// bf16 scales [row] and biases [row]: consecutive threads touch consecutive 16 or 8 bytes.
+#define GEMM_WG_RAW_BYTES (GEMM_WG_BN * (32 + 8 + 8))
+
+// Dynamic shared memory of an _x16 block of BM rows, D steps ahead: D + 1 X tiles, two W tiles,
+// D raw slots, 1024 bytes of alignment.
+__host__ __device__ constexpr int gemm_wgmma_x16_shared_bytes(int bm, int d) {
+    return (d + 1) * bm * 128 + 2 * GEMM_WG_BN * 128 + d * GEMM_WG_RAW_BYTES + 1024;
+}
+
+// cp.async of 16 bytes into shared memory; zeros where src_bytes is 0 (a row past the tile's).
+__device__ __forceinline__ void wg_cp16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void wg_cp8(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void wg_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wg_cp_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Whether the step at column k enters a new window of four groups (its scales and biases load).
+__device__ __forceinline__ bool wg_new_window(int k, int k0, int window_shift) {
+    return k == k0 || (k >> window_shift) != ((k - GEMM_WG_BK) >> window_shift);
+}
+
+// Where this thread's X chunks come from: chunk i is row tid/8 + 32·i of the tile, 16 bytes
+// tid % 8 of the step's 128; rows past the tile's read nothing (zeros).
+template <int BM>
+struct WgX16Rows {
+    static constexpr int CHUNKS = BM / 32;
+    const u16* row[CHUNKS];
+    int bytes[CHUNKS];
+};
+
+// The copies of step k into X tile `xt`, raw slot `raw`: this thread's X chunks, its W row's
+// codes, and at a new window the row's four scales and biases.
+template <int BM>
+__device__ __forceinline__ void wg_copy_step(const WgX16Rows<BM>& xr, const Mat& w, const char* codes_row,
+                                             long window_row, int w_bytes, int k, bool window, int window_shift,
+                                             u32 xt, u32 raw) {
+    const int tid = threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < WgX16Rows<BM>::CHUNKS; i++)
+        wg_cp16(xt + swizzle128(tid / 8 + 32 * i, tid % 8), xr.row[i] + k + 8 * (tid % 8), xr.bytes[i]);
+    const char* codes = codes_row + k / 2;
+    wg_cp16(raw + 16 * tid, codes, w_bytes);
+    wg_cp16(raw + 16 * GEMM_WG_BN + 16 * tid, codes + 16, w_bytes);
+    if (window) {
+        const long g = window_row + ((k >> window_shift) << 2);
+        wg_cp8(raw + 32 * GEMM_WG_BN + 8 * tid, w.scales + g, w_bytes / 2);
+        wg_cp8(raw + 40 * GEMM_WG_BN + 8 * tid, w.biases + g, w_bytes / 2);
+    }
+}
+
+// Dequantises this thread's W row of step k from raw slot `raw` into W tile `wt` (row tid, its
+// 16-byte chunk c at swizzle128(tid, c): a quarter-warp's eight rows hit distinct banks). The
+// window (scales, biases) is kept from step to step and replaced at a new one. A step of 64
+// columns lies in one window; with groups of 32 its halves are two groups of it.
+__device__ __forceinline__ void wg_dequant_step(u32 raw, u32 wt, int k, bool window, int group_shift,
+                                                u32 (&scales)[2], u32 (&biases)[2]) {
+    const int tid = threadIdx.x;
+    uint4 q[2];
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(q[0].x), "=r"(q[0].y), "=r"(q[0].z), "=r"(q[0].w) : "r"(raw + 16 * tid));
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(q[1].x), "=r"(q[1].y), "=r"(q[1].z), "=r"(q[1].w) : "r"(raw + 16 * GEMM_WG_BN + 16 * tid));
+    if (window) {
+        asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(scales[0]), "=r"(scales[1]) : "r"(raw + 32 * GEMM_WG_BN + 8 * tid));
+        asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(biases[0]), "=r"(biases[1]) : "r"(raw + 40 * GEMM_WG_BN + 8 * tid));
+    }
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const int row = row0 + 8 * h;
-        if (row >= m_valid) continue;
-        float* out = y + (y_row0 + row) * ldy + y_col0 + col_base;
-        if (fast) {
+        const int sub = ((k + 32 * h) >> group_shift) & 3;
+        const u32 s2 = window_pair(scales, sub), b2 = window_pair(biases, sub);
+        const u32 words[4] = {q[h].x, q[h].y, q[h].z, q[h].w};
 #pragma unroll
-            for (int j = 0; j < WN / 8; j++)
-                *(float2*)(out + 8 * j) = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-        } else {
-#pragma unroll
-            for (int j = 0; j < WN / 8; j++) {
-                const int col = col_base + 8 * j;
-                if (col < n_valid) out[8 * j] = acc[4 * j + 2 * h];
-                if (col + 1 < n_valid) out[8 * j + 1] = acc[4 * j + 2 * h + 1];
-            }
-        }
+        for (int c = 0; c < 4; c++) st_shared_v4(wt + swizzle128(tid, 4 * h + c), dequant_b4x8(words[c], s2, b2));
     }
+}
+
+// wgmma_tile with X as bf16 rows (x: K values a row, 16-byte aligned), D steps ahead.
+template <int BM, bool GATHER, int D>
+__device__ __forceinline__ void wgmma_tile_x16(const Mat& w, long w_row0, int n_valid, const u16* __restrict__ x,
+                                               const int* __restrict__ gather, long x_row0, int m_valid,
+                                               float* __restrict__ y, long y_row0, long ldy, long y_col0, int k0,
+                                               int k1) {
+    static_assert(BM == GEMM_WG_DENSE_BM || BM == GEMM_WG_GROUPED_BM, "dense or grouped tiles");
+    static_assert(D >= 1, "at least one step ahead");
+    constexpr bool DENSE = BM == GEMM_WG_DENSE_BM;
+    constexpr int WN = DENSE ? GEMM_WG_BN : GEMM_WG_BN / 2;
+    constexpr u32 X_BYTES = BM * 128, W_BYTES = GEMM_WG_BN * 128;
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
+
+    const int tid = threadIdx.x, wg = tid / 128, warp = (tid / WARP) % 4, lane = tid % WARP;
+    {
+        u32 dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (dyn < (u32)gemm_wgmma_x16_shared_bytes(BM, D)) __trap();
+    }
+    // [X tiles 0..D][W tiles 0, 1][raw slots 0..D-1], from the first 1024-byte boundary.
+    const u32 sx = (shared_address(wg_smem) + 1023u) & ~1023u;
+    const u32 sw = sx + (D + 1) * X_BYTES;
+    const u32 sraw = sw + 2 * W_BYTES;
+
+    const int K = w.cols;
+    const int groups = K / w.group;
+    const unsigned long long windows = (unsigned long long)w.scales | (unsigned long long)w.biases;
+    if ((w.group & (w.group - 1)) != 0 || w.group < 32 || groups % 4 != 0 || (windows & 7) != 0 ||
+        (k1 - k0) % GEMM_WG_BK != 0 || ((unsigned long long)x & 15) != 0)
+        __trap();
+    const int group_shift = 31 - __clz(w.group), window_shift = group_shift + 2;
+
+    WgX16Rows<BM> xr;
+#pragma unroll
+    for (int i = 0; i < WgX16Rows<BM>::CHUNKS; i++) {
+        const int r = tid / 8 + 32 * i;
+        const long slot = x_row0 + min(r, m_valid - 1);
+        const long row = GATHER && gather != nullptr ? (long)gather[slot] : slot;
+        xr.row[i] = x + row * K;
+        xr.bytes[i] = r < m_valid ? 16 : 0;
+    }
+    const bool w_live = tid < n_valid;
+    const long w_row = w_row0 + min(tid, n_valid - 1);
+    const char* codes_row = (const char*)w.w + w_row * (K / 2);
+    const long window_row = w_row * groups;
+    const int w_bytes = w_live ? 16 : 0;
+
+    const bool live = DENSE ? 64 * wg < m_valid : WN * wg < n_valid;
+    const unsigned long long a_desc = tile_descriptor(sx + (DENSE ? wg * 64 * 128 : 0));
+    const unsigned long long b_desc = tile_descriptor(sw + (DENSE ? 0 : wg * WN * 128));
+
+    float acc[WN / 2];
+#pragma unroll
+    for (int i = 0; i < WN / 2; i++) acc[i] = 0.f;
+
+    const int steps = (k1 - k0) / GEMM_WG_BK;
+    // Copy group g holds step g's copies (empty past the last step), so waiting for step s + 1
+    // with the copies of s + 2 .. s + D in flight is wait_group(D - 1).
+#pragma unroll
+    for (int t = 0; t < D; t++) {
+        const int k = k0 + t * GEMM_WG_BK;
+        if (t < steps)
+            wg_copy_step<BM>(xr, w, codes_row, window_row, w_bytes, k, wg_new_window(k, k0, window_shift),
+                             window_shift, sx + t * X_BYTES, sraw + t * GEMM_WG_RAW_BYTES);
+        wg_cp_commit();
+    }
+    u32 scales[2] = {0u, 0u}, biases[2] = {0u, 0u};
+    wg_cp_wait<D - 1>();
+    wg_dequant_step(sraw, sw, k0, true, group_shift, scales, biases);
+    fence_async_shared();
+    __syncthreads();
+
+    for (int step = 0; step < steps; step++) {
+        if (live) {
+            const int xs = step % (D + 1);
+            const unsigned long long a = a_desc + xs * (X_BYTES >> 4), b = b_desc + (step & 1) * (W_BYTES >> 4);
+            pin_accumulators(acc);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < GEMM_WG_BK / 16; kk++) {
+                if constexpr (DENSE)
+                    wgmma_m64n256(acc, a + 2 * kk, b + 2 * kk);
+                else
+                    wgmma_m64n128(acc, a + 2 * kk, b + 2 * kk);
+            }
+            wgmma_commit();
+        }
+        // Step + D's copies go where step − 1's X tile was (its wgmma ended before the last
+        // barrier) and where step's raw codes were (dequantised before it).
+        const int ahead = step + D;
+        if (ahead < steps) {
+            const int k = k0 + ahead * GEMM_WG_BK;
+            wg_copy_step<BM>(xr, w, codes_row, window_row, w_bytes, k, wg_new_window(k, k0, window_shift),
+                             window_shift, sx + (ahead % (D + 1)) * X_BYTES, sraw + (ahead % D) * GEMM_WG_RAW_BYTES);
+        }
+        wg_cp_commit();
+        if (step + 1 < steps) {
+            const int next = step + 1, k = k0 + next * GEMM_WG_BK;
+            wg_cp_wait<D - 1>();
+            // The other W tile was last read by step − 1's wgmma, complete before its barrier.
+            wg_dequant_step(sraw + (next % D) * GEMM_WG_RAW_BYTES, sw + (next & 1) * W_BYTES, k,
+                            wg_new_window(k, k0, window_shift), group_shift, scales, biases);
+            // Orders the dequantised stores and the landed copies before the async proxy's reads.
+            fence_async_shared();
+        }
+        wgmma_wait_all();
+        pin_accumulators(acc);
+        __syncthreads();
+    }
+    if (!live) return;
+    wg_store_acc<BM>(acc, y, y_row0, ldy, y_col0, m_valid, n_valid);
 }
 
 // Dense, 4-bit: as gemm.cu's gemm_b4 (same arguments and grid shape, with 128 × 256 output tiles:
@@ -399,4 +618,34 @@ extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 2)
     if (expert < 0 || (long)(expert + 1) * n > w.rows || rows <= 0) return;
     wgmma_tile<GEMM_WG_GROUPED_BM, true>(w, (long)expert * n + n0, min(GEMM_WG_BN, n - n0), x, gather, slot0, rows,
                                          y, slot0, n, n0, 0, w.cols);
+}
+
+// The entries above with X as bf16 rows (x16): dense 3 steps ahead, one block an SM (165 KiB);
+// grouped 2 steps ahead, the most that leaves two blocks an SM (113 KiB each, the SM's 228 KiB).
+#define GEMM_WG_DENSE_AHEAD 3
+#define GEMM_WG_GROUPED_AHEAD 2
+
+extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 1)
+    gemm_wgmma_b4_x16(Mat w, const u16* x, int m, float* y, int ldy, int col0, int k_split) {
+    pdl_wait();
+    const int n0 = blockIdx.x * GEMM_WG_BN;
+    const long r0 = (long)blockIdx.y * GEMM_WG_DENSE_BM;
+    const int k0 = blockIdx.z * k_split;
+    float* out = y + (long)blockIdx.z * m * ldy;
+    wgmma_tile_x16<GEMM_WG_DENSE_BM, false, GEMM_WG_DENSE_AHEAD>(
+        w, n0, min(GEMM_WG_BN, w.rows - n0), x, nullptr, r0, (int)min((long)GEMM_WG_DENSE_BM, m - r0), out, r0, ldy,
+        (long)col0 + n0, k0, min(k0 + k_split, w.cols));
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 2)
+    gemm_wgmma_grouped64_b4_x16(Mat w, int n, const u16* x, const int* gather, const int* tiles,
+                                const int* num_tiles, float* y) {
+    pdl_wait();
+    const int t = blockIdx.y;
+    if (t >= *num_tiles) return;
+    const int expert = tiles[3 * t], slot0 = tiles[3 * t + 1], rows = min(tiles[3 * t + 2], GEMM_WG_GROUPED_BM);
+    const int n0 = blockIdx.x * GEMM_WG_BN;
+    if (expert < 0 || (long)(expert + 1) * n > w.rows || rows <= 0) return;
+    wgmma_tile_x16<GEMM_WG_GROUPED_BM, true, GEMM_WG_GROUPED_AHEAD>(
+        w, (long)expert * n + n0, min(GEMM_WG_BN, n - n0), x, gather, slot0, rows, y, slot0, n, n0, 0, w.cols);
 }

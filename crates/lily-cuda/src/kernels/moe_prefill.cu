@@ -132,10 +132,15 @@ moe_sort(const int* ids, int pairs, int tile_rows, int* gather, int* slot_of, in
 }
 
 // act[i] = silu(gate[i]) · up[i] for i < n, grid-stride.
-extern "C" __global__ void moe_swiglu(const float* gate, const float* up, int n, float* act) {
+// act = silu(gate) · up, and the same rounded to bf16 into act16 when given (the down
+// projection's X on the wgmma path; rounded as the GEMMs round f32 X).
+extern "C" __global__ void moe_swiglu(const float* gate, const float* up, int n, float* act, u16* act16) {
     pdl_wait();
-    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
-        act[i] = siluf(gate[i]) * up[i];
+    for (long i = (long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        const float v = siluf(gate[i]) * up[i];
+        act[i] = v;
+        if (act16) act16[i] = (u16)pack_bf16x2(v, 0.f);
+    }
 }
 
 // out[t, :] = Σ_k weights[t·TOPK + k] · down[slot_of[t·TOPK + k], :] + σ(shared gate logit) ·

@@ -1,8 +1,10 @@
-// hidden += delta (when given), then out = RMSNorm(hidden) · scale. The residual add rides
-// along with the norm that needs its result, saving a pass over the hidden state. One block per
-// row of n values: a decode step launches one, a prefill chunk one per token.
+// hidden += delta (when given), then out = RMSNorm(hidden) · scale, and the same rounded to bf16
+// into out16 when given (the prefill GEMMs on the wgmma path read that copy: half the bytes, and
+// no conversion on every load; pack_bf16x2 rounds as those GEMMs round f32 X). The residual add
+// rides along with the norm that needs its result, saving a pass over the hidden state. One
+// block per row of n values: a decode step launches one, a prefill chunk one per token.
 extern "C" __global__ void add_rms_norm(float* hidden, const float* delta, const float* scale,
-                                        float* out, int n, float eps) {
+                                        float* out, u16* out16, int n, float eps) {
     pdl_wait();
     __shared__ float scratch[32];
     long row = (long)blockIdx.x * n;
@@ -16,5 +18,10 @@ extern "C" __global__ void add_rms_norm(float* hidden, const float* delta, const
         ss += h * h;
     }
     float inv = rsqrtf(block_sum(ss, scratch) / n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = hidden[i] * inv * scale[i];
+    if (out16) out16 += row;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = hidden[i] * inv * scale[i];
+        out[i] = v;
+        if (out16) out16[i] = (u16)pack_bf16x2(v, 0.f);
+    }
 }
