@@ -51,13 +51,15 @@ impl GemmPath {
 }
 
 /// Whether gemm_wgmma.cu takes weight `w` (as the kernels see it): 4-bit codes in groups of a power
-/// of two, a multiple of 4 groups a row, and 8-byte-aligned scales and biases. Every step of
-/// 64 columns is then whole and a window of 4 groups one 8-byte load, which spares the kernel the
-/// checks (and registers) ragged rows would cost. MLX's groups (32, 64, 128) and the model's rows
-/// (2,048 to 4,096 columns in groups of 64) all qualify; the kernel traps on any other.
+/// of two, at least 32 (a thread's 32 codes, or a half step, in one group), a multiple of 4 groups
+/// a row, and 8-byte-aligned scales and biases. Every step of 64 columns is then whole and a
+/// window of 4 groups one 8-byte load, which spares the kernel the checks (and registers) ragged
+/// rows would cost. MLX's groups (32, 64, 128) and the model's rows (2,048 to 4,096 columns in
+/// groups of 64) all qualify; the kernel traps on any other.
 pub fn takes(w: &MatArg, bits: u32) -> bool {
     let group = w.group as usize;
     bits == 4
+        && group >= 32
         && group.is_power_of_two()
         && (w.cols as usize / group).is_multiple_of(4)
         && (w.scales | w.biases).is_multiple_of(8)
@@ -185,6 +187,7 @@ pub(crate) mod tests {
         assert!(!takes(&w(2048, 64, 256), 8));
         assert!(!takes(&w(384, 64, 256), 4), "6 groups");
         assert!(!takes(&w(96 * 8, 96, 256), 4), "group not a power of two");
+        assert!(!takes(&w(256, 16, 256), 4), "a half step across groups");
         assert!(!takes(&w(2048, 64, 258), 4), "scales 2-byte aligned");
     }
 

@@ -1,7 +1,7 @@
 // Y = X · Wᵀ for prefill on Hopper's warpgroup MMA (wgmma.mma_async, sm_90a only), for 4-bit
 // weights: exactly what gemm.cu's gemm_b4 and gemm_grouped64_b4 compute, with the same arguments
 // (X rounded to bf16, w = bf16(scale·code + bias) rounded once, products summed in f32); gemm.rs
-// picks this file's entries on sm_90 (GemmPath). It takes weights in groups of a power of two,
+// picks this file's entries on sm_90 (GemmPath). It takes weights in groups of a power of two (32 or more),
 // four or more groups a row (gemm_wgmma.rs, `takes`: the model's all are), so every step of
 // GEMM_WG_BK = 64 columns is whole and no load needs a column check. 8-bit and f32 weights, other
 // 4-bit ones and the 16-row expert tiles keep gemm.cu.
@@ -308,7 +308,8 @@ __device__ __forceinline__ void wgmma_tile(const Mat& w, long w_row0, int n_vali
     // multiple of 4 of them a row (so K % 128 == 0 and every step is whole), 8-byte-aligned scales
     // and biases (the windows' loads); a block's columns whole steps.
     const unsigned long long windows = (unsigned long long)w.scales | (unsigned long long)w.biases;
-    if ((w.group & (w.group - 1)) != 0 || groups % 4 != 0 || (windows & 7) != 0 || (k1 - k0) % GEMM_WG_BK != 0)
+    if ((w.group & (w.group - 1)) != 0 || w.group < 32 || groups % 4 != 0 || (windows & 7) != 0 ||
+        (k1 - k0) % GEMM_WG_BK != 0)
         __trap();
     const int group_shift = 31 - __clz(w.group);
 
