@@ -184,6 +184,7 @@ pub const KERNEL_FILES: [KernelFile; 16] = [
             "gemm_wgmma_grouped64_b4",
             "gemm_wgmma_b4_x16",
             "gemm_wgmma_grouped64_b4_x16",
+            "gemm_wgmma_gate_up64_b4_x16",
         ],
         only_for: Some("sm_90a"),
         decode_kernels: None,

@@ -9,7 +9,7 @@ use crate::gemm_wgmma::{
     self, GemmPath, WGMMA_DENSE, WGMMA_DENSE_X16, WGMMA_GROUPED_SHARED, WGMMA_GROUPED_X16_SHARED,
 };
 use crate::gpu::{Gpu, Shape, ptr};
-use crate::kernel_args::{Gemm, GemmGrouped, GemmReduce};
+use crate::kernel_args::{Gemm, GemmGateUp, GemmGrouped, GemmReduce};
 use crate::mat::DeviceMat;
 use crate::moe_prefill::{MoeTile, TileMap};
 
@@ -331,6 +331,79 @@ pub fn gemm_grouped(
     Ok(())
 }
 
+/// Whether [`gemm_gate_up`] runs `gate` and `up` over tiles of `height`: the wgmma kernels take
+/// both, at 64-row tiles, and they are one shape.
+pub fn gate_up_fused(gpu: &Gpu, gate: &DeviceMat, up: &DeviceMat, height: MoeTile) -> bool {
+    height == MoeTile::Rows64
+        && grouped_tall_path(gpu, gate) == GemmPath::Wgmma
+        && grouped_tall_path(gpu, up) == GemmPath::Wgmma
+        && (gate.rows, gate.cols, gate.group) == (up.rows, up.cols, up.group)
+}
+
+/// The experts' gate and up projections and the SwiGLU between them in one launch, where
+/// [`gate_up_fused`] holds: `act[s, j] = silu(x_s · gate_e[j]) · (x_s · up_e[j])` for every
+/// slot s of `map` (expert e, x row `gather[s]` of the bf16 rows `x16`) and j < n, rounded to
+/// bf16 into `act16` and, unless `act` is 0, in f32 into `act`. The same bits as `gemm_grouped`
+/// of gate and of up followed by `moe_prefill::swiglu`.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_gate_up(
+    gpu: &Gpu,
+    gate: &DeviceMat,
+    up: &DeviceMat,
+    n: usize,
+    x16: u64,
+    gather: u64,
+    map: &TileMap,
+    act: u64,
+    act16: u64,
+) -> Result<()> {
+    check_weight(gate)?;
+    ensure!(
+        gate_up_fused(gpu, gate, up, map.height),
+        "the fused gate and up projections need the wgmma path, 64-row tiles and weights of one shape"
+    );
+    ensure!(
+        n > 0 && gate.rows.is_multiple_of(n),
+        "{} stacked rows do not divide into experts of {n} rows",
+        gate.rows
+    );
+    if map.max_tiles == 0 {
+        return Ok(());
+    }
+    ensure!(
+        map.max_tiles <= MAX_GRID_Y,
+        "{} expert tiles are too many for one GEMM launch",
+        map.max_tiles
+    );
+    let args = GemmGateUp {
+        gate: gate.arg(gpu),
+        up: up.arg(gpu),
+        n: n as i32,
+        x: x16,
+        gather,
+        tiles: map.tiles,
+        num_tiles: map.num_tiles,
+        act,
+        act16,
+    };
+    // A block takes 128 gate rows and the same 128 up rows.
+    let shape = Shape {
+        grid: (
+            n.div_ceil(GEMM_GROUPED_BN / 2) as u32,
+            map.max_tiles as u32,
+            1,
+        ),
+        block: GEMM_THREADS,
+    };
+    gpu.launch_shared(
+        gemm_wgmma::GATE_UP_X16_ENTRY,
+        shape,
+        WGMMA_GROUPED_X16_SHARED,
+        &args,
+    )?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -353,7 +426,7 @@ mod tests {
         launched.sort();
         loaded.sort();
         assert_eq!(launched, loaded);
-        assert_eq!(dynamic_shared(false).len(), dynamic_shared(true).len() - 4);
+        assert_eq!(dynamic_shared(false).len(), dynamic_shared(true).len() - 5);
         for bits in [4, 8, 32] {
             let mut made = vec![format!("GEMM_DENSE({bits})")];
             made.extend(MoeTile::ALL.map(|h| format!("GEMM_GROUPED({}, {bits})", h.rows())));

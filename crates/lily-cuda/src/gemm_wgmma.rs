@@ -72,6 +72,8 @@ pub(crate) const GROUPED_ENTRY: &str = "gemm_wgmma_grouped64_b4";
 /// The same two with X as bf16 rows (`GemmX::bf16`), every operand copied steps ahead.
 pub(crate) const DENSE_X16_ENTRY: &str = "gemm_wgmma_b4_x16";
 pub(crate) const GROUPED_X16_ENTRY: &str = "gemm_wgmma_grouped64_b4_x16";
+/// The experts' gate and up projections with the SwiGLU (`GemmGateUp`), X as bf16 rows.
+pub(crate) const GATE_UP_X16_ENTRY: &str = "gemm_wgmma_gate_up64_b4_x16";
 
 /// Dynamic shared memory of a block with `bm` rows of X (`gemm_wgmma_shared_bytes`): two X and
 /// two W tiles of 128-byte rows, and 1 KiB to align them to 1,024 bytes.
@@ -124,12 +126,13 @@ const _: () = assert!(WGMMA_DENSE_X16.shared <= 227 * 1024);
 
 /// The entries and the dynamic shared memory each launches with (above the default 48 KiB, so
 /// `Gpu::new` raises their limit).
-pub(crate) fn dynamic_shared() -> [(String, u32); 4] {
+pub(crate) fn dynamic_shared() -> [(String, u32); 5] {
     [
         (DENSE_ENTRY.to_string(), WGMMA_DENSE.shared),
         (GROUPED_ENTRY.to_string(), WGMMA_GROUPED_SHARED),
         (DENSE_X16_ENTRY.to_string(), WGMMA_DENSE_X16.shared),
         (GROUPED_X16_ENTRY.to_string(), WGMMA_GROUPED_X16_SHARED),
+        (GATE_UP_X16_ENTRY.to_string(), WGMMA_GROUPED_X16_SHARED),
     ]
 }
 

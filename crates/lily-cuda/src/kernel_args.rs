@@ -198,6 +198,10 @@ kernel_args! {
     GemmGrouped {
         w: MatArg, n: i32, x: u64, gather: u64, tiles: u64, num_tiles: u64, y: u64,
     }
+    GemmGateUp {
+        gate: MatArg, up: MatArg, n: i32, x: u64, gather: u64, tiles: u64, num_tiles: u64, act: u64,
+        act16: u64,
+    }
     MoeTopkRows { logits: u64, t: i32, ids: u64, weights: u64 }
     MoeSort {
         ids: u64, pairs: i32, tile_rows: i32, gather: u64, slot_of: u64, tiles: u64,
@@ -319,6 +323,7 @@ pub fn entries() -> Vec<Entry> {
             .chain(bits("gemm_grouped64"))
             .chain(["gemm_wgmma_grouped64_b4", "gemm_wgmma_grouped64_b4_x16"].map(String::from)),
     ));
+    all.extend(each::<GemmGateUp>(one("gemm_wgmma_gate_up64_b4_x16")));
     all.extend(each::<MoeTopkRows>(one("moe_topk_rows")));
     all.extend(each::<MoeSort>(one("moe_sort")));
     all.extend(each::<MoeSwiglu>(one("moe_swiglu")));

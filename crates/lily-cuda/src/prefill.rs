@@ -51,7 +51,8 @@ pub struct PrefillScratch {
     slot_of: CudaSlice<i32>,
     tiles: CudaSlice<i32>,
     num_tiles: CudaSlice<i32>,
-    /// Routed expert rows in sorted-slot order: gate (then SwiGLU in place), up, down.
+    /// Routed expert rows in sorted-slot order: gate (then SwiGLU in place; not written where
+    /// the fused gate and up launch leaves the SwiGLU in bf16 only, `act16`), up, down.
     gate: CudaSlice<f32>,
     up: CudaSlice<f32>,
     /// The SwiGLU rows rounded to bf16 for the down projections, the routed experts' and then the
@@ -375,14 +376,29 @@ fn encode_moe(
     moe_prefill::sort(gpu, pi(&s.ids), pairs, pi(&s.gather), pi(&s.slot_of), &map)?;
     mark("router + sort")?;
     let grouped = |w, n, x: GemmX, gather, y| gemm::gemm_grouped(gpu, w, n, x, gather, &map, y);
-    grouped(&m.gate, inter, x, pi(&s.gather), p(&s.gate))?;
-    grouped(&m.up, inter, x, pi(&s.gather), p(&s.up))?;
     // The down projections' X: f32 in place of gate, and bf16 where the wgmma kernels read it.
+    let act16 = ptr(&s.act16, &gpu.stream);
     let act = |f32| GemmX {
         f32,
-        bf16: x.bf16.map(|_| ptr(&s.act16, &gpu.stream)),
+        bf16: x.bf16.map(|_| act16),
     };
-    moe_prefill::swiglu(gpu, p(&s.gate), p(&s.up), pairs * inter, act(p(&s.gate)))?;
+    let tall = map.height == MoeTile::Rows64;
+    match x.bf16 {
+        Some(x16) if gemm::gate_up_fused(gpu, &m.gate, &m.up, map.height) => {
+            // act in f32 only for a down projection that will not read the bf16 copy.
+            let down16 = tall && gemm::grouped_tall_path(gpu, &m.down) == GemmPath::Wgmma;
+            let act_f32 = if down16 { 0 } else { p(&s.gate) };
+            let gather = pi(&s.gather);
+            gemm::gemm_gate_up(
+                gpu, &m.gate, &m.up, inter, x16, gather, &map, act_f32, act16,
+            )?;
+        }
+        _ => {
+            grouped(&m.gate, inter, x, pi(&s.gather), p(&s.gate))?;
+            grouped(&m.up, inter, x, pi(&s.gather), p(&s.up))?;
+            moe_prefill::swiglu(gpu, p(&s.gate), p(&s.up), pairs * inter, act(p(&s.gate)))?;
+        }
+    }
     grouped(&m.down, h, act(p(&s.gate)), 0, p(&s.down))?;
     mark("expert gemms")?;
 

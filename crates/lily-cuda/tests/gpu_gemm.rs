@@ -16,11 +16,11 @@ use lily_core::rng::{mix64, uniform_at};
 use lily_core::synthetic::synthetic_config;
 use lily_core::weights::Linear;
 use lily_cuda::KvPrecision;
-use lily_cuda::gemm::{GemmX, gemm, gemm_grouped};
+use lily_cuda::gemm::{GemmX, gate_up_fused, gemm, gemm_gate_up, gemm_grouped};
 use lily_cuda::gemm_wgmma::{GemmPath, takes};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
-use lily_cuda::moe_prefill::{MoeTile, TileMap, max_tiles};
+use lily_cuda::moe_prefill::{MoeTile, TileMap, max_tiles, swiglu};
 use support::{NEEDS_GPU, gemm_paths, random_linear_grouped};
 
 /// `x` rounded to bf16 to nearest even (as the norm that writes a GEMM's bf16 X rounds it), on
@@ -490,6 +490,7 @@ fn check_grouped(
                     f32: ptr(&dx, &gpu.stream),
                     bf16: Some(ptr(&dx16, &gpu.stream)),
                 };
+                check_gate_up_fused(gpu, c, &w, &dx16, gather_ptr);
                 let y16 = run_grouped(gpu, c, &w, x, gather_ptr, height);
                 let differ = y
                     .iter()
@@ -518,6 +519,90 @@ fn check_grouped(
         }
     }
     results
+}
+
+/// The fused gate, up and SwiGLU launch (`gemm_gate_up`) against the grouped GEMM of each and
+/// `moe_swiglu`, on 64-row tiles of `c` with `gate` and a second weight of its shape as up: the
+/// same act to the bit, in f32 and in bf16, and no slot past the tiles' written.
+fn check_gate_up_fused(
+    gpu: &Gpu,
+    c: &Grouped,
+    gate: &DeviceMat,
+    x16: &cudarc::driver::CudaSlice<u16>,
+    gather: u64,
+) {
+    let (n, k) = (c.n, c.k);
+    let experts = c.counts.len();
+    let pairs: usize = c.counts.iter().sum();
+    let up = DeviceMat::upload(
+        gpu,
+        &random_linear_grouped(experts * n, k, c.bits, c.group, 0x5eed ^ (pairs * n) as u64),
+    )
+    .unwrap();
+    assert!(gate_up_fused(gpu, gate, &up, MoeTile::Rows64));
+    let x16p = ptr(x16, &gpu.stream);
+    let x = GemmX {
+        f32: 0,
+        bf16: Some(x16p),
+    };
+    let g = run_grouped(gpu, c, gate, x, gather, MoeTile::Rows64);
+    let u = run_grouped(gpu, c, &up, x, gather, MoeTile::Rows64);
+    let (dg, du) = (gpu.upload(&g).unwrap(), gpu.upload(&u).unwrap());
+    let want = gpu.zeros::<f32>(g.len()).unwrap();
+    let want16 = gpu.zeros::<u16>(g.len()).unwrap();
+    let s = &gpu.stream;
+    let out = GemmX {
+        f32: ptr(&want, s),
+        bf16: Some(ptr(&want16, s)),
+    };
+    swiglu(gpu, ptr(&dg, s), ptr(&du, s), pairs * n, out).unwrap();
+    let tiles = cut_tiles(c.counts, MoeTile::Rows64);
+    let grid = max_tiles(pairs, experts, MoeTile::Rows64);
+    let mut padded = tiles.clone();
+    padded.resize(3 * grid, 0);
+    let (dt, dn) = (
+        gpu.upload(&padded).unwrap(),
+        gpu.upload(&[(tiles.len() / 3) as i32]).unwrap(),
+    );
+    let map = TileMap {
+        tiles: ptr(&dt, s),
+        num_tiles: ptr(&dn, s),
+        height: MoeTile::Rows64,
+        max_tiles: grid,
+    };
+    let sentinel = vec![f32::from_bits(SENTINEL); (pairs + 1) * n];
+    let act = gpu.upload(&sentinel).unwrap();
+    let act16 = gpu.upload(&vec![0xdeadu16; (pairs + 1) * n]).unwrap();
+    gemm_gate_up(
+        gpu,
+        gate,
+        &up,
+        n,
+        x16p,
+        gather,
+        &map,
+        ptr(&act, s),
+        ptr(&act16, s),
+    )
+    .unwrap();
+    let (got, got16) = (gpu.download(&act).unwrap(), gpu.download(&act16).unwrap());
+    let (want, want16) = (gpu.download(&want).unwrap(), gpu.download(&want16).unwrap());
+    let what = format!(
+        "fused gate/up n {n} k {k} counts {:?} gather {:?}",
+        c.counts, c.gather_tokens
+    );
+    for i in 0..pairs * n {
+        assert_eq!(got[i].to_bits(), want[i].to_bits(), "{what}: act[{i}]");
+        assert_eq!(got16[i], want16[i], "{what}: act16[{i}]");
+    }
+    for i in pairs * n..(pairs + 1) * n {
+        assert_eq!(
+            got[i].to_bits(),
+            SENTINEL,
+            "{what}: act[{i}] past the slots"
+        );
+        assert_eq!(got16[i], 0xdead, "{what}: act16[{i}] past the slots");
+    }
 }
 
 /// `m` rows spread at random over `experts` experts, every third one (from expert 1) left empty.

@@ -432,23 +432,40 @@ struct WgX16Rows {
     int bytes[CHUNKS];
 };
 
+// This thread's W row (row tid of the block's 256): where its codes and its scale and bias
+// windows start, and whether it is a row of the weight (a row past it copies zeros: w = 0).
+struct WgWRow {
+    const char* codes;
+    const u16* scales;
+    const u16* biases;
+    int bytes;
+};
+
+// Row `row` of w (clamped to the last of n_valid, which must be ≥ 1) for this thread, `live` or
+// not; K values a row in `groups` groups.
+__device__ __forceinline__ WgWRow wg_w_row(const Mat& w, long row0, int row, int n_valid) {
+    const long r = row0 + min(row, n_valid - 1);
+    const long groups = w.cols / w.group;
+    return WgWRow{(const char*)w.w + r * (w.cols / 2), w.scales + r * groups, w.biases + r * groups,
+                  row < n_valid ? 16 : 0};
+}
+
 // The copies of step k into X tile `xt`, raw slot `raw`: this thread's X chunks, its W row's
 // codes, and at a new window the row's four scales and biases.
 template <int BM>
-__device__ __forceinline__ void wg_copy_step(const WgX16Rows<BM>& xr, const Mat& w, const char* codes_row,
-                                             long window_row, int w_bytes, int k, bool window, int window_shift,
-                                             u32 xt, u32 raw) {
+__device__ __forceinline__ void wg_copy_step(const WgX16Rows<BM>& xr, const WgWRow& wr, int k, bool window,
+                                             int window_shift, u32 xt, u32 raw) {
     const int tid = threadIdx.x;
 #pragma unroll
     for (int i = 0; i < WgX16Rows<BM>::CHUNKS; i++)
         wg_cp16(xt + swizzle128(tid / 8 + 32 * i, tid % 8), xr.row[i] + k + 8 * (tid % 8), xr.bytes[i]);
-    const char* codes = codes_row + k / 2;
-    wg_cp16(raw + 16 * tid, codes, w_bytes);
-    wg_cp16(raw + 16 * GEMM_WG_BN + 16 * tid, codes + 16, w_bytes);
+    const char* codes = wr.codes + k / 2;
+    wg_cp16(raw + 16 * tid, codes, wr.bytes);
+    wg_cp16(raw + 16 * GEMM_WG_BN + 16 * tid, codes + 16, wr.bytes);
     if (window) {
-        const long g = window_row + ((k >> window_shift) << 2);
-        wg_cp8(raw + 32 * GEMM_WG_BN + 8 * tid, w.scales + g, w_bytes / 2);
-        wg_cp8(raw + 40 * GEMM_WG_BN + 8 * tid, w.biases + g, w_bytes / 2);
+        const int g = (k >> window_shift) << 2;
+        wg_cp8(raw + 32 * GEMM_WG_BN + 8 * tid, wr.scales + g, wr.bytes / 2);
+        wg_cp8(raw + 40 * GEMM_WG_BN + 8 * tid, wr.biases + g, wr.bytes / 2);
     }
 }
 
@@ -478,12 +495,16 @@ __device__ __forceinline__ void wg_dequant_step(u32 raw, u32 wt, int k, bool win
     }
 }
 
-// wgmma_tile with X as bf16 rows (x: K values a row, 16-byte aligned), D steps ahead.
+// wgmma_tile's products with X as bf16 rows (x: K values a row, 16-byte aligned), D steps
+// ahead, into the warpgroup's accumulators (their layout: wg_store_acc). wr is this thread's W
+// row (wg_w_row): the block's W rows need not be one matrix's. live: whether this warpgroup
+// has rows (dense) or columns (grouped) to compute; every thread copies and dequantises either
+// way.
 template <int BM, bool GATHER, int D>
-__device__ __forceinline__ void wgmma_tile_x16(const Mat& w, long w_row0, int n_valid, const u16* __restrict__ x,
-                                               const int* __restrict__ gather, long x_row0, int m_valid,
-                                               float* __restrict__ y, long y_row0, long ldy, long y_col0, int k0,
-                                               int k1) {
+__device__ __forceinline__ void wgmma_products_x16(const Mat& w, const WgWRow& wr, bool live, const u16* __restrict__ x,
+                                                   const int* __restrict__ gather, long x_row0, int m_valid, int k0,
+                                                   int k1,
+                                                   float (&acc)[BM == GEMM_WG_DENSE_BM ? GEMM_WG_BN / 2 : GEMM_WG_BN / 4]) {
     static_assert(BM == GEMM_WG_DENSE_BM || BM == GEMM_WG_GROUPED_BM, "dense or grouped tiles");
     static_assert(D >= 1, "at least one step ahead");
     constexpr bool DENSE = BM == GEMM_WG_DENSE_BM;
@@ -491,7 +512,7 @@ __device__ __forceinline__ void wgmma_tile_x16(const Mat& w, long w_row0, int n_
     constexpr u32 X_BYTES = BM * 128, W_BYTES = GEMM_WG_BN * 128;
     extern __shared__ __align__(1024) unsigned char wg_smem[];
 
-    const int tid = threadIdx.x, wg = tid / 128, warp = (tid / WARP) % 4, lane = tid % WARP;
+    const int tid = threadIdx.x, wg = tid / 128;
     {
         u32 dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
@@ -519,17 +540,10 @@ __device__ __forceinline__ void wgmma_tile_x16(const Mat& w, long w_row0, int n_
         xr.row[i] = x + row * K;
         xr.bytes[i] = r < m_valid ? 16 : 0;
     }
-    const bool w_live = tid < n_valid;
-    const long w_row = w_row0 + min(tid, n_valid - 1);
-    const char* codes_row = (const char*)w.w + w_row * (K / 2);
-    const long window_row = w_row * groups;
-    const int w_bytes = w_live ? 16 : 0;
 
-    const bool live = DENSE ? 64 * wg < m_valid : WN * wg < n_valid;
     const unsigned long long a_desc = tile_descriptor(sx + (DENSE ? wg * 64 * 128 : 0));
     const unsigned long long b_desc = tile_descriptor(sw + (DENSE ? 0 : wg * WN * 128));
 
-    float acc[WN / 2];
 #pragma unroll
     for (int i = 0; i < WN / 2; i++) acc[i] = 0.f;
 
@@ -540,8 +554,8 @@ __device__ __forceinline__ void wgmma_tile_x16(const Mat& w, long w_row0, int n_
     for (int t = 0; t < D; t++) {
         const int k = k0 + t * GEMM_WG_BK;
         if (t < steps)
-            wg_copy_step<BM>(xr, w, codes_row, window_row, w_bytes, k, wg_new_window(k, k0, window_shift),
-                             window_shift, sx + t * X_BYTES, sraw + t * GEMM_WG_RAW_BYTES);
+            wg_copy_step<BM>(xr, wr, k, wg_new_window(k, k0, window_shift), window_shift, sx + t * X_BYTES,
+                             sraw + t * GEMM_WG_RAW_BYTES);
         wg_cp_commit();
     }
     u32 scales[2] = {0u, 0u}, biases[2] = {0u, 0u};
@@ -570,8 +584,8 @@ __device__ __forceinline__ void wgmma_tile_x16(const Mat& w, long w_row0, int n_
         const int ahead = step + D;
         if (ahead < steps) {
             const int k = k0 + ahead * GEMM_WG_BK;
-            wg_copy_step<BM>(xr, w, codes_row, window_row, w_bytes, k, wg_new_window(k, k0, window_shift),
-                             window_shift, sx + (ahead % (D + 1)) * X_BYTES, sraw + (ahead % D) * GEMM_WG_RAW_BYTES);
+            wg_copy_step<BM>(xr, wr, k, wg_new_window(k, k0, window_shift), window_shift,
+                             sx + (ahead % (D + 1)) * X_BYTES, sraw + (ahead % D) * GEMM_WG_RAW_BYTES);
         }
         wg_cp_commit();
         if (step + 1 < steps) {
@@ -587,8 +601,6 @@ __device__ __forceinline__ void wgmma_tile_x16(const Mat& w, long w_row0, int n_
         pin_accumulators(acc);
         __syncthreads();
     }
-    if (!live) return;
-    wg_store_acc<BM>(acc, y, y_row0, ldy, y_col0, m_valid, n_valid);
 }
 
 // Dense, 4-bit: as gemm.cu's gemm_b4 (same arguments and grid shape, with 128 × 256 output tiles:
@@ -632,10 +644,14 @@ extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 1)
     const int n0 = blockIdx.x * GEMM_WG_BN;
     const long r0 = (long)blockIdx.y * GEMM_WG_DENSE_BM;
     const int k0 = blockIdx.z * k_split;
-    float* out = y + (long)blockIdx.z * m * ldy;
-    wgmma_tile_x16<GEMM_WG_DENSE_BM, false, GEMM_WG_DENSE_AHEAD>(
-        w, n0, min(GEMM_WG_BN, w.rows - n0), x, nullptr, r0, (int)min((long)GEMM_WG_DENSE_BM, m - r0), out, r0, ldy,
-        (long)col0 + n0, k0, min(k0 + k_split, w.cols));
+    const int n_valid = min(GEMM_WG_BN, w.rows - n0), m_valid = (int)min((long)GEMM_WG_DENSE_BM, m - r0);
+    float acc[GEMM_WG_BN / 2];
+    const bool live = 64 * (threadIdx.x / 128) < m_valid;
+    wgmma_products_x16<GEMM_WG_DENSE_BM, false, GEMM_WG_DENSE_AHEAD>(
+        w, wg_w_row(w, n0, threadIdx.x, n_valid), live, x, nullptr, r0, m_valid, k0, min(k0 + k_split, w.cols), acc);
+    if (live)
+        wg_store_acc<GEMM_WG_DENSE_BM>(acc, y + (long)blockIdx.z * m * ldy, r0, ldy, (long)col0 + n0, m_valid,
+                                       n_valid);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 2)
@@ -647,6 +663,74 @@ extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 2)
     const int expert = tiles[3 * t], slot0 = tiles[3 * t + 1], rows = min(tiles[3 * t + 2], GEMM_WG_GROUPED_BM);
     const int n0 = blockIdx.x * GEMM_WG_BN;
     if (expert < 0 || (long)(expert + 1) * n > w.rows || rows <= 0) return;
-    wgmma_tile_x16<GEMM_WG_GROUPED_BM, true, GEMM_WG_GROUPED_AHEAD>(
-        w, (long)expert * n + n0, min(GEMM_WG_BN, n - n0), x, gather, slot0, rows, y, slot0, n, n0, 0, w.cols);
+    const int n_valid = min(GEMM_WG_BN, n - n0);
+    float acc[GEMM_WG_BN / 4];
+    const bool live = GEMM_WG_BN / 2 * (threadIdx.x / 128) < n_valid;
+    wgmma_products_x16<GEMM_WG_GROUPED_BM, true, GEMM_WG_GROUPED_AHEAD>(
+        w, wg_w_row(w, (long)expert * n + n0, threadIdx.x, n_valid), live, x, gather, slot0, rows, 0, w.cols, acc);
+    if (live) wg_store_acc<GEMM_WG_GROUPED_BM>(acc, y, slot0, n, n0, rows, n_valid);
+}
+
+// The experts' gate and up projections and the SwiGLU in one launch (X as bf16 rows): a block
+// takes 128 of an expert's gate rows (warpgroup 0) and the same 128 up rows (warpgroup 1), so
+// each act[s, j] = silu(gate[s, j]) · up[s, j] meets in one block, where warpgroup 1 hands its
+// accumulators to warpgroup 0 through shared memory (the tiles are free by then: a thread's
+// value goes where the same lane of warpgroup 0 holds the matching gate product). act (f32, when
+// not null) and act16 (bf16, rounded as moe_swiglu rounds) are [slots, n]; the same bits as
+// gemm_wgmma_grouped64_b4 gate and up followed by moe_swiglu. Grid (⌈n/128⌉, max tiles).
+extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 2)
+    gemm_wgmma_gate_up64_b4_x16(Mat gate, Mat up, int n, const u16* x, const int* gather, const int* tiles,
+                                const int* num_tiles, float* act, u16* act16) {
+    pdl_wait();
+    const int t = blockIdx.y;
+    if (t >= *num_tiles) return;
+    const int expert = tiles[3 * t], slot0 = tiles[3 * t + 1], rows = min(tiles[3 * t + 2], GEMM_WG_GROUPED_BM);
+    constexpr int HALF = GEMM_WG_BN / 2;
+    const int n0 = blockIdx.x * HALF;
+    if (expert < 0 || (long)(expert + 1) * n > gate.rows || (long)(expert + 1) * n > up.rows || rows <= 0 ||
+        gate.cols != up.cols || gate.group != up.group)
+        return;
+    const int n_valid = min(HALF, n - n0);
+    const int tid = threadIdx.x, wg = tid / 128;
+    // Gate's row or up's: the fields selected one by one, so the parameters stay in place.
+    const Mat half_w = {wg ? up.w : gate.w, wg ? up.scales : gate.scales, wg ? up.biases : gate.biases,
+                        gate.rows, gate.cols, gate.group};
+    float acc[GEMM_WG_BN / 4];
+    wgmma_products_x16<GEMM_WG_GROUPED_BM, true, GEMM_WG_GROUPED_AHEAD>(
+        gate, wg_w_row(half_w, (long)expert * n + n0, tid % 128, n_valid), true, x, gather, slot0, rows, 0,
+        gate.cols, acc);
+    // Every wgmma has been waited for and the block has met after the last step: the tiles are
+    // free. Thread t of warpgroup 1 writes its accumulator i at word t − 128 + 128·i.
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
+    float* ups = (float*)(wg_smem + ((1024u - (shared_address(wg_smem) & 1023u)) & 1023u));
+    if (wg == 1) {
+#pragma unroll
+        for (int i = 0; i < GEMM_WG_BN / 4; i++) ups[tid - 128 + 128 * i] = acc[i];
+    }
+    __syncthreads();
+    if (wg == 1) return;
+    const int warp = tid / WARP, lane = tid % WARP;
+    const int row0 = 16 * warp + lane / 4, col_base = 2 * (lane % 4);
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int row = row0 + 8 * h;
+        if (row >= rows) continue;
+        const long at = (long)(slot0 + row) * n + n0;
+#pragma unroll
+        for (int j = 0; j < HALF / 8; j++) {
+            const int col = col_base + 8 * j;
+            float v[2];
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int i = 4 * j + 2 * h + e;
+                v[e] = siluf(acc[i]) * ups[tid + 128 * i];
+            }
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                if (col + e >= n_valid) continue;
+                if (act) act[at + col + e] = v[e];
+                act16[at + col + e] = (u16)pack_bf16x2(v[e], 0.f);
+            }
+        }
+    }
 }
