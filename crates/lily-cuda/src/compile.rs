@@ -40,7 +40,7 @@ impl KernelFile {
     }
 }
 
-pub const KERNEL_FILES: [KernelFile; 16] = [
+pub const KERNEL_FILES: [KernelFile; 17] = [
     KernelFile {
         name: "gemv",
         headers: &[GEMV_STAGED, GEMV_ROWS, GEMV_MMA],
@@ -177,11 +177,17 @@ pub const KERNEL_FILES: [KernelFile; 16] = [
     },
     KernelFile {
         name: "gemm_wgmma",
-        headers: &[],
+        headers: &[WGMMA],
         source: include_str!("kernels/gemm_wgmma.cu"),
+        entries: &["gemm_wgmma_b4", "gemm_wgmma_grouped64_b4"],
+        only_for: Some("sm_90a"),
+        decode_kernels: None,
+    },
+    KernelFile {
+        name: "gemm_wgmma_x16",
+        headers: &[WGMMA],
+        source: include_str!("kernels/gemm_wgmma_x16.cu"),
         entries: &[
-            "gemm_wgmma_b4",
-            "gemm_wgmma_grouped64_b4",
             "gemm_wgmma_b4_x16",
             "gemm_wgmma_grouped64_b4_x16",
             "gemm_wgmma_gate_up64_b4_x16",
@@ -288,6 +294,7 @@ const GEMV_MMA: &str = include_str!("kernels/gemv_mma.cuh");
 const GEMV_IMMA: &str = include_str!("kernels/gemv_imma.cuh");
 const MOE_IMMA: &str = include_str!("kernels/moe_imma.cuh");
 const GEMV_STREAM: &str = include_str!("kernels/gemv_stream.cuh");
+pub(crate) const WGMMA: &str = include_str!("kernels/wgmma.cuh");
 
 /// The persistent decode step. Compiled apart from [`KERNEL_FILES`], once the weights are laid out:
 /// their formats are constants of it too (`crate::step_constants`).

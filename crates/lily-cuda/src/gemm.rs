@@ -410,17 +410,19 @@ mod tests {
 
     use crate::gemm_wgmma::tests::{define, file};
 
-    /// The launchers name, at every tile height and weight format, exactly the entries gemm.cu
-    /// and gemm_wgmma.cu instantiate and compile.rs loads (the split-K reduction besides).
+    /// The launchers name, at every tile height and weight format, exactly the entries gemm.cu,
+    /// gemm_wgmma.cu and gemm_wgmma_x16.cu instantiate and compile.rs loads (the split-K
+    /// reduction besides).
     #[test]
     fn every_launched_entry_is_compiled() {
-        let (gemm, wgmma) = (file("gemm"), file("gemm_wgmma"));
+        let gemm = file("gemm");
+        let wgmma = [file("gemm_wgmma"), file("gemm_wgmma_x16")];
         let mut launched: Vec<String> = dynamic_shared(true).into_iter().map(|(e, _)| e).collect();
         launched.push("gemm_reduce".to_string());
         let mut loaded: Vec<String> = gemm
             .entries
             .iter()
-            .chain(wgmma.entries)
+            .chain(wgmma.iter().flat_map(|f| f.entries))
             .map(|e| e.to_string())
             .collect();
         launched.sort();
@@ -434,8 +436,10 @@ mod tests {
                 assert!(gemm.source.contains(&m), "gemm.cu does not instantiate {m}");
             }
         }
-        for entry in wgmma.entries {
-            assert!(wgmma.source.contains(&format!("{entry}(")), "no {entry}");
+        for f in wgmma {
+            for entry in f.entries {
+                assert!(f.source.contains(&format!("{entry}(")), "no {entry}");
+            }
         }
     }
 
