@@ -331,6 +331,17 @@ pub fn gemm_grouped(
     Ok(())
 }
 
+/// How prefill runs the routed experts' gate and up projections where [`gate_up_fused`] allows
+/// the choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateUpRoute {
+    /// Two grouped GEMMs and `moe_swiglu`. The default until the fused launch has run on a GPU
+    /// (written in the fifteenth session, when the session's device time had run out).
+    Split,
+    /// One [`gemm_gate_up`] launch, the SwiGLU in its epilogue, act in bf16 only.
+    Fused,
+}
+
 /// Whether [`gemm_gate_up`] runs `gate` and `up` over tiles of `height`: the wgmma kernels take
 /// both, at 64-row tiles, and they are one shape.
 pub fn gate_up_fused(gpu: &Gpu, gate: &DeviceMat, up: &DeviceMat, height: MoeTile) -> bool {

@@ -39,6 +39,8 @@ pub struct Gpu {
     pub decode_kernels: crate::options::DecodeKernels,
     /// The GDN prefill route the options force, if any ([`crate::gdn_prefill::route_for`]).
     pub gdn_prefill_route: Option<crate::gdn_prefill::GdnPrefillRoute>,
+    /// How prefill runs the routed experts' gate and up projections where it may choose.
+    pub gate_up: crate::gemm::GateUpRoute,
     /// Which kernels run the 4-bit prefill GEMMs ([`Gpu::set_gemm_path`]).
     gemm_path: GemmPath,
     /// Partial sums of dense GEMMs split along K ([`crate::gemm::gemm`]); one launch at a time
@@ -172,6 +174,7 @@ impl Gpu {
             gemm_partials,
             decode_kernels: options.decode_kernels,
             gdn_prefill_route: options.gdn_prefill,
+            gate_up: options.gate_up,
             gemm_path,
             stamps: stamps.map(Mutex::new),
             launch_log: Mutex::new(None),

@@ -7,6 +7,7 @@ use anyhow::{Result, bail};
 use crate::compile::KvPrecision;
 use crate::decode::DecodePath;
 use crate::gdn_prefill::GdnPrefillRoute;
+use crate::gemm::GateUpRoute;
 use crate::gemm_wgmma::GemmPath;
 
 /// The kernels of the graph decode step's 4-bit products (gemv.rs, step.rs).
@@ -44,6 +45,9 @@ pub struct CudaOptions {
     /// One GDN prefill route for every chunk; None: chosen by chunk length
     /// (`LILY_GDN_PREFILL=scan|chunked`).
     pub gdn_prefill: Option<GdnPrefillRoute>,
+    /// The routed experts' gate and up projections in prefill, where the wgmma kernels take them
+    /// (`LILY_GATE_UP=split|fused`).
+    pub gate_up: GateUpRoute,
     /// Kernels compiled to timestamp every block's wait, for `lily bench`'s in-graph breakdown of
     /// a decode step (stamps.rs; `LILY_STAMPS=0|1`).
     pub stamps: bool,
@@ -62,6 +66,7 @@ impl Default for CudaOptions {
             pdl: true,
             gemm: None,
             gdn_prefill: None,
+            gate_up: GateUpRoute::Split,
             stamps: false,
         }
     }
@@ -131,6 +136,13 @@ impl CudaOptions {
                 _ => bail!("LILY_GDN_PREFILL={v:?}: expected scan or chunked"),
             });
         }
+        if let Some(v) = var("LILY_GATE_UP") {
+            o.gate_up = match v.as_str() {
+                "split" => GateUpRoute::Split,
+                "fused" => GateUpRoute::Fused,
+                _ => bail!("LILY_GATE_UP={v:?}: expected split or fused"),
+            };
+        }
         Ok(o)
     }
 
@@ -172,6 +184,7 @@ mod tests {
             ("LILY_GEMM", "mma"),
             ("LILY_GDN_PREFILL", "scan"),
             ("LILY_STAMPS", "1"),
+            ("LILY_GATE_UP", "fused"),
         ]))
         .unwrap();
         let want = CudaOptions {
@@ -182,6 +195,7 @@ mod tests {
             pdl: false,
             gemm: Some(GemmPath::MmaSync),
             gdn_prefill: Some(GdnPrefillRoute::Scan),
+            gate_up: GateUpRoute::Fused,
             stamps: true,
         };
         assert_eq!(o, want);
@@ -199,6 +213,7 @@ mod tests {
             ("LILY_GEMM", "cublas"),
             ("LILY_GDN_PREFILL", "wy"),
             ("LILY_STAMPS", "on"),
+            ("LILY_GATE_UP", "both"),
         ] {
             let err = CudaOptions::from_vars(vars(&[(name, value)])).unwrap_err();
             let text = format!("{err:#}");

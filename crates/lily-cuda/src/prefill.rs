@@ -11,7 +11,7 @@ use lily_core::config::ModelConfig;
 
 use crate::attention_prefill::{self, AttnChunk};
 use crate::gdn_prefill::GdnPrefillRoute;
-use crate::gemm::GemmX;
+use crate::gemm::{GateUpRoute, GemmX};
 use crate::gemm_wgmma::GemmPath;
 use crate::gpu::{Gpu, ptr};
 use crate::kernel_args::{AddRmsNorm, Embed};
@@ -384,7 +384,10 @@ fn encode_moe(
     };
     let tall = map.height == MoeTile::Rows64;
     match x.bf16 {
-        Some(x16) if gemm::gate_up_fused(gpu, &m.gate, &m.up, map.height) => {
+        Some(x16)
+            if gpu.gate_up == GateUpRoute::Fused
+                && gemm::gate_up_fused(gpu, &m.gate, &m.up, map.height) =>
+        {
             // act in f32 only for a down projection that will not read the bf16 copy.
             let down16 = tall && gemm::grouped_tall_path(gpu, &m.down) == GemmPath::Wgmma;
             let act_f32 = if down16 { 0 } else { p(&s.gate) };
