@@ -36,6 +36,17 @@ fn reads_bf16_x(gpu: &Gpu, path: GemmPath, w: &DeviceMat) -> bool {
     path == GemmPath::Wgmma && takes(&w.arg(gpu), w.bits)
 }
 
+/// The products with bf16 X rows (the _x16 kernels) against those with f32 X: the same bits in
+/// every cell, written or not.
+fn assert_same_bits(f32_x: &[f32], bf16_x: &[f32], what: &str) {
+    let differ = f32_x
+        .iter()
+        .zip(bf16_x)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    assert_eq!(differ, 0, "bf16 X parts from f32 X: {what}");
+}
+
 /// A quiet NaN with a payload no arithmetic produces: a cell holding it was never written.
 const SENTINEL: u32 = 0x7fc0_dead;
 
@@ -222,16 +233,8 @@ fn check_dense(
             };
             gemm(gpu, &w, x, m, ptr(&dy16, &gpu.stream) + at, ldy, col0).unwrap();
             let y16 = gpu.download(&dy16).unwrap();
-            let differ = y
-                .iter()
-                .zip(&y16)
-                .filter(|(a, b)| a.to_bits() != b.to_bits());
-            assert_eq!(
-                differ.count(),
-                0,
-                "bf16 X parts from f32 X: {}-bit m {m} n {n} k {k}",
-                c.bits
-            );
+            let what = format!("{}-bit m {m} n {n} k {k}", c.bits);
+            assert_same_bits(&y, &y16, &what);
         }
         let y = &y[c.offset..];
         for (i, v) in y.iter().enumerate() {
@@ -492,18 +495,11 @@ fn check_grouped(
                 };
                 check_gate_up_fused(gpu, c, &w, &dx16, gather_ptr);
                 let y16 = run_grouped(gpu, c, &w, x, gather_ptr, height);
-                let differ = y
-                    .iter()
-                    .zip(&y16)
-                    .filter(|(a, b)| a.to_bits() != b.to_bits());
-                assert_eq!(
-                    differ.count(),
-                    0,
-                    "bf16 X parts from f32 X: {}-bit n {n} k {k} counts {:?} gather {:?}",
-                    c.bits,
-                    c.counts,
-                    c.gather_tokens
+                let what = format!(
+                    "{}-bit n {n} k {k} counts {:?} gather {:?}",
+                    c.bits, c.counts, c.gather_tokens
                 );
+                assert_same_bits(&y, &y16, &what);
             }
             let got: Vec<Vec<f32>> = rows
                 .iter()

@@ -232,20 +232,8 @@ __device__ __forceinline__ void wgmma_tile(const Mat& w, long w_row0, int n_vali
     for (int step = 0; step < steps; step++) {
         const int stage = step & 1;
         const bool more = step + 1 < steps;
-        if (live) {
-            // Descriptor units are 16 bytes: a stage is X_BYTES (W_BYTES) on, a k16 slice 32 bytes.
-            const unsigned long long a = a_desc + stage * (X_BYTES >> 4), b = b_desc + stage * (W_BYTES >> 4);
-            pin_accumulators(acc);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < GEMM_WG_BK / 16; kk++) {
-                if constexpr (DENSE)
-                    wgmma_m64n256(acc, a + 2 * kk, b + 2 * kk);
-                else
-                    wgmma_m64n128(acc, a + 2 * kk, b + 2 * kk);
-            }
-            wgmma_commit();
-        }
+        // Descriptor units are 16 bytes: a stage is X_BYTES (W_BYTES) on.
+        if (live) wgmma_step(acc, a_desc + stage * (X_BYTES >> 4), b_desc + stage * (W_BYTES >> 4));
         if (more) {
             const int k = k0 + (step + 1) * GEMM_WG_BK;
             wg_load_x<BM, GATHER>(xl, x_rows, k + x_col, K, x_vec);
@@ -262,6 +250,7 @@ __device__ __forceinline__ void wgmma_tile(const Mat& w, long w_row0, int n_vali
     if (!live) return;
     wg_store_acc<BM>(acc, y, y_row0, ldy, y_col0, m_valid, n_valid);
 }
+
 // Dense, 4-bit: as gemm.cu's gemm_b4 (same arguments and grid shape, with 128 × 256 output tiles:
 // grid (⌈w.rows/256⌉, ⌈m/128⌉, splits); k_split a multiple of GEMM_WG_BK).
 extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 1)

@@ -182,20 +182,7 @@ __device__ __forceinline__ void wgmma_products_x16(const Mat& w, const WgWRow& w
     __syncthreads();
 
     for (int step = 0; step < steps; step++) {
-        if (live) {
-            const int xs = step % (D + 1);
-            const unsigned long long a = a_desc + xs * (X_BYTES >> 4), b = b_desc + (step & 1) * (W_BYTES >> 4);
-            pin_accumulators(acc);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < GEMM_WG_BK / 16; kk++) {
-                if constexpr (DENSE)
-                    wgmma_m64n256(acc, a + 2 * kk, b + 2 * kk);
-                else
-                    wgmma_m64n128(acc, a + 2 * kk, b + 2 * kk);
-            }
-            wgmma_commit();
-        }
+        if (live) wgmma_step(acc, a_desc + (step % (D + 1)) * (X_BYTES >> 4), b_desc + (step & 1) * (W_BYTES >> 4));
         // Step + D's copies go where step − 1's X tile was (its wgmma ended before the last
         // barrier) and where step's raw codes were (dequantised before it).
         const int ahead = step + D;
@@ -219,6 +206,7 @@ __device__ __forceinline__ void wgmma_products_x16(const Mat& w, const WgWRow& w
         __syncthreads();
     }
 }
+
 // The entries above with X as bf16 rows (x16): dense 3 steps ahead, one block an SM (165 KiB);
 // grouped 2 steps ahead, the most that leaves two blocks an SM (113 KiB each, the SM's 228 KiB).
 #define GEMM_WG_DENSE_AHEAD 3

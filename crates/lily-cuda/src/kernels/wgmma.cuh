@@ -81,6 +81,23 @@ __device__ __forceinline__ void wgmma_m64n256(float (&d)[128], unsigned long lon
         : "l"(a), "l"(b), "r"(1)
         : "memory");
 }
+// Issues one step's wgmma on the tiles at descriptors a and b, its four k16 slices 32 bytes apart,
+// as one commit group: dense accumulators (128 a thread) as m64n256, grouped (64) as m64n128.
+template <int N>
+__device__ __forceinline__ void wgmma_step(float (&acc)[N], unsigned long long a, unsigned long long b) {
+    static_assert(N == GEMM_WG_BN / 2 || N == GEMM_WG_BN / 4, "a dense or a grouped warpgroup's accumulators");
+    pin_accumulators(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < GEMM_WG_BK / 16; kk++) {
+        if constexpr (N == GEMM_WG_BN / 2)
+            wgmma_m64n256(acc, a + 2 * kk, b + 2 * kk);
+        else
+            wgmma_m64n128(acc, a + 2 * kk, b + 2 * kk);
+    }
+    wgmma_commit();
+}
+
 // Writes a warpgroup's accumulators: Y[y_row0 + i, y_col0 + j] for the tile's rows i < m_valid
 // and columns j < n_valid.
 template <int BM>
