@@ -256,13 +256,9 @@ __device__ __forceinline__ void wgmma_tile(const Mat& w, long w_row0, int n_vali
 extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 1)
     gemm_wgmma_b4(Mat w, const float* x, int m, float* y, int ldy, int col0, int k_split) {
     pdl_wait();
-    const int n0 = blockIdx.x * GEMM_WG_BN;
-    const long r0 = (long)blockIdx.y * GEMM_WG_DENSE_BM;
-    const int k0 = blockIdx.z * k_split;
-    float* out = y + (long)blockIdx.z * m * ldy;
-    wgmma_tile<GEMM_WG_DENSE_BM, false>(w, n0, min(GEMM_WG_BN, w.rows - n0), x, nullptr, r0,
-                                        (int)min((long)GEMM_WG_DENSE_BM, m - r0), out, r0, ldy, (long)col0 + n0, k0,
-                                        min(k0 + k_split, w.cols));
+    const WgDense b = wg_dense(w, m, k_split);
+    wgmma_tile<GEMM_WG_DENSE_BM, false>(w, b.n0, b.n_valid, x, nullptr, b.r0, b.m_valid, y + (long)blockIdx.z * m * ldy,
+                                        b.r0, ldy, (long)col0 + b.n0, b.k0, b.k1);
 }
 
 // Grouped, 4-bit, 64-row tiles: as gemm.cu's gemm_grouped64_b4 (same arguments; grid

@@ -215,17 +215,14 @@ __device__ __forceinline__ void wgmma_products_x16(const Mat& w, const WgWRow& w
 extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 1)
     gemm_wgmma_b4_x16(Mat w, const u16* x, int m, float* y, int ldy, int col0, int k_split) {
     pdl_wait();
-    const int n0 = blockIdx.x * GEMM_WG_BN;
-    const long r0 = (long)blockIdx.y * GEMM_WG_DENSE_BM;
-    const int k0 = blockIdx.z * k_split;
-    const int n_valid = min(GEMM_WG_BN, w.rows - n0), m_valid = (int)min((long)GEMM_WG_DENSE_BM, m - r0);
+    const WgDense b = wg_dense(w, m, k_split);
     float acc[GEMM_WG_BN / 2];
-    const bool live = 64 * (threadIdx.x / 128) < m_valid;
+    const bool live = 64 * (threadIdx.x / 128) < b.m_valid;
     wgmma_products_x16<GEMM_WG_DENSE_BM, false, GEMM_WG_DENSE_AHEAD>(
-        w, wg_w_row(w, n0, threadIdx.x, n_valid), live, x, nullptr, r0, m_valid, k0, min(k0 + k_split, w.cols), acc);
+        w, wg_w_row(w, b.n0, threadIdx.x, b.n_valid), live, x, nullptr, b.r0, b.m_valid, b.k0, b.k1, acc);
     if (live)
-        wg_store_acc<GEMM_WG_DENSE_BM>(acc, y + (long)blockIdx.z * m * ldy, r0, ldy, (long)col0 + n0, m_valid,
-                                       n_valid);
+        wg_store_acc<GEMM_WG_DENSE_BM>(acc, y + (long)blockIdx.z * m * ldy, b.r0, ldy, (long)col0 + b.n0, b.m_valid,
+                                       b.n_valid);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 2)

@@ -133,3 +133,22 @@ __device__ __forceinline__ void wg_store_acc(const float (&acc)[BM == GEMM_WG_DE
         }
     }
 }
+
+// A dense block's share (grid (⌈w.rows/256⌉, ⌈m/128⌉, splits)): output columns n0 + [0, n_valid),
+// rows r0 + [0, m_valid), columns [k0, k1) of its split along K.
+struct WgDense {
+    int n0;
+    long r0;
+    int k0, k1, n_valid, m_valid;
+};
+
+__device__ __forceinline__ WgDense wg_dense(const Mat& w, int m, int k_split) {
+    WgDense b;
+    b.n0 = blockIdx.x * GEMM_WG_BN;
+    b.r0 = (long)blockIdx.y * GEMM_WG_DENSE_BM;
+    b.k0 = blockIdx.z * k_split;
+    b.k1 = min(b.k0 + k_split, w.cols);
+    b.n_valid = min(GEMM_WG_BN, w.rows - b.n0);
+    b.m_valid = (int)min((long)GEMM_WG_DENSE_BM, m - b.r0);
+    return b;
+}
