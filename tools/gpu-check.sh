@@ -53,6 +53,8 @@ if [ "$step" = ab ]; then
   # and .gpu/lilies.txz, are unpacked first), e.g. VARIANTS="base:lily-base: new:lily: base:lily-base: new:lily:". One line each
   # with its decode tok/s (B = 1 and 8 at each context, in the table's order); JSON into $out;
   # FAMILIES=1 adds each variant's per-family step profile, SAMPLED=1 the sampled rows.
+  # PROMPTS=1024,4096,... benches prefill at those lengths instead (one line of tok/s each, and
+  # with FAMILIES=1 the chunk's per-family table).
   (cd .gpu && for f in *.xz */*.xz; do [ -e "${f%.xz}" ] || xz -dk "$f"; chmod +x "${f%.xz}"; done) 2>/dev/null
   # VARIANTS=... tools/gpu-build.sh packs the variants' binaries in one archive.
   [ -f .gpu/lilies.txz ] && tar -xJf .gpu/lilies.txz -C .gpu --skip-old-files
@@ -70,6 +72,14 @@ if [ "$step" = ab ]; then
     i=$((i + 1)); name=${v%%:*}; rest=${v#*:}; bin=${rest%%:*}; vars=${rest#"$bin"}; vars=${vars#:}
     bin=${bin%.xz}   # a packed binary is named by what it unpacks to
     # shellcheck disable=SC2086
+    if [ -n "${PROMPTS:-}" ]; then
+      # shellcheck disable=SC2086
+      env ${vars//,/ } ".gpu/$bin" bench --model synthetic:qwen3.6-35b-a3b --device cuda --prompt-lens "$PROMPTS" \
+        --contexts 256 --decode-steps 8 --runs 2 --json "$out/bench-$i-$name.json" > "/tmp/bench-$i-$name.txt" 2>&1
+      echo "== $i $name prefill $(grep -E '^\| prefill' "/tmp/bench-$i-$name.txt" | awk -F'|' '{printf "%s ", $5}')"
+      if [ -n "${FAMILIES:-}" ]; then sed -n '/^one prefill chunk/,/^$/p' "/tmp/bench-$i-$name.txt"; fi
+      continue
+    fi
     env ${vars//,/ } ".gpu/$bin" bench --model synthetic:qwen3.6-35b-a3b --device cuda --prompt-lens 256 \
       --contexts "${CONTEXTS:-256,4096}" --batch "${BATCH:-1,8}" ${SAMPLED:+--sampled} --runs 3 --json "$out/bench-$i-$name.json" \
       > "/tmp/bench-$i-$name.txt" 2>&1
