@@ -41,6 +41,18 @@ impl From<u64> for GemmX {
     }
 }
 
+/// The _x16 kernels copy bf16 rows in 16-byte chunks (and trap on any other address): an error
+/// here instead of a trap that would end the CUDA context.
+fn check_bf16_rows(x: GemmX) -> Result<()> {
+    if let Some(x16) = x.bf16 {
+        ensure!(
+            x16.is_multiple_of(16),
+            "bf16 GEMM rows at {x16:#x} are not 16-byte aligned"
+        );
+    }
+    Ok(())
+}
+
 /// A dense GEMM kernel's block shape, for its grid and the split-K policy.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct DenseTiling {
@@ -167,8 +179,8 @@ fn check_weight(w: &DeviceMat) -> Result<()> {
 }
 
 /// `y[r, col0 + n] = Σ_k x[r, k] · w[n, k]` for `r < m`, `n < w.rows`: `x` is row-major
-/// `[m, w.cols]` f32 (4-byte alignment suffices; its bf16 copy 16-byte), `y` has a row stride of `ldy` floats. Cells of
-/// `y` outside those rows and columns are left as they are. `m == 0` launches nothing. When the
+/// `[m, w.cols]` f32 (4-byte alignment suffices; its bf16 copy, if any, 16-byte), `y` has a row
+/// stride of `ldy` floats. Cells of `y` outside those rows and columns are left as they are. `m == 0` launches nothing. When the
 /// output tiles are too few to fill the GPU, K is split and a second launch adds the splits' partial
 /// sums in a fixed order (the same result on every run).
 pub fn gemm(
@@ -192,6 +204,7 @@ pub fn gemm(
     );
     let warg = w.arg(gpu);
     let wgmma = gpu.gemm_path() == GemmPath::Wgmma && gemm_wgmma::takes(&warg, w.bits);
+    check_bf16_rows(x)?;
     let (name, tiling, x) = match (wgmma, x.bf16) {
         (true, Some(x16)) => (
             gemm_wgmma::DENSE_X16_ENTRY.to_string(),
@@ -295,6 +308,7 @@ pub fn gemm_grouped(
         "{max_tiles} expert tiles are too many for one GEMM launch"
     );
     let (warg, x) = (w.arg(gpu), x.into());
+    check_bf16_rows(x)?;
     let wgmma = map.height == MoeTile::Rows64 && grouped_tall_path(gpu, w) == GemmPath::Wgmma;
     let (name, shared, x) = match (wgmma, x.bf16) {
         (true, Some(x16)) => (
@@ -331,8 +345,8 @@ pub fn gemm_grouped(
     Ok(())
 }
 
-/// How prefill runs the routed experts' gate and up projections where [`gate_up_fused`] allows
-/// the choice.
+/// How prefill runs the routed experts' gate and up projections where [`GateUp::fusable`]
+/// allows the choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GateUpRoute {
     /// Two grouped GEMMs and `moe_swiglu`. The default until the fused launch has run on a GPU
@@ -342,35 +356,44 @@ pub enum GateUpRoute {
     Fused,
 }
 
-/// Whether [`gemm_gate_up`] runs `gate` and `up` over tiles of `height`: the wgmma kernels take
-/// both, at 64-row tiles, and they are one shape.
-pub fn gate_up_fused(gpu: &Gpu, gate: &DeviceMat, up: &DeviceMat, height: MoeTile) -> bool {
-    height == MoeTile::Rows64
-        && grouped_tall_path(gpu, gate) == GemmPath::Wgmma
-        && grouped_tall_path(gpu, up) == GemmPath::Wgmma
-        && (gate.rows, gate.cols, gate.group) == (up.rows, up.cols, up.group)
+/// The routed experts' gate and up projections: two stacks of experts of `n` rows each.
+#[derive(Clone, Copy)]
+pub struct GateUp<'a> {
+    pub gate: &'a DeviceMat,
+    pub up: &'a DeviceMat,
+    pub n: usize,
+}
+
+impl GateUp<'_> {
+    /// Whether [`gemm_gate_up`] runs them over tiles of `height`: the wgmma kernels take both,
+    /// at 64-row tiles, and they are one shape.
+    pub fn fusable(&self, gpu: &Gpu, height: MoeTile) -> bool {
+        let (g, u) = (self.gate, self.up);
+        height == MoeTile::Rows64
+            && grouped_tall_path(gpu, g) == GemmPath::Wgmma
+            && grouped_tall_path(gpu, u) == GemmPath::Wgmma
+            && (g.rows, g.cols, g.group) == (u.rows, u.cols, u.group)
+    }
 }
 
 /// The experts' gate and up projections and the SwiGLU between them in one launch, where
-/// [`gate_up_fused`] holds: `act[s, j] = silu(x_s · gate_e[j]) · (x_s · up_e[j])` for every
+/// [`GateUp::fusable`] holds: `act[s, j] = silu(x_s · gate_e[j]) · (x_s · up_e[j])` for every
 /// slot s of `map` (expert e, x row `gather[s]` of the bf16 rows `x16`) and j < n, rounded to
 /// bf16 into `act16` and, unless `act` is 0, in f32 into `act`. The same bits as `gemm_grouped`
 /// of gate and of up followed by `moe_prefill::swiglu`.
-#[allow(clippy::too_many_arguments)]
 pub fn gemm_gate_up(
     gpu: &Gpu,
-    gate: &DeviceMat,
-    up: &DeviceMat,
-    n: usize,
+    w: GateUp,
     x16: u64,
     gather: u64,
     map: &TileMap,
     act: u64,
     act16: u64,
 ) -> Result<()> {
+    let GateUp { gate, up, n } = w;
     check_weight(gate)?;
     ensure!(
-        gate_up_fused(gpu, gate, up, map.height),
+        w.fusable(gpu, map.height),
         "the fused gate and up projections need the wgmma path, 64-row tiles and weights of one shape"
     );
     ensure!(
@@ -378,6 +401,10 @@ pub fn gemm_gate_up(
         "{} stacked rows do not divide into experts of {n} rows",
         gate.rows
     );
+    check_bf16_rows(GemmX {
+        f32: 0,
+        bf16: Some(x16),
+    })?;
     if map.max_tiles == 0 {
         return Ok(());
     }

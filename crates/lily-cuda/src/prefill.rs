@@ -11,7 +11,7 @@ use lily_core::config::ModelConfig;
 
 use crate::attention_prefill::{self, AttnChunk};
 use crate::gdn_prefill::GdnPrefillRoute;
-use crate::gemm::{GateUpRoute, GemmX};
+use crate::gemm::{GateUp, GateUpRoute, GemmX};
 use crate::gemm_wgmma::GemmPath;
 use crate::gpu::{Gpu, ptr};
 use crate::kernel_args::{AddRmsNorm, Embed};
@@ -383,18 +383,17 @@ fn encode_moe(
         bf16: x.bf16.map(|_| act16),
     };
     let tall = map.height == MoeTile::Rows64;
+    let gate_up = GateUp {
+        gate: &m.gate,
+        up: &m.up,
+        n: inter,
+    };
     match x.bf16 {
-        Some(x16)
-            if gpu.gate_up == GateUpRoute::Fused
-                && gemm::gate_up_fused(gpu, &m.gate, &m.up, map.height) =>
-        {
+        Some(x16) if gpu.gate_up == GateUpRoute::Fused && gate_up.fusable(gpu, map.height) => {
             // act in f32 only for a down projection that will not read the bf16 copy.
             let down16 = tall && gemm::grouped_tall_path(gpu, &m.down) == GemmPath::Wgmma;
             let act_f32 = if down16 { 0 } else { p(&s.gate) };
-            let gather = pi(&s.gather);
-            gemm::gemm_gate_up(
-                gpu, &m.gate, &m.up, inter, x16, gather, &map, act_f32, act16,
-            )?;
+            gemm::gemm_gate_up(gpu, gate_up, x16, pi(&s.gather), &map, act_f32, act16)?;
         }
         _ => {
             grouped(&m.gate, inter, x, pi(&s.gather), p(&s.gate))?;

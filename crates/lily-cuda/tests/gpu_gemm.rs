@@ -16,7 +16,7 @@ use lily_core::rng::{mix64, uniform_at};
 use lily_core::synthetic::synthetic_config;
 use lily_core::weights::Linear;
 use lily_cuda::KvPrecision;
-use lily_cuda::gemm::{GemmX, gate_up_fused, gemm, gemm_gate_up, gemm_grouped};
+use lily_cuda::gemm::{GateUp, GemmX, gemm, gemm_gate_up, gemm_grouped};
 use lily_cuda::gemm_wgmma::{GemmPath, takes};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
@@ -535,7 +535,7 @@ fn check_gate_up_fused(
         &random_linear_grouped(experts * n, k, c.bits, c.group, 0x5eed ^ (pairs * n) as u64),
     )
     .unwrap();
-    assert!(gate_up_fused(gpu, gate, &up, MoeTile::Rows64));
+    assert!(GateUp { gate, up: &up, n }.fusable(gpu, MoeTile::Rows64));
     let x16p = ptr(x16, &gpu.stream);
     let x = GemmX {
         f32: 0,
@@ -569,18 +569,8 @@ fn check_gate_up_fused(
     let sentinel = vec![f32::from_bits(SENTINEL); (pairs + 1) * n];
     let act = gpu.upload(&sentinel).unwrap();
     let act16 = gpu.upload(&vec![0xdeadu16; (pairs + 1) * n]).unwrap();
-    gemm_gate_up(
-        gpu,
-        gate,
-        &up,
-        n,
-        x16p,
-        gather,
-        &map,
-        ptr(&act, s),
-        ptr(&act16, s),
-    )
-    .unwrap();
+    let w = GateUp { gate, up: &up, n };
+    gemm_gate_up(gpu, w, x16p, gather, &map, ptr(&act, s), ptr(&act16, s)).unwrap();
     let (got, got16) = (gpu.download(&act).unwrap(), gpu.download(&act16).unwrap());
     let (want, want16) = (gpu.download(&want).unwrap(), gpu.download(&want16).unwrap());
     let what = format!(

@@ -11,7 +11,7 @@ use lily_core::config::{ModelConfig, QWEN36_35B_A3B_CONFIG};
 use lily_core::rng::{mix64, uniform_at};
 use lily_core::synthetic::synthetic_config;
 use lily_cuda::KvPrecision;
-use lily_cuda::gemm::{GemmX, gemm, gemm_gate_up, gemm_grouped};
+use lily_cuda::gemm::{GateUp, GemmX, gemm, gemm_gate_up, gemm_grouped};
 use lily_cuda::gemm_wgmma::{GemmPath, takes};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
@@ -215,7 +215,12 @@ fn grouped_gemm_speed_by_tokens() {
                     let fused_ms = time_ms(&gpu, &|| {
                         let x16 = ptr(&dx16, &gpu.stream);
                         let a16 = ptr(&act16, &gpu.stream);
-                        gemm_gate_up(&gpu, &gate, &gate, inter, x16, gp, &map, 0, a16).unwrap()
+                        let w = GateUp {
+                            gate: &gate,
+                            up: &gate,
+                            n: inter,
+                        };
+                        gemm_gate_up(&gpu, w, x16, gp, &map, 0, a16).unwrap()
                     });
                     line += &format!(
                         " {path:?} bf16 X, gate + up + SwiGLU fused: {fused_ms:.3} ms ({:.0} TFLOP/s);",
