@@ -12,9 +12,12 @@ mkdir -p "$out" "$LILY_KERNEL_CACHE"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$out/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
 step=${1:-all}
+# Binaries packed with xz (to fit a call's carry) unpacked for every step.
+(cd .gpu && for f in *.xz */*.xz; do [ -e "${f%.xz}" ] || xz -dk "$f"; chmod +x "${f%.xz}"; done) 2>/dev/null
 if [ "$step" = all ] || [ "$step" = test ]; then
   # One binary per test file (tools/gpu-build.sh); FILTER picks tests by name.
   for bin in .gpu/test-*; do
+    [ "${bin%.xz}" = "$bin" ] || continue
     echo "== $bin" | tee -a "$out/gpu-tests.log"
     "$bin" --include-ignored --nocapture --test-threads 1 ${FILTER:-} 2>&1 | tee -a "$out/gpu-tests.log"
   done
@@ -49,13 +52,12 @@ if [ "$step" = peer ]; then
 fi
 if [ "$step" = ab ]; then
   # A/B in one lease: the test binaries named in TESTS first, then the decode bench of each of
-  # VARIANTS (if any) in turn, NAME:BINARY[:VAR=VALUE,...] with BINARY under .gpu/ (a .xz there,
-  # and .gpu/lilies.txz, are unpacked first), e.g. VARIANTS="base:lily-base: new:lily: base:lily-base: new:lily:". One line each
+  # VARIANTS (if any) in turn, NAME:BINARY[:VAR=VALUE,...] with BINARY under .gpu/ (.gpu/lilies.txz
+  # is unpacked first), e.g. VARIANTS="base:lily-base: new:lily: base:lily-base: new:lily:". One line each
   # with its decode tok/s (B = 1 and 8 at each context, in the table's order); JSON into $out;
   # FAMILIES=1 adds each variant's per-family step profile, SAMPLED=1 the sampled rows.
   # PROMPTS=1024,4096,... benches prefill at those lengths instead (one line of tok/s each, and
   # with FAMILIES=1 the chunk's per-family table).
-  (cd .gpu && for f in *.xz */*.xz; do [ -e "${f%.xz}" ] || xz -dk "$f"; chmod +x "${f%.xz}"; done) 2>/dev/null
   # VARIANTS=... tools/gpu-build.sh packs the variants' binaries in one archive.
   [ -f .gpu/lilies.txz ] && tar -xJf .gpu/lilies.txz -C .gpu --skip-old-files
   # TEST_JOBS test binaries at once (they are not timed; the GPU has room for several).
@@ -164,6 +166,15 @@ if [ "$step" = ncu-prefill ]; then
     --decode-steps 1 --runs 1 > "$out/ncu-prefill.txt" 2> "$out/ncu-prefill.err"
   grep -E "^  [a-z_0-9]+ \(|Duration|Executed Instructions  |Registers Per|Achieved Active Warps|Eligible Warps|DRAM Throughput|Compute \(SM\) Throughput|L1/TEX Hit|L2 Hit|Grid Size|Block Limit|issue_stalled|Issue Slots Busy|Executed Ipc A" \
     "$out/ncu-prefill.txt"
+fi
+if [ "$step" = prefill-kernels ]; then
+  # Every kernel of one prefill chunk of PROMPT tokens (4,096) timed by Nsight Compute, summed by
+  # name: the families of bench's chunk table, kernel by kernel.
+  ncu --clock-control none --kernel-name "regex:^(embed_b|add_rms_norm|gemm|attn_prep_rows|attn_prefill|gdn_|moe_)" \
+    --launch-count "${COUNT:-1500}" --csv --metrics gpu__time_duration.sum .gpu/lily bench \
+    --model synthetic:qwen3.6-35b-a3b --device cuda --prompt-lens "${PROMPT:-4096}" --contexts 256 \
+    --decode-steps 1 --runs 1 > "$out/ncu-prefill-kernels.csv" 2> "$out/ncu-prefill-kernels.err"
+  python3 tools/ncu_summary.py --one-span "$out/ncu-prefill-kernels.csv" | tee "$out/ncu-prefill-kernels.md"
 fi
 if [ "$step" = peer-cpu ]; then
   # llama.cpp for the CPU only (~2 min on 16 cores) while its GGUF is written, for `cpu` next.

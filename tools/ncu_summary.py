@@ -1,22 +1,34 @@
 """Sums an `ncu --csv --metrics gpu__time_duration.sum` log by kernel name: where one decode
-step's GPU time goes, kernel by kernel (tools/gpu-check.sh profile)."""
+step's GPU time goes, kernel by kernel (tools/gpu-check.sh profile). With --one-span, only the
+launches from the first prefill embedding (embed_b*) to the next (one prefill chunk: tools/gpu-check.sh
+prefill-kernels), whose count the log may overrun."""
 import csv
+import re
 import sys
 from collections import defaultdict
 
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+one_span = "--one-span" in sys.argv
 totals, counts = defaultdict(float), defaultdict(int)
-with open(sys.argv[1]) as f:
+with open(args[0]) as f:
     rows = [line for line in f if line.startswith('"')]
+embeds = 0
 for row in csv.DictReader(rows):
     if row.get("Metric Name") != "gpu__time_duration.sum":
         continue
     name = row["Kernel Name"].split("(")[0]
+    if one_span and re.match(r"embed_b\d", name):
+        embeds += 1
+    if one_span and embeds != 1:
+        if embeds > 1:
+            break
+        continue
     value = float(row["Metric Value"].replace(",", ""))
     scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(row.get("Metric Unit", "nsecond"), 1e-3)
     totals[name] += value * scale
     counts[name] += 1
 # One embedding launch per decode step (embed_rows_b*): the number of steps seen.
-steps = float(sum(n for k, n in counts.items() if k.startswith("embed_rows_b")) or 1)
+steps = 1.0 if one_span else float(sum(n for k, n in counts.items() if k.startswith("embed_rows_b")) or 1)
 total = sum(totals.values())
 print(f"| kernel | launches per step | µs per step | share |\n|---|---:|---:|---:|")
 for name, us in sorted(totals.items(), key=lambda kv: -kv[1]):
