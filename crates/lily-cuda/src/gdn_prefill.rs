@@ -21,8 +21,11 @@ const CONV_THREADS: usize = 256;
 const PREP_THREADS: u32 = 256;
 /// Warps per scan block (SCAN_WARPS in the kernel file).
 const SCAN_WARPS: usize = 4;
-/// The CUDA limit on a grid's y dimension, which counts tokens in the gated norm.
+/// The CUDA limit on a grid's y dimension, which counts token tiles in the conv; chunks are held
+/// below it as a whole.
 const MAX_GRID_Y: usize = 65_535;
+/// Warps per gated-norm block, one per (token, value head) (GATED_NORM_WARPS in the kernel file).
+const GATED_NORM_WARPS: usize = 8;
 
 /// Lanes that share one state column in the scan (SCAN_LPC in the kernel file): 16, or the
 /// largest power of two not above a smaller key head dim.
@@ -222,22 +225,23 @@ pub fn gated_norm_rows(
     if t == 0 {
         return Ok(());
     }
-    let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
-    let block = (dv.div_ceil(32) * 32).min(1024) as u32;
+    let heads = t * c.linear_num_value_heads;
     let args = GdnGatedNormRows {
         o,
         proj,
         ld: ld as i32,
+        t: t as i32,
         w: norm,
         y: y.f32,
         y16: y.bf16.unwrap_or(0),
         eps,
     };
+    let blocks = heads.div_ceil(GATED_NORM_WARPS) as u32;
     launch!(
         gpu,
         "gdn_gated_norm_rows",
-        (nv as u32, t as u32, 1),
-        block,
+        (blocks, 1, 1),
+        (GATED_NORM_WARPS * 32) as u32,
         args
     );
     Ok(())
@@ -280,5 +284,12 @@ mod tests {
         ] {
             assert_eq!(scan_lanes_per_column(dk), lanes, "dk {dk}");
         }
+    }
+
+    #[test]
+    fn gated_norm_warps_match_the_kernel() {
+        let source = crate::gemm_wgmma::tests::file("gdn_prefill").source;
+        let warps = crate::gemm_wgmma::tests::define(source, "GATED_NORM_WARPS");
+        assert_eq!(GATED_NORM_WARPS, warps);
     }
 }

@@ -28,7 +28,8 @@ const MAX_GRID_Y: usize = 65_535;
 /// The X rows of a GEMM: f32, and where their producer also wrote them rounded to bf16 (as
 /// every GEMM kernel rounds f32 X on loading it), that copy, which the wgmma kernels read
 /// instead: half the bytes, and copied into shared memory as they are, several steps ahead. The
-/// products are the same bits either way. A bare address is f32 rows alone.
+/// products are the same bits either way. A bare address is f32 rows alone; `f32` is 0 where the
+/// producer wrote only the bf16 copy, for a weight whose products run on wgmma (`path_of`).
 #[derive(Clone, Copy, Debug)]
 pub struct GemmX {
     pub f32: u64,
@@ -203,7 +204,7 @@ pub fn gemm(
         col0 + w.rows
     );
     let warg = w.arg(gpu);
-    let wgmma = gpu.gemm_path() == GemmPath::Wgmma && gemm_wgmma::takes(&warg, w.bits);
+    let wgmma = path_of(gpu, w) == GemmPath::Wgmma;
     check_bf16_rows(x)?;
     let (name, tiling, x) = match (wgmma, x.bf16) {
         (true, Some(x16)) => (
@@ -214,6 +215,7 @@ pub fn gemm(
         (true, None) => (gemm_wgmma::DENSE_ENTRY.to_string(), WGMMA_DENSE, x.f32),
         (false, _) => (format!("gemm_b{}", w.bits), MMA_DENSE, x.f32),
     };
+    ensure!(x != 0, "a GEMM on f32 rows was given only their bf16 copy");
     let row_tiles = m.div_ceil(tiling.bm);
     ensure!(
         row_tiles <= MAX_GRID_Y,
@@ -269,9 +271,10 @@ pub fn gemm(
     Ok(())
 }
 
-/// The path the grouped GEMM's 64-row tiles of `w` run on: wgmma where the GPU runs it and
-/// gemm_wgmma.cu takes the weight, else mma.sync (16-row tiles always run on mma.sync).
-pub fn grouped_tall_path(gpu: &Gpu, w: &DeviceMat) -> GemmPath {
+/// The path `w`'s dense products and its grouped 64-row tiles run on: wgmma where the GPU runs
+/// it and gemm_wgmma.cu takes the weight, else mma.sync (16-row tiles always run on mma.sync).
+/// On wgmma they read X's bf16 rows only.
+pub fn path_of(gpu: &Gpu, w: &DeviceMat) -> GemmPath {
     if gpu.gemm_path() == GemmPath::Wgmma && gemm_wgmma::takes(&w.arg(gpu), w.bits) {
         GemmPath::Wgmma
     } else {
@@ -309,7 +312,7 @@ pub fn gemm_grouped(
     );
     let (warg, x) = (w.arg(gpu), x.into());
     check_bf16_rows(x)?;
-    let wgmma = map.height == MoeTile::Rows64 && grouped_tall_path(gpu, w) == GemmPath::Wgmma;
+    let wgmma = map.height == MoeTile::Rows64 && path_of(gpu, w) == GemmPath::Wgmma;
     let (name, shared, x) = match (wgmma, x.bf16) {
         (true, Some(x16)) => (
             gemm_wgmma::GROUPED_X16_ENTRY.to_string(),
@@ -327,6 +330,7 @@ pub fn gemm_grouped(
             x.f32,
         ),
     };
+    ensure!(x != 0, "a GEMM on f32 rows was given only their bf16 copy");
     let grid = (n.div_ceil(GEMM_GROUPED_BN) as u32, max_tiles as u32, 1);
     let args = GemmGrouped {
         w: warg,
@@ -371,8 +375,8 @@ impl GateUp<'_> {
     pub fn fusable(&self, gpu: &Gpu, height: MoeTile) -> bool {
         let (g, u) = (self.gate, self.up);
         height == MoeTile::Rows64
-            && grouped_tall_path(gpu, g) == GemmPath::Wgmma
-            && grouped_tall_path(gpu, u) == GemmPath::Wgmma
+            && path_of(gpu, g) == GemmPath::Wgmma
+            && path_of(gpu, u) == GemmPath::Wgmma
             && (g.rows, g.cols, g.group) == (u.rows, u.cols, u.group)
     }
 }

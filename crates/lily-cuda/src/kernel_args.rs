@@ -190,7 +190,7 @@ kernel_args! {
     GdnScan { conv: u64, prep: u64, t: i32, state: u64, out: u64 }
     GdnChunkPrep { prep: u64, t: i32, scratch: u64 }
     GdnChunkScan { conv: u64, prep: u64, scratch: u64, t: i32, state: u64, out: u64 }
-    GdnGatedNormRows { o: u64, proj: u64, ld: i32, w: u64, y: u64, y16: u64, eps: f32 }
+    GdnGatedNormRows { o: u64, proj: u64, ld: i32, t: i32, w: u64, y: u64, y16: u64, eps: f32 }
     /// `gemm_b*` and `gemm_wgmma_b4`.
     Gemm { w: MatArg, x: u64, m: i32, y: u64, ldy: i32, col0: i32, k_split: i32 }
     GemmReduce { part: u64, splits: i32, m: i32, n: i32, y: u64, ldy: i32, col0: i32 }

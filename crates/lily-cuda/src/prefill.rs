@@ -205,7 +205,6 @@ pub fn encode_chunk(
     };
     let x = with16(p(&s.x), &s.x16);
     // The output projection's X, from the GDN's gated norm or from attention.
-    let gdn_y = with16(p(&s.gdn_y), &s.mix16);
     let attn_out = with16(p(&s.attn_out), &s.mix16);
     // out = RMSNorm(hidden += delta) · scale for `rows` rows (delta 0: none), and its bf16 copy
     // into out16 unless that is 0.
@@ -278,6 +277,11 @@ pub fn encode_chunk(
                     p(recurrent),
                     p(&s.gdn_o),
                 )?;
+                // The gated norm's rows in f32 only for an output projection that reads f32.
+                let mut gdn_y = with16(p(&s.gdn_y), &s.mix16);
+                if gemm::path_of(gpu, out_proj) == GemmPath::Wgmma {
+                    gdn_y.f32 = 0;
+                }
                 gdn_prefill::gated_norm_rows(
                     gpu,
                     c,
@@ -365,7 +369,7 @@ fn encode_moe(
     gemm::gemm(gpu, &m.router, p(&s.x), t, p(&s.router), ne + 1, 0)?;
     gemm::gemm(gpu, &m.shared_gate, p(&s.x), t, p(&s.router), ne + 1, ne)?;
     moe_prefill::topk_rows(gpu, p(&s.router), t, pi(&s.ids), p(&s.weights))?;
-    let tall_path = gemm::grouped_tall_path(gpu, &m.gate);
+    let tall_path = gemm::path_of(gpu, &m.gate);
     let height = MoeTile::for_chunk(t, c.experts_per_token, ne, tall_path);
     let map = TileMap {
         tiles: pi(&s.tiles),
@@ -391,7 +395,7 @@ fn encode_moe(
     match x.bf16 {
         Some(x16) if gpu.gate_up == GateUpRoute::Fused && gate_up.fusable(gpu, map.height) => {
             // act in f32 only for a down projection that will not read the bf16 copy.
-            let down16 = tall && gemm::grouped_tall_path(gpu, &m.down) == GemmPath::Wgmma;
+            let down16 = tall && gemm::path_of(gpu, &m.down) == GemmPath::Wgmma;
             let act_f32 = if down16 { 0 } else { p(&s.gate) };
             gemm::gemm_gate_up(gpu, gate_up, x16, pi(&s.gather), &map, act_f32, act16)?;
         }

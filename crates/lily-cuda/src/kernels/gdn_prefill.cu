@@ -202,24 +202,37 @@ extern "C" __global__ void gdn_scan(const float* conv, const float* prep, int t,
         if (active && row0 + e < DK) S[(row0 + e) * DV + col] = s[e];
 }
 
-// Gated RMSNorm per (token, value head): y = rms_norm(o)·w ⊙ silu(z), z from the token's proj row;
-// and y rounded to bf16 into y16 when given (the output projection's X on the wgmma path).
-// Grid (NV, t), any multiple of 32 threads (each strides over DV).
-extern "C" __global__ void gdn_gated_norm_rows(const float* o, const float* proj, int ld,
-                                               const float* w, float* y, u16* y16, float eps) {
+// Gated RMSNorm per (token, value head): y = rms_norm(o)·w ⊙ silu(z), z from the token's proj row,
+// into y (f32) and y16 (rounded to bf16, the output projection's X on the wgmma path), each where
+// not null. One warp per (token, head), GATED_NORM_WARPS a block: a block per (head, token)
+// with a block-wide sum took 160 µs a layer at a 4K chunk on an H100 for 50 µs of bytes (ncu).
+#define GATED_NORM_WARPS 8
+#define GATED_NORM_PER_LANE ((DV + WARP - 1) / WARP)
+extern "C" __global__ void __launch_bounds__(GATED_NORM_WARPS * WARP)
+gdn_gated_norm_rows(const float* o, const float* proj, int ld, int t, const float* w, float* y, u16* y16, float eps) {
     pdl_wait();
-    __shared__ float scratch[32];
-    int j = blockIdx.x, tok = blockIdx.y;
-    const float* x = o + (long)tok * NV * DV + j * DV;
-    const float* z = proj + (long)tok * ld + CONV_DIM + j * DV;
-    float* dst = y + (long)tok * NV * DV + j * DV;
+    const long i = (long)blockIdx.x * GATED_NORM_WARPS + threadIdx.x / WARP;   // tok·NV + head
+    if (i >= (long)t * NV) return;
+    const int lane = threadIdx.x % WARP, j = (int)(i % NV);
+    const float* x = o + i * DV;
+    const float* z = proj + (i / NV) * ld + CONV_DIM + j * DV;
+    float xs[GATED_NORM_PER_LANE], zs[GATED_NORM_PER_LANE];
     float ss = 0.f;
-    for (int d = threadIdx.x; d < DV; d += blockDim.x) ss += x[d] * x[d];
-    float inv = rsqrtf(block_sum(ss, scratch) / DV + eps);
-    u16* dst16 = y16 ? y16 + (long)tok * NV * DV + j * DV : nullptr;
-    for (int d = threadIdx.x; d < DV; d += blockDim.x) {
-        const float v = x[d] * inv * w[d] * siluf(z[d]);
-        dst[d] = v;
-        if (dst16) dst16[d] = (u16)pack_bf16x2(v, 0.f);
+#pragma unroll
+    for (int e = 0; e < GATED_NORM_PER_LANE; e++) {
+        const int d = lane + e * WARP;
+        xs[e] = d < DV ? x[d] : 0.f;
+        zs[e] = d < DV ? z[d] : 0.f;
+    }
+#pragma unroll
+    for (int e = 0; e < GATED_NORM_PER_LANE; e++) ss += xs[e] * xs[e];
+    const float inv = rsqrtf(warp_sum(ss) / DV + eps);
+#pragma unroll
+    for (int e = 0; e < GATED_NORM_PER_LANE; e++) {
+        const int d = lane + e * WARP;
+        if (d >= DV) break;
+        const float v = xs[e] * inv * w[d] * siluf(zs[e]);
+        if (y) y[i * DV + d] = v;
+        if (y16) y16[i * DV + d] = (u16)pack_bf16x2(v, 0.f);
     }
 }
