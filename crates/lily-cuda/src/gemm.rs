@@ -75,19 +75,29 @@ impl DenseTiling {
         self.blocks_per_sm * sms as usize
     }
 
-    /// K splits of an `m × n × k` GEMM: enough for its output tiles to fill one wave, each split
-    /// at least [`SPLIT_MIN_K`] columns, the partial sums within `partials` floats. 1 when the
-    /// tiles alone fill the GPU.
+    /// K splits of an `m × n × k` GEMM whose output tiles fill less than one wave: the count
+    /// that finishes soonest counting whole waves (`⌈tiles · s / wave⌉ / s` of the unsplit
+    /// time), the fewest among equals, each split at least [`SPLIT_MIN_K`] columns and the
+    /// partial sums within `partials` floats. 1 when the tiles alone fill the GPU. Enough
+    /// splits to fill one wave overshot it: a 4K chunk's shared-expert gate (64 wgmma tiles on
+    /// 132 SMs) took 3, two waves of a third of the work each, where 2 fill one wave with half
+    /// (H100, ncu: 37.8 µs and a reduction, docs/BENCHMARKS.md).
     fn splits(&self, sms: u32, m: usize, n: usize, k: usize, partials: usize) -> usize {
         let tiles = n.div_ceil(self.bn) * m.div_ceil(self.bm);
         let wave = self.wave(sms);
         if tiles >= wave {
             return 1;
         }
-        wave.div_ceil(tiles)
-            .min(k / SPLIT_MIN_K)
-            .min(partials / (m * n))
-            .max(1)
+        let most = (k / SPLIT_MIN_K).min(partials / (m * n)).max(1);
+        // ⌈tiles · s / wave⌉ / s compared as fractions: a / s < b / t ⇔ a · t < b · s.
+        let waves = |s: usize| (tiles * s).div_ceil(wave);
+        (1..=most).fold(1, |best, s| {
+            if waves(s) * best < waves(best) * s {
+                s
+            } else {
+                best
+            }
+        })
     }
 }
 
@@ -501,18 +511,26 @@ mod tests {
     fn dense_splits_fill_a_wave_within_the_partials() {
         let sms = 132;
         let partials = partial_floats(sms);
-        // The router of a 256-token chunk: 3 × 2 tiles, K 2,048 allows 8 splits of 256.
+        // The router of a 256-token chunk: 3 × 2 tiles, K 2,048 allows 8 splits of 256, which
+        // fill 48 of a wave's 264 blocks.
         assert_eq!(MMA_DENSE.splits(sms, 256, 257, 2048, partials), 8);
         // A shared-expert down projection: K 512 allows 2.
         assert_eq!(MMA_DENSE.splits(sms, 256, 2048, 512, partials), 2);
+        // The router of a 4,096-token chunk (2 × 32 tiles, 264 a wave): 4 splits fill one wave
+        // (5 made two waves of a fifth of the work).
+        assert_eq!(MMA_DENSE.splits(sms, 4096, 256, 2048, partials), 4);
         // Enough tiles already (a 4,096-token chunk's GDN input projection).
         assert_eq!(MMA_DENSE.splits(sms, 4096, 12_288, 2048, partials), 1);
         // K below one split's minimum.
         assert_eq!(MMA_DENSE.splits(sms, 1, 32, 200, partials), 1);
-        // wgmma: a 4,096-token chunk's shared-expert gate (2 × 32 tiles) takes 3 splits; its
-        // GDN input projection (48 × 32) fills the GPU alone.
-        assert_eq!(WGMMA_DENSE.splits(sms, 4096, 512, 2048, partials), 3);
+        // wgmma, a 4,096-token chunk: the shared-expert gate (2 × 32 tiles) takes 2 splits (3
+        // made two waves), a GDN b or a projection (1 × 32) 4 (5 made two), and the GDN input
+        // projection (48 × 32) fills the GPU alone; 128 tiles stay whole (2 splits would take
+        // two waves of halves: no sooner, and a reduction more).
+        assert_eq!(WGMMA_DENSE.splits(sms, 4096, 512, 2048, partials), 2);
+        assert_eq!(WGMMA_DENSE.splits(sms, 4096, 32, 2048, partials), 4);
         assert_eq!(WGMMA_DENSE.splits(sms, 4096, 12_288, 2048, partials), 1);
+        assert_eq!(WGMMA_DENSE.splits(sms, 4096, 1024, 2048, partials), 1);
         for tiling in [MMA_DENSE, WGMMA_DENSE] {
             for m in [1, 7, 16, 33, 200, 2048, 4096] {
                 for n in [1, 32, 257, 512, 1024, 2048, 4096] {
