@@ -85,20 +85,15 @@ const fn shared_bytes(bm: usize) -> u32 {
 /// and biases (8 bytes each a row); `GEMM_WG_RAW_BYTES`.
 const RAW_SLOT_BYTES: usize = GEMM_GROUPED_BN * (32 + 8 + 8);
 
-/// Dynamic shared memory of an _x16 block of `bm` rows copying `ahead` steps ahead, `lag` steps'
-/// wgmma running past a barrier (`gemm_wgmma_x16_shared_bytes`): `ahead` + 1 + `lag` X tiles,
-/// 2 + `lag` W tiles, `ahead` raw slots, 1 KiB of alignment.
-const fn x16_shared_bytes(bm: usize, ahead: usize, lag: usize) -> u32 {
-    ((ahead + 1 + lag) * bm * 128
-        + (2 + lag) * GEMM_GROUPED_BN * 128
-        + ahead * RAW_SLOT_BYTES
-        + 1024) as u32
+/// Dynamic shared memory of an _x16 block of `bm` rows copying `ahead` steps ahead
+/// (`gemm_wgmma_x16_shared_bytes`): `ahead` + 1 X tiles, two W tiles, `ahead` raw slots, 1 KiB
+/// of alignment.
+const fn x16_shared_bytes(bm: usize, ahead: usize) -> u32 {
+    ((ahead + 1) * bm * 128 + 2 * GEMM_GROUPED_BN * 128 + ahead * RAW_SLOT_BYTES + 1024) as u32
 }
 
-/// Steps ahead the _x16 entries copy (`GEMM_WG_DENSE_AHEAD`, `GEMM_WG_GROUPED_AHEAD`), and the
-/// dense entry's steps of wgmma left running through a barrier (`GEMM_WG_DENSE_LAG`).
+/// Steps ahead the _x16 entries copy (`GEMM_WG_DENSE_AHEAD`, `GEMM_WG_GROUPED_AHEAD`).
 const DENSE_AHEAD: usize = 3;
-const DENSE_LAG: usize = 1;
 const GROUPED_AHEAD: usize = 2;
 
 /// Dense blocks: 128 × 256 (128 accumulators a thread), one an SM, 97 KiB.
@@ -110,16 +105,16 @@ pub(crate) const WGMMA_DENSE: DenseTiling = DenseTiling {
     shared: shared_bytes(128),
 };
 
-/// Dense _x16 blocks: the same tiles, 213 KiB.
+/// Dense _x16 blocks: the same tiles, 165 KiB.
 pub(crate) const WGMMA_DENSE_X16: DenseTiling = DenseTiling {
-    shared: x16_shared_bytes(128, DENSE_AHEAD, DENSE_LAG),
+    shared: x16_shared_bytes(128, DENSE_AHEAD),
     ..WGMMA_DENSE
 };
 
 /// Grouped blocks (64-row tiles, 256 columns): 81 KiB, two an SM.
 pub(crate) const WGMMA_GROUPED_SHARED: u32 = shared_bytes(64);
 /// Grouped _x16 blocks: 113 KiB, two an SM.
-pub(crate) const WGMMA_GROUPED_X16_SHARED: u32 = x16_shared_bytes(64, GROUPED_AHEAD, 0);
+pub(crate) const WGMMA_GROUPED_X16_SHARED: u32 = x16_shared_bytes(64, GROUPED_AHEAD);
 
 // A step of a tile row is one 128-byte swizzle row of bf16, and a split along K whole steps.
 const _: () = assert!(WGMMA_DENSE.bk * 2 == 128 && SPLIT_MIN_K.is_multiple_of(WGMMA_DENSE.bk));
@@ -173,7 +168,6 @@ pub(crate) mod tests {
         assert_eq!(MoeTile::Rows64.rows(), define(wgmma, "GEMM_WG_GROUPED_BM"));
         assert_eq!(GEMM_THREADS as usize, define(wgmma, "GEMM_WG_THREADS"));
         assert_eq!(DENSE_AHEAD, define(x16, "GEMM_WG_DENSE_AHEAD"));
-        assert_eq!(DENSE_LAG, define(x16, "GEMM_WG_DENSE_LAG"));
         assert_eq!(GROUPED_AHEAD, define(x16, "GEMM_WG_GROUPED_AHEAD"));
         assert!(x16.contains("#define GEMM_WG_RAW_BYTES (GEMM_WG_BN * (32 + 8 + 8))"));
         for (entry, _) in dynamic_shared() {

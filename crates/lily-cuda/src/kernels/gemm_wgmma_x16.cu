@@ -16,11 +16,10 @@
 // bf16 scales [row] and biases [row]: consecutive threads touch consecutive 16 or 8 bytes.
 #define GEMM_WG_RAW_BYTES (GEMM_WG_BN * (32 + 8 + 8))
 
-// Dynamic shared memory of an _x16 block of BM rows, D steps ahead, with `lag` (0 or 1) steps'
-// wgmma left running past a step's closing barrier: D + 1 + lag X tiles, 2 + lag W tiles, D raw
-// slots, 1024 bytes of alignment.
-__host__ __device__ constexpr int gemm_wgmma_x16_shared_bytes(int bm, int d, int lag) {
-    return (d + 1 + lag) * bm * 128 + (2 + lag) * GEMM_WG_BN * 128 + d * GEMM_WG_RAW_BYTES + 1024;
+// Dynamic shared memory of an _x16 block of BM rows, D steps ahead: D + 1 X tiles, two W tiles,
+// D raw slots, 1024 bytes of alignment.
+__host__ __device__ constexpr int gemm_wgmma_x16_shared_bytes(int bm, int d) {
+    return (d + 1) * bm * 128 + 2 * GEMM_WG_BN * 128 + d * GEMM_WG_RAW_BYTES + 1024;
 }
 
 // cp.async of 16 bytes into shared memory; zeros where src_bytes is 0 (a row past the tile's).
@@ -117,20 +116,14 @@ __device__ __forceinline__ void wg_dequant_step(u32 raw, u32 wt, int k, bool win
 // ahead, into the warpgroup's accumulators (their layout: wg_store_acc). wr is this thread's W
 // row (wg_w_row): the block's W rows need not be one matrix's. live: whether this warpgroup
 // has rows (dense) or columns (grouped) to compute; every thread copies and dequantises either
-// way. LAG = 1 leaves each step's wgmma running through the step's closing barrier, to be
-// waited for only at the next step's (one more X and W tile, which the ring indices skip), so
-// the tensor pipe is fed across the barrier; LAG = 0 waits for it before the barrier.
-template <int BM, bool GATHER, int D, int LAG>
+// way.
+template <int BM, bool GATHER, int D>
 __device__ __forceinline__ void wgmma_products_x16(const Mat& w, const WgWRow& wr, bool live, const u16* __restrict__ x,
                                                    const int* __restrict__ gather, long x_row0, int m_valid, int k0,
                                                    int k1,
                                                    float (&acc)[BM == GEMM_WG_DENSE_BM ? GEMM_WG_BN / 2 : GEMM_WG_BN / 4]) {
     static_assert(BM == GEMM_WG_DENSE_BM || BM == GEMM_WG_GROUPED_BM, "dense or grouped tiles");
     static_assert(D >= 1, "at least one step ahead");
-    static_assert(LAG == 0 || LAG == 1, "at most one step's wgmma past a barrier");
-    // X tiles and W tiles in their rings: a step's tiles are rewritten only once its wgmma has
-    // been waited for and the block has met since (LAG + 1 barriers later).
-    constexpr int XT = D + 1 + LAG, WT = 2 + LAG;
     constexpr bool DENSE = BM == GEMM_WG_DENSE_BM;
     constexpr int WN = DENSE ? GEMM_WG_BN : GEMM_WG_BN / 2;
     constexpr u32 X_BYTES = BM * 128, W_BYTES = GEMM_WG_BN * 128;
@@ -140,12 +133,12 @@ __device__ __forceinline__ void wgmma_products_x16(const Mat& w, const WgWRow& w
     {
         u32 dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-        if (dyn < (u32)gemm_wgmma_x16_shared_bytes(BM, D, LAG)) __trap();
+        if (dyn < (u32)gemm_wgmma_x16_shared_bytes(BM, D)) __trap();
     }
-    // [X tiles 0..XT-1][W tiles 0..WT-1][raw slots 0..D-1], from the first 1024-byte boundary.
+    // [X tiles 0..D][W tiles 0, 1][raw slots 0..D-1], from the first 1024-byte boundary.
     const u32 sx = (shared_address(wg_smem) + 1023u) & ~1023u;
-    const u32 sw = sx + XT * X_BYTES;
-    const u32 sraw = sw + WT * W_BYTES;
+    const u32 sw = sx + (D + 1) * X_BYTES;
+    const u32 sraw = sw + 2 * W_BYTES;
 
     const int K = w.cols;
     const int groups = K / w.group;
@@ -189,42 +182,34 @@ __device__ __forceinline__ void wgmma_products_x16(const Mat& w, const WgWRow& w
     __syncthreads();
 
     for (int step = 0; step < steps; step++) {
-        if (live) wgmma_step(acc, a_desc + (step % XT) * (X_BYTES >> 4), b_desc + (step % WT) * (W_BYTES >> 4));
-        // Step + D's copies go where step − 1 − LAG's X tile was (its wgmma was waited for
-        // before the last barrier) and where step's raw codes were (dequantised before it).
+        if (live) wgmma_step(acc, a_desc + (step % (D + 1)) * (X_BYTES >> 4), b_desc + (step & 1) * (W_BYTES >> 4));
+        // Step + D's copies go where step − 1's X tile was (its wgmma ended before the last
+        // barrier) and where step's raw codes were (dequantised before it).
         const int ahead = step + D;
         if (ahead < steps) {
             const int k = k0 + ahead * GEMM_WG_BK;
             wg_copy_step<BM>(xr, wr, k, wg_new_window(k, k0, window_shift), window_shift,
-                             sx + (ahead % XT) * X_BYTES, sraw + (ahead % D) * GEMM_WG_RAW_BYTES);
+                             sx + (ahead % (D + 1)) * X_BYTES, sraw + (ahead % D) * GEMM_WG_RAW_BYTES);
         }
         wg_cp_commit();
         if (step + 1 < steps) {
             const int next = step + 1, k = k0 + next * GEMM_WG_BK;
             wg_cp_wait<D - 1>();
-            // Into the W tile step − 1 − LAG's wgmma read, waited for before the last barrier.
-            wg_dequant_step(sraw + (next % D) * GEMM_WG_RAW_BYTES, sw + (next % WT) * W_BYTES, k,
+            // The other W tile was last read by step − 1's wgmma, complete before its barrier.
+            wg_dequant_step(sraw + (next % D) * GEMM_WG_RAW_BYTES, sw + (next & 1) * W_BYTES, k,
                             wg_new_window(k, k0, window_shift), group_shift, scales, biases);
             // Orders the dequantised stores and the landed copies before the async proxy's reads.
             fence_async_shared();
         }
-        wgmma_wait<LAG>();
+        wgmma_wait_all();
         pin_accumulators(acc);
         __syncthreads();
     }
-    if constexpr (LAG > 0) {
-        wgmma_wait_all();
-        pin_accumulators(acc);
-    }
 }
 
-// The entries above with X as bf16 rows (x16): dense 3 steps ahead with a step's wgmma running
-// through the barrier, one block an SM (213 KiB): alone on its SM, a block that waited for its
-// wgmma before each barrier left the tensor pipe idle from the wait to the next issue. Grouped 2
-// steps ahead, no lag: the most that leaves two blocks an SM (113 KiB each, the SM's 228 KiB),
-// whose steps interleave.
+// The entries above with X as bf16 rows (x16): dense 3 steps ahead, one block an SM (165 KiB);
+// grouped 2 steps ahead, the most that leaves two blocks an SM (113 KiB each, the SM's 228 KiB).
 #define GEMM_WG_DENSE_AHEAD 3
-#define GEMM_WG_DENSE_LAG 1
 #define GEMM_WG_GROUPED_AHEAD 2
 
 extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 1)
@@ -233,7 +218,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 1)
     const WgDense b = wg_dense(w, m, k_split);
     float acc[GEMM_WG_BN / 2];
     const bool live = 64 * (threadIdx.x / 128) < b.m_valid;
-    wgmma_products_x16<GEMM_WG_DENSE_BM, false, GEMM_WG_DENSE_AHEAD, GEMM_WG_DENSE_LAG>(
+    wgmma_products_x16<GEMM_WG_DENSE_BM, false, GEMM_WG_DENSE_AHEAD>(
         w, wg_w_row(w, b.n0, threadIdx.x, b.n_valid), live, x, nullptr, b.r0, b.m_valid, b.k0, b.k1, acc);
     if (live)
         wg_store_acc<GEMM_WG_DENSE_BM>(acc, y + (long)blockIdx.z * m * ldy, b.r0, ldy, (long)col0 + b.n0, b.m_valid,
@@ -252,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 2)
     const int n_valid = min(GEMM_WG_BN, n - n0);
     float acc[GEMM_WG_BN / 4];
     const bool live = GEMM_WG_BN / 2 * (threadIdx.x / 128) < n_valid;
-    wgmma_products_x16<GEMM_WG_GROUPED_BM, true, GEMM_WG_GROUPED_AHEAD, 0>(
+    wgmma_products_x16<GEMM_WG_GROUPED_BM, true, GEMM_WG_GROUPED_AHEAD>(
         w, wg_w_row(w, (long)expert * n + n0, threadIdx.x, n_valid), live, x, gather, slot0, rows, 0, w.cols, acc);
     if (live) wg_store_acc<GEMM_WG_GROUPED_BM>(acc, y, slot0, n, n0, rows, n_valid);
 }
@@ -282,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 2)
     const Mat half_w = {wg ? up.w : gate.w, wg ? up.scales : gate.scales, wg ? up.biases : gate.biases,
                         gate.rows, gate.cols, gate.group};
     float acc[GEMM_WG_BN / 4];
-    wgmma_products_x16<GEMM_WG_GROUPED_BM, true, GEMM_WG_GROUPED_AHEAD, 0>(
+    wgmma_products_x16<GEMM_WG_GROUPED_BM, true, GEMM_WG_GROUPED_AHEAD>(
         gate, wg_w_row(half_w, (long)expert * n + n0, tid % 128, n_valid), true, x, gather, slot0, rows, 0,
         gate.cols, acc);
     // Every wgmma has been waited for and the block has met after the last step: the tiles are

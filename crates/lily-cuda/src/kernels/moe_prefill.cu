@@ -24,17 +24,6 @@ extern "C" __global__ void moe_topk_rows(const float* logits, int t, int* ids, f
 #define SORT_THREADS 1024
 static_assert(NE <= SORT_THREADS, "moe_sort scans one expert per thread");
 
-// Ids a moe_sort thread holds at once (pair base + b·SORT_THREADS + tid for b < SORT_BATCH, -1
-// past the end): all loaded before the first is used, so their round trips overlap.
-#define SORT_BATCH 8
-__device__ __forceinline__ void sort_load_ids(int (&e)[SORT_BATCH], const int* ids, int pairs, int base) {
-#pragma unroll
-    for (int b = 0; b < SORT_BATCH; b++) {
-        int p = base + b * SORT_THREADS + threadIdx.x;
-        e[b] = p < pairs ? ids[p] : -1;
-    }
-}
-
 // Exclusive prefix sum of one int per thread over the whole block; *total gets the block's sum.
 // Every thread must call it; `warp_sums` holds WARP + 1 ints and is free again on return.
 __device__ int block_exclusive_scan(int v, int* warp_sums, int* total) {
@@ -85,18 +74,13 @@ moe_sort(const int* ids, int pairs, int tile_rows, int* gather, int* slot_of, in
 
     for (int e = tid; e < NE; e += SORT_THREADS) cursor[e] = 0;
     __syncthreads();
-    // The loop bounds are uniform over the block, so every lane reaches the match; lanes past the
-    // end carry expert -1 and do nothing. A thread loads SORT_BATCH ids before it uses any: one
-    // load at a time, each pass over a 4K chunk's 32,768 pairs waited on 32 global round trips
-    // (ncu: 71 µs a layer on an H100).
-    for (int base = 0; base < pairs; base += SORT_THREADS * SORT_BATCH) {
-        int e[SORT_BATCH];
-        sort_load_ids(e, ids, pairs, base);
-#pragma unroll
-        for (int b = 0; b < SORT_BATCH; b++) {
-            unsigned same = __match_any_sync(FULL_MASK, e[b]);
-            if (e[b] >= 0 && (same & lanes_below) == 0) atomicAdd(&cursor[e[b]], __popc(same));
-        }
+    // The loop bound is uniform over the block, so every lane reaches the match; lanes past the
+    // end carry expert -1 and do nothing.
+    for (int base = 0; base < pairs; base += SORT_THREADS) {
+        int p = base + tid;
+        int e = p < pairs ? ids[p] : -1;
+        unsigned same = __match_any_sync(FULL_MASK, e);
+        if (e >= 0 && (same & lanes_below) == 0) atomicAdd(&cursor[e], __popc(same));
     }
     __syncthreads();
 
@@ -131,21 +115,18 @@ moe_sort(const int* ids, int pairs, int tile_rows, int* gather, int* slot_of, in
         tiles[3 * i + 2] = min(tile_rows, slot_start[lo + 1] - first);
     }
 
-    for (int base = 0; base < pairs; base += SORT_THREADS * SORT_BATCH) {
-        int e[SORT_BATCH];
-        sort_load_ids(e, ids, pairs, base);
-#pragma unroll
-        for (int b = 0; b < SORT_BATCH; b++) {
-            unsigned same = __match_any_sync(FULL_MASK, e[b]);
-            int leader = __ffs(same) - 1;
-            int first = 0;
-            if (e[b] >= 0 && lane == leader) first = atomicAdd(&cursor[e[b]], __popc(same));
-            first = __shfl_sync(FULL_MASK, first, leader);
-            if (e[b] >= 0) {
-                int p = base + b * SORT_THREADS + tid, s = first + __popc(same & lanes_below);
-                gather[s] = p / TOPK;
-                slot_of[p] = s;
-            }
+    for (int base = 0; base < pairs; base += SORT_THREADS) {
+        int p = base + tid;
+        int e = p < pairs ? ids[p] : -1;
+        unsigned same = __match_any_sync(FULL_MASK, e);
+        int leader = __ffs(same) - 1;
+        int first = 0;
+        if (e >= 0 && lane == leader) first = atomicAdd(&cursor[e], __popc(same));
+        first = __shfl_sync(FULL_MASK, first, leader);
+        if (e >= 0) {
+            int s = first + __popc(same & lanes_below);
+            gather[s] = p / TOPK;
+            slot_of[p] = s;
         }
     }
 }
