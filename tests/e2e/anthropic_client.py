@@ -135,6 +135,42 @@ def check_constrained(client):
     assert json.loads(message.content[0].text)["city"] in ("Rome", "Oslo"), message
 
 
+def check_count_tokens(client):
+    """count_tokens gives the prompt tokens the same body prefills on /v1/messages: system,
+    tools, a tool_use / tool_result history and thinking included."""
+    history = [
+        {"role": "user", "content": "Che tempo fa a Roma?"},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Roma"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sole, 24 gradi"}]},
+    ]
+    cases = [
+        {"messages": HELLO, "thinking": NO_THINK},
+        {"messages": HELLO, "thinking": {"type": "enabled", "budget_tokens": 1024}},
+        {"messages": history, "system": "Answer in Italian.", "tools": [WEATHER_TOOL], "thinking": NO_THINK},
+    ]
+    counts = []
+    for fields in cases:
+        counted = client.messages.count_tokens(model=MODEL, **fields).input_tokens
+        usage = client.messages.create(model=MODEL, max_tokens=1, extra_body=GREEDY, **fields).usage
+        assert counted == usage.input_tokens + usage.cache_read_input_tokens, (fields, counted, usage)
+        counts.append(counted)
+    # Thinking on opens the reply with "<think>" in the prompt: a different count.
+    assert counts[0] != counts[1] and counts[2] > counts[0] + 100, counts
+    try:
+        client.messages.count_tokens(model=MODEL, messages=[])
+        raise AssertionError("an empty conversation was counted")
+    except anthropic.BadRequestError as e:
+        assert e.body["error"]["type"] == "invalid_request_error", e.body
+        assert e.body["error"]["message"].startswith("messages"), e.body
+    try:
+        client.messages.count_tokens(model="claude-opus-4", messages=HELLO)
+        raise AssertionError("an unknown model was counted")
+    except anthropic.NotFoundError as e:
+        assert e.body["error"]["type"] == "not_found_error", e.body
+
+
 def check_errors(client):
     """Anthropic's error shapes, raised as the client's own exceptions."""
     try:
@@ -171,6 +207,7 @@ def main():
         ("streaming", lambda: check_streaming(client, replies["text"])),
         ("tools", lambda: check_tools(client)),
         ("constrained decoding", lambda: check_constrained(client)),
+        ("count_tokens", lambda: check_count_tokens(client)),
         ("errors", lambda: check_errors(client)),
     ]
     run_checks(checks, {"server": server})

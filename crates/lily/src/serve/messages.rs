@@ -23,7 +23,7 @@ use self::blocks::{Blocks, MessageHead, MessagesStream};
 use super::constrained::{GrammarJob, OutputRule, compile_grammar, parse_format};
 use super::error::{ApiError, ApiResult};
 use super::ids::{new_id, random_u64};
-use super::prompt::chat_prompt;
+use super::prompt::{ChatPrompt, chat_prompt};
 use super::request::{CommonRequest, MAX_MESSAGES, MAX_TOOLS, parse_body};
 use super::routes::{AppState, read_body};
 use super::sampling_defaults::SamplingDefaults;
@@ -60,6 +60,12 @@ fn anthropic_error(error: &ApiError) -> Response {
 /// A request as the engine and the template take it.
 pub(super) struct MessagesRequest {
     common: CommonRequest,
+    conversation: Conversation,
+}
+
+/// What a Messages request gives the chat template, and the output it forces: the part that
+/// `/v1/messages/count_tokens` reads too.
+pub(super) struct Conversation {
     messages: Vec<Value>,
     tools: Vec<Value>,
     /// `output_config.format`, or `tool_choice` "any" or "tool" (tool calls only).
@@ -69,26 +75,31 @@ pub(super) struct MessagesRequest {
     thinking: Option<bool>,
 }
 
-async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
-    let body = parse_body(&read_body(body, &app).await?)?;
-    let request = parse_messages_request(&body, &app.defaults)?;
-    app.check_model(&request.common.model)?;
-    let mut kwargs = Map::new();
-    let thinking = request.thinking.unwrap_or(app.default_thinking);
-    kwargs.insert("enable_thinking".into(), thinking.into());
-    let text = app.text.clone();
-    let (messages, tools) = (request.messages, request.tools.clone());
-    let prompt =
+impl Conversation {
+    /// The prompt the model reads, rendered off the async runtime (`thinking` unset: the
+    /// server's default).
+    async fn prompt(&self, app: &AppState) -> ApiResult<ChatPrompt> {
+        let mut kwargs = Map::new();
+        let thinking = self.thinking.unwrap_or(app.default_thinking);
+        kwargs.insert("enable_thinking".into(), thinking.into());
+        let text = app.text.clone();
+        let (messages, tools) = (self.messages.clone(), self.tools.clone());
         tokio::task::spawn_blocking(move || chat_prompt(&text, &messages, &tools, &kwargs))
             .await
             .map_err(|e| ApiError::internal(format!("rendering the prompt: {e}")))?
-            .map_err(|e| ApiError::param("messages", format!("{e:#}")))?;
-    let mut job = app.job(
-        prompt.tokens,
-        prompt.turn_boundary,
-        &request.common,
-        "messages",
-    )?;
+            .map_err(|e| ApiError::param("messages", format!("{e:#}")))
+    }
+}
+
+async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
+    let body = parse_body(&read_body(body, &app).await?)?;
+    let MessagesRequest {
+        common,
+        conversation: request,
+    } = parse_messages_request(&body, &app.defaults)?;
+    app.check_model(&common.model)?;
+    let prompt = request.prompt(&app).await?;
+    let mut job = app.job(prompt.tokens, prompt.turn_boundary, &common, "messages")?;
     let grammar = request.forced.clone().map(|rule| GrammarJob {
         rule,
         tools: request.tools.clone(),
@@ -102,13 +113,13 @@ async fn handle(app: Arc<AppState>, body: Body) -> ApiResult<Response> {
     let blocks = Blocks::new(
         ChatOutputParser::new(prompt.thinking, schemas),
         app.text.clone(),
-        request.common.stop.clone(),
+        common.stop.clone(),
     );
     let head = MessageHead {
         id: new_id("msg_"),
         model: app.model_name.clone(),
     };
-    if request.common.stream {
+    if common.stream {
         return Ok(sse_response(events, MessagesStream::new(head, blocks)));
     }
     answer(events, head, blocks).await
@@ -124,15 +135,35 @@ async fn answer(
     Ok(Json(blocks.message(&head, &outcome)).into_response())
 }
 
+/// `POST /v1/messages/count_tokens`: `{"input_tokens": n}`, the tokens of the prompt the same
+/// body would prefill on `/v1/messages` (system, messages, tools and thinking through the chat
+/// template), so that an agent can budget its context before it sends.
+pub async fn count_tokens(State(app): State<Arc<AppState>>, body: Body) -> Response {
+    let counted = async {
+        let body = parse_body(&read_body(body, &app).await?)?;
+        app.check_model(&parse_model(&body)?)?;
+        let prompt = parse_conversation(&body)?.prompt(&app).await?;
+        Ok::<_, ApiError>(json!({"input_tokens": prompt.tokens.len()}))
+    };
+    match counted.await {
+        Ok(count) => Json(count).into_response(),
+        Err(error) => anthropic_error(&error),
+    }
+}
+
+fn parse_model(body: &Map<String, Value>) -> ApiResult<String> {
+    match body.get("model") {
+        Some(Value::String(m)) => Ok(m.clone()),
+        Some(_) => Err(ApiError::param("model", "must be a string")),
+        None => Err(ApiError::param("model", "is required")),
+    }
+}
+
 pub(super) fn parse_messages_request(
     body: &Map<String, Value>,
     defaults: &SamplingDefaults,
 ) -> ApiResult<MessagesRequest> {
-    let model = match body.get("model") {
-        Some(Value::String(m)) => m.clone(),
-        Some(_) => return Err(ApiError::param("model", "must be a string")),
-        None => return Err(ApiError::param("model", "is required")),
-    };
+    let model = parse_model(body)?;
     let max_tokens = match body.get("max_tokens").map(Value::as_u64) {
         Some(Some(n)) if n >= 1 => n as usize,
         Some(_) => return Err(ApiError::param("max_tokens", "must be a positive integer")),
@@ -189,6 +220,25 @@ pub(super) fn parse_messages_request(
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(ApiError::param("stream", "must be true or false")),
     };
+    Ok(MessagesRequest {
+        common: CommonRequest {
+            model,
+            max_tokens: Some(max_tokens),
+            max_tokens_asked: true,
+            sampling,
+            penalties: Penalties::default(),
+            n: 1,
+            stop,
+            stream,
+            include_usage: false,
+        },
+        conversation: parse_conversation(body)?,
+    })
+}
+
+/// The conversation of a Messages body: `system`, `messages`, `tools`, `tool_choice`,
+/// `thinking` and `output_config`.
+pub(super) fn parse_conversation(body: &Map<String, Value>) -> ApiResult<Conversation> {
     let thinking = parse_thinking(body)?;
     // Server-side features: ignoring them would answer as if they had not been asked for.
     for (name, what) in [
@@ -240,18 +290,7 @@ pub(super) fn parse_messages_request(
         Some(_) => return Err(ApiError::param("messages", "must be a list of messages")),
         None => return Err(ApiError::param("messages", "is required")),
     }
-    Ok(MessagesRequest {
-        common: CommonRequest {
-            model,
-            max_tokens: Some(max_tokens),
-            max_tokens_asked: true,
-            sampling,
-            penalties: Penalties::default(),
-            n: 1,
-            stop,
-            stream,
-            include_usage: false,
-        },
+    Ok(Conversation {
         messages,
         tools,
         forced,

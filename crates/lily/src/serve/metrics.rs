@@ -19,10 +19,11 @@ use super::engine::Outcome;
 use super::request_id::{ClientAddr, new_request_id, scoped};
 
 /// Paths reported by name; anything else is "other", so that clients cannot grow the map.
-const PATHS: [&str; 10] = [
+const PATHS: [&str; 11] = [
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/messages",
+    "/v1/messages/count_tokens",
     "/v1/responses",
     "/tokenize",
     "/detokenize",

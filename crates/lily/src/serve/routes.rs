@@ -22,7 +22,7 @@ use super::completions::completions;
 use super::constrained::GrammarEngine;
 use super::engine::{GenerationJob, Outcome};
 use super::error::{ApiError, ApiResult};
-use super::messages::messages;
+use super::messages::{count_tokens, messages};
 use super::metrics::{Metrics, metrics_response, track};
 use super::request::CommonRequest;
 use super::responses::{ResponseStore, responses};
@@ -130,6 +130,7 @@ pub fn router(app: Arc<AppState>, access: Arc<Access>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/responses", post(responses))
         // Where llama.cpp and vLLM serve them: outside /v1, which is OpenAI's.
         .route("/tokenize", post(tokenize))

@@ -41,7 +41,7 @@ fn blocks_become_the_messages_the_template_reads() {
     ]}))
     .unwrap();
     assert_eq!(
-        request.messages,
+        request.conversation.messages,
         [
             json!({"role": "system", "content": "Be brief."}),
             json!({"role": "user", "content": "Weather in Rome?"}),
@@ -53,10 +53,10 @@ fn blocks_become_the_messages_the_template_reads() {
         ]
     );
     assert_eq!(
-        request.tools[0]["function"]["parameters"]["properties"]["city"]["type"],
+        request.conversation.tools[0]["function"]["parameters"]["properties"]["city"]["type"],
         "string"
     );
-    assert_eq!(request.thinking, Some(false));
+    assert_eq!(request.conversation.thinking, Some(false));
     assert_eq!(
         (request.common.max_tokens, request.common.stop.clone()),
         (Some(5), vec!["END".to_string()])
@@ -64,7 +64,8 @@ fn blocks_become_the_messages_the_template_reads() {
     // The template renders the history (a tool result needs the call before it).
     let mut kwargs = Map::new();
     kwargs.insert("enable_thinking".into(), false.into());
-    let prompt = chat_prompt(&text(), &request.messages, &request.tools, &kwargs).unwrap();
+    let c = &request.conversation;
+    let prompt = chat_prompt(&text(), &c.messages, &c.tools, &kwargs).unwrap();
     let rendered = text().tokenizer.decode_with_special(&prompt.tokens);
     assert!(
         rendered.contains("<tool_response>\nSunny\n</tool_response>"),
@@ -129,6 +130,43 @@ fn what_is_wrong_or_unsupported_is_a_400_naming_the_field() {
                 .unwrap()
                 .starts_with(param)
         );
+    }
+}
+
+#[test]
+fn count_tokens_reads_the_conversation_a_message_would() {
+    let body = json!({
+        "model": "m", "system": "Be brief.", "thinking": {"type": "disabled"},
+        "tools": [{"name": "get_weather", "description": "Weather.",
+                   "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}],
+        "messages": [{"role": "user", "content": "Weather in Rome?"}]});
+    // No max_tokens: count_tokens takes none.
+    let counted = parse_conversation(body.as_object().unwrap()).unwrap();
+    let mut sent = body.clone();
+    sent["max_tokens"] = 4.into();
+    let message = parse(sent).unwrap().conversation;
+    assert_eq!(counted.messages, message.messages);
+    assert_eq!(counted.tools, message.tools);
+    assert_eq!(counted.thinking, Some(false));
+    assert_eq!(counted.messages.len(), 2, "{:?}", counted.messages);
+    // What a message would refuse, counting refuses, naming the field.
+    let user = json!([{"role": "user", "content": "Hi"}]);
+    for (body, param) in [
+        (json!({"model": "m"}), "messages"),
+        (json!({"model": "m", "messages": []}), "messages"),
+        (
+            json!({"model": "m", "messages": user, "thinking": {"type": "on"}}),
+            "thinking.type",
+        ),
+        (
+            json!({"model": "m", "messages": user, "tool_choice": {"type": "any"}}),
+            "tool_choice",
+        ),
+    ] {
+        let error = parse_conversation(body.as_object().unwrap())
+            .err()
+            .expect("refused");
+        assert_eq!(error.param.as_deref(), Some(param), "{body}");
     }
 }
 
