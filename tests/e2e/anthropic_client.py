@@ -19,6 +19,14 @@ WEATHER_TOOL = {
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
 NO_THINK = {"type": "disabled"}
+# A question, the tool call it got and the tool's result.
+TOOL_HISTORY = [
+    {"role": "user", "content": "Che tempo fa a Roma?"},
+    {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Roma"}}]},
+    {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sole, 24 gradi"}]},
+]
 # The current client has no sampling arguments; the server still reads them from the body.
 GREEDY = {"temperature": 0}
 
@@ -84,16 +92,9 @@ def check_tools(client):
     # snapshot held them).
     prompt = lambda usage: usage.input_tokens + usage.cache_read_input_tokens
     assert prompt(with_tools.usage) > prompt(plain.usage) + 100, (plain.usage, with_tools.usage)
-    history = [
-        {"role": "user", "content": "Che tempo fa a Roma?"},
-        {"role": "assistant", "content": [
-            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Roma"}}]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sole, 24 gradi"}]},
-    ]
     message = client.messages.create(
         model=MODEL, max_tokens=4, extra_body=GREEDY, thinking=NO_THINK, tools=[WEATHER_TOOL],
-        messages=history,
+        messages=TOOL_HISTORY,
     )
     assert prompt(message.usage) > prompt(with_tools.usage), message.usage
     # The history after the question came from the snapshot of the question's turn.
@@ -138,17 +139,10 @@ def check_constrained(client):
 def check_count_tokens(client):
     """count_tokens gives the prompt tokens the same body prefills on /v1/messages: system,
     tools, a tool_use / tool_result history and thinking included."""
-    history = [
-        {"role": "user", "content": "Che tempo fa a Roma?"},
-        {"role": "assistant", "content": [
-            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Roma"}}]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sole, 24 gradi"}]},
-    ]
     cases = [
         {"messages": HELLO, "thinking": NO_THINK},
         {"messages": HELLO, "thinking": {"type": "enabled", "budget_tokens": 1024}},
-        {"messages": history, "system": "Answer in Italian.", "tools": [WEATHER_TOOL], "thinking": NO_THINK},
+        {"messages": TOOL_HISTORY, "system": "Answer in Italian.", "tools": [WEATHER_TOOL], "thinking": NO_THINK},
     ]
     counts = []
     for fields in cases:
