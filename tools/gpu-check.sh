@@ -174,7 +174,7 @@ if [ "$step" = prefill-kernels ]; then
     --launch-count "${COUNT:-1500}" --csv --metrics gpu__time_duration.sum .gpu/lily bench \
     --model synthetic:qwen3.6-35b-a3b --device cuda --prompt-lens "${PROMPT:-4096}" --contexts 256 \
     --decode-steps 1 --runs 1 > "$out/ncu-prefill-kernels.csv" 2> "$out/ncu-prefill-kernels.err"
-  python3 tools/ncu_summary.py --one-span "$out/ncu-prefill-kernels.csv" | tee "$out/ncu-prefill-kernels.md"
+  python3 tools/ncu_summary.py --one-span --launches="${LAUNCHES:-64}" "$out/ncu-prefill-kernels.csv" | tee "$out/ncu-prefill-kernels.md"
 fi
 if [ "$step" = peer-cpu ]; then
   # llama.cpp for the CPU only (~2 min on 16 cores) while its GGUF is written, for `cpu` next.
