@@ -207,6 +207,9 @@ kernel_args! {
         ids: u64, pairs: i32, tile_rows: i32, gather: u64, slot_of: u64, tiles: u64,
         num_tiles: u64,
     }
+    MoeSortCount { ids: u64, pairs: i32, counts: u64 }
+    MoeSortOffsets { counts: u64, blocks: i32, tile_rows: i32, tiles: u64, num_tiles: u64 }
+    MoeSortScatter { ids: u64, pairs: i32, offsets: u64, gather: u64, slot_of: u64 }
     MoeSwiglu { gate: u64, up: u64, n: i32, act: u64, act16: u64 }
     MoeCombine {
         down: u64, slot_of: u64, weights: u64, logits: u64, shared: u64, h: i32, out: u64,
@@ -326,6 +329,9 @@ pub fn entries() -> Vec<Entry> {
     all.extend(each::<GemmGateUp>(one("gemm_wgmma_gate_up64_b4_x16")));
     all.extend(each::<MoeTopkRows>(one("moe_topk_rows")));
     all.extend(each::<MoeSort>(one("moe_sort")));
+    all.extend(each::<MoeSortCount>(one("moe_sort_count")));
+    all.extend(each::<MoeSortOffsets>(one("moe_sort_offsets")));
+    all.extend(each::<MoeSortScatter>(one("moe_sort_scatter")));
     all.extend(each::<MoeSwiglu>(one("moe_swiglu")));
     all.extend(each::<MoeCombine>(one("moe_combine")));
     all.extend(each::<SyntheticQuant>(one("synthetic_quant")));

@@ -9,13 +9,37 @@ use anyhow::{Context, Result};
 use crate::gemm::GemmX;
 use crate::gemm_wgmma::GemmPath;
 use crate::gpu::Gpu;
-use crate::kernel_args::{MoeCombine, MoeSort, MoeSwiglu, MoeTopkRows};
+use crate::kernel_args::{
+    MoeCombine, MoeSort, MoeSortCount, MoeSortOffsets, MoeSortScatter, MoeSwiglu, MoeTopkRows,
+};
 use crate::launch;
 
 /// Token rows a `moe_topk_rows` block routes: one warp each.
 const TOPK_ROWS_PER_BLOCK: usize = 4;
-/// `moe_sort` is one block of this many threads (`SORT_THREADS` in the kernel).
+/// `moe_sort` and `moe_sort_offsets` are one block of this many threads (`SORT_THREADS` in the
+/// kernel).
 const SORT_THREADS: u32 = 1024;
+/// Threads of a `moe_sort_count` / `moe_sort_scatter` block, and the pairs it takes
+/// (`SORT_GRID_THREADS`, `SORT_GRID_PAIRS`).
+const SORT_GRID_THREADS: u32 = 256;
+const SORT_GRID_PAIRS: usize = 1024;
+
+/// How prefill sorts a chunk's pairs by expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeSortRoute {
+    /// `moe_sort`, one block: 71 µs a layer at a 4K chunk on an H100 (its atomics and
+    /// `match.any` on one SM). The default until the grid route has run on a GPU.
+    Block,
+    /// `moe_sort_count`, `moe_sort_offsets` and `moe_sort_scatter`: the pairs spread over a
+    /// block per 1,024 (written in the sixteenth session, when its device time had run out).
+    Grid,
+}
+
+/// Ints of the grid route's per-block counts for `pairs` pairs over `experts` experts
+/// (`[⌈pairs / 1,024⌉, experts]`).
+pub fn sort_counts(pairs: usize, experts: usize) -> usize {
+    pairs.div_ceil(SORT_GRID_PAIRS) * experts
+}
 const ELEMENTWISE_BLOCK: usize = 256;
 /// Enough `moe_swiglu` blocks to fill any GPU several times over; larger inputs stride.
 const SWIGLU_MAX_BLOCKS: usize = 8192;
@@ -110,27 +134,73 @@ pub fn topk_rows(gpu: &Gpu, logits: u64, t: usize, ids: u64, weights: u64) -> Re
 
 /// Sorts `pairs` (= t·TOPK) routed pairs by expert. `ids` i32 [pairs] → `gather` i32 [pairs]
 /// (the token of each slot), `slot_of` i32 [pairs] (the slot of each pair) and the tiles of
-/// `map`, cut at its height (its `max_tiles` at least `max_tiles(pairs, NE, map.height)`).
+/// `map`, cut at its height (its `max_tiles` at least `max_tiles(pairs, NE, map.height)`), by
+/// `gpu`'s route; `counts` holds [`sort_counts`] ints for the grid route (unread by the other).
 pub fn sort(
     gpu: &Gpu,
     ids: u64,
     pairs: usize,
     gather: u64,
     slot_of: u64,
+    counts: u64,
     map: &TileMap,
 ) -> Result<()> {
     let tile_rows = int(map.height.rows(), "tile rows")?;
-    // Even with no pairs the kernel runs, so that num_tiles says 0.
-    let args = MoeSort {
-        ids,
-        pairs: int(pairs, "routed pairs")?,
+    let pairs_arg = int(pairs, "routed pairs")?;
+    if gpu.moe_sort == MoeSortRoute::Block {
+        // Even with no pairs the kernel runs, so that num_tiles says 0.
+        let args = MoeSort {
+            ids,
+            pairs: pairs_arg,
+            tile_rows,
+            gather,
+            slot_of,
+            tiles: map.tiles,
+            num_tiles: map.num_tiles,
+        };
+        launch!(gpu, "moe_sort", (1, 1, 1), SORT_THREADS, args);
+        return Ok(());
+    }
+    let blocks = pairs.div_ceil(SORT_GRID_PAIRS);
+    if blocks > 0 {
+        let args = MoeSortCount {
+            ids,
+            pairs: pairs_arg,
+            counts,
+        };
+        launch!(
+            gpu,
+            "moe_sort_count",
+            (blocks as u32, 1, 1),
+            SORT_GRID_THREADS,
+            args
+        );
+    }
+    // Even with no pairs the offsets run, so that num_tiles says 0.
+    let args = MoeSortOffsets {
+        counts,
+        blocks: int(blocks, "sort blocks")?,
         tile_rows,
-        gather,
-        slot_of,
         tiles: map.tiles,
         num_tiles: map.num_tiles,
     };
-    launch!(gpu, "moe_sort", (1, 1, 1), SORT_THREADS, args);
+    launch!(gpu, "moe_sort_offsets", (1, 1, 1), SORT_THREADS, args);
+    if blocks > 0 {
+        let args = MoeSortScatter {
+            ids,
+            pairs: pairs_arg,
+            offsets: counts,
+            gather,
+            slot_of,
+        };
+        launch!(
+            gpu,
+            "moe_sort_scatter",
+            (blocks as u32, 1, 1),
+            SORT_GRID_THREADS,
+            args
+        );
+    }
     Ok(())
 }
 

@@ -51,6 +51,8 @@ pub struct PrefillScratch {
     slot_of: CudaSlice<i32>,
     tiles: CudaSlice<i32>,
     num_tiles: CudaSlice<i32>,
+    /// The grid sort's per-block counts (`moe_prefill::sort_counts`).
+    sort_counts: CudaSlice<i32>,
     /// Routed expert rows in sorted-slot order: gate (then SwiGLU in place; not written where
     /// the fused gate and up launch leaves the SwiGLU in bf16 only, `act16`), up, down.
     gate: CudaSlice<f32>,
@@ -80,7 +82,7 @@ impl PrefillScratch {
     }
 
     /// Element counts of every buffer, in field order (all 4-byte elements).
-    fn sizes(c: &ModelConfig, chunk: usize, route: Option<GdnPrefillRoute>) -> [usize; 28] {
+    fn sizes(c: &ModelConfig, chunk: usize, route: Option<GdnPrefillRoute>) -> [usize; 29] {
         let (gdn, attn) = proj_widths(c);
         let (h, t) = (c.hidden_size, chunk);
         let pairs = t * c.experts_per_token;
@@ -112,6 +114,7 @@ impl PrefillScratch {
             pairs,
             3 * tiles,
             1,
+            moe_prefill::sort_counts(pairs, c.num_experts),
             pairs * inter,
             pairs * inter,
             (pairs * inter).max(t * shared).div_ceil(2),
@@ -147,14 +150,15 @@ impl PrefillScratch {
             slot_of: gpu.zeros(n[17])?,
             tiles: gpu.zeros(n[18])?,
             num_tiles: gpu.zeros(n[19])?,
-            gate: gpu.zeros(n[20])?,
-            up: gpu.zeros(n[21])?,
-            act16: gpu.zeros(n[22])?,
-            down: gpu.zeros(n[23])?,
-            shared_gate: gpu.zeros(n[24])?,
-            shared_up: gpu.zeros(n[25])?,
-            shared_down: gpu.zeros(n[26])?,
-            moe_out: gpu.zeros(n[27])?,
+            sort_counts: gpu.zeros(n[20])?,
+            gate: gpu.zeros(n[21])?,
+            up: gpu.zeros(n[22])?,
+            act16: gpu.zeros(n[23])?,
+            down: gpu.zeros(n[24])?,
+            shared_gate: gpu.zeros(n[25])?,
+            shared_up: gpu.zeros(n[26])?,
+            shared_down: gpu.zeros(n[27])?,
+            moe_out: gpu.zeros(n[28])?,
         })
     }
 }
@@ -377,7 +381,13 @@ fn encode_moe(
         height,
         max_tiles: moe_prefill::max_tiles(pairs, ne, height),
     };
-    moe_prefill::sort(gpu, pi(&s.ids), pairs, pi(&s.gather), pi(&s.slot_of), &map)?;
+    let (ids, gather, slot_of, counts) = (
+        pi(&s.ids),
+        pi(&s.gather),
+        pi(&s.slot_of),
+        pi(&s.sort_counts),
+    );
+    moe_prefill::sort(gpu, ids, pairs, gather, slot_of, counts, &map)?;
     mark("router + sort")?;
     let grouped = |w, n, x: GemmX, gather, y| gemm::gemm_grouped(gpu, w, n, x, gather, &map, y);
     // The down projections' X: f32 in place of gate, and bf16 where the wgmma kernels read it.

@@ -15,7 +15,7 @@ use lily_cuda::gemm::{GateUp, GemmX, gemm, gemm_gate_up, gemm_grouped};
 use lily_cuda::gemm_wgmma::{GemmPath, takes};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
-use lily_cuda::moe_prefill::{MoeTile, TileMap, max_tiles, sort};
+use lily_cuda::moe_prefill::{MoeTile, TileMap, max_tiles, sort, sort_counts};
 use support::{NEEDS_GPU, gemm_paths, random_linear_grouped, time_ms};
 
 /// The kernel file `path` runs `w` on (the wgmma path leaves what gemm_wgmma.cu does not take to
@@ -153,6 +153,8 @@ fn grouped_gemm_speed_by_tokens() {
         let s = &gpu.stream;
         let (xp, gp, ap, op) = (ptr(&dx, s), ptr(&gather, s), ptr(&act, s), ptr(&out, s));
         let (ids_p, slot_p) = (ptr(&ids, s), ptr(&slot_of, s));
+        let counts = gpu.zeros::<i32>(sort_counts(pairs, experts)).unwrap();
+        let counts_p = ptr(&counts, s);
         let (tiles_p, num_p) = (ptr(&tiles, s), ptr(&num_tiles, s));
         for height in MoeTile::ALL {
             let map = TileMap {
@@ -161,7 +163,7 @@ fn grouped_gemm_speed_by_tokens() {
                 height,
                 max_tiles: max_tiles(pairs, experts, height),
             };
-            sort(&gpu, ids_p, pairs, gp, slot_p, &map).unwrap();
+            sort(&gpu, ids_p, pairs, gp, slot_p, counts_p, &map).unwrap();
             let live = gpu.download(&num_tiles).unwrap()[0];
             // These weights run their 64-row tiles on whichever path is set (gemm_wgmma.cu takes
             // them), so each path chooses the height for itself.

@@ -8,7 +8,9 @@ use lily_core::rng::{Rng, mix64, uniform_at};
 use lily_cuda::KvPrecision;
 use lily_cuda::gemm::GemmX;
 use lily_cuda::gpu::{Gpu, ptr};
-use lily_cuda::moe_prefill::{MoeTile, TileMap, combine, max_tiles, sort, swiglu, topk_rows};
+use lily_cuda::moe_prefill::{
+    MoeSortRoute, MoeTile, TileMap, combine, max_tiles, sort, sort_counts, swiglu, topk_rows,
+};
 
 const NEEDS_GPU: &str = "needs a CUDA GPU";
 
@@ -137,11 +139,12 @@ struct Sorted {
     num_tiles: i32,
 }
 
-/// Runs moe_sort on `ids` at `height`; every output starts as a sentinel so unwritten entries
-/// show.
+/// Runs the sort of `gpu`'s route on `ids` at `height`; every output starts as a sentinel so
+/// unwritten entries show.
 fn gpu_sort(gpu: &Gpu, ids: &[i32], ne: usize, height: MoeTile) -> Sorted {
     let pairs = ids.len();
     let s = &gpu.stream;
+    let counts = dev(gpu, &vec![-1i32; sort_counts(pairs, ne) + 1]);
     let d_ids = dev(gpu, &ids.iter().copied().chain([0]).collect::<Vec<_>>());
     let gather = dev(gpu, &vec![-1i32; pairs + 1]);
     let slot_of = dev(gpu, &vec![-1i32; pairs + 1]);
@@ -161,6 +164,7 @@ fn gpu_sort(gpu: &Gpu, ids: &[i32], ne: usize, height: MoeTile) -> Sorted {
         pairs,
         ptr(&gather, s),
         ptr(&slot_of, s),
+        ptr(&counts, s),
         &map,
     )
     .unwrap();
@@ -255,7 +259,7 @@ fn random_ids(pairs: usize, ne: usize, seed: u64, pick: impl Fn(u64) -> usize) -
 #[ignore = "needs a CUDA GPU"]
 fn sort_orders_pairs_by_expert_in_tiles() {
     for (ne, top_k, norm) in ROUTINGS {
-        let gpu = Gpu::new(&config(ne, top_k, norm), KvPrecision::Bf16).expect(NEEDS_GPU);
+        let mut gpu = Gpu::new(&config(ne, top_k, norm), KvPrecision::Bf16).expect(NEEDS_GPU);
         let mut cases: Vec<(String, Vec<i32>)> = Vec::new();
         for t in TOKENS {
             cases.push((
@@ -300,9 +304,16 @@ fn sort_orders_pairs_by_expert_in_tiles() {
         cases.push(("tile edges".into(), edges));
         cases.push(("no pairs".into(), Vec::new()));
         for (case, ids) in cases {
-            for height in MoeTile::ALL {
+            for (height, route) in MoeTile::ALL
+                .into_iter()
+                .flat_map(|h| [MoeSortRoute::Block, MoeSortRoute::Grid].map(|r| (h, r)))
+            {
+                gpu.moe_sort = route;
                 let out = gpu_sort(&gpu, &ids, ne, height);
-                let case = format!("{ne} experts, {height:?}, {case} ({} pairs)", ids.len());
+                let case = format!(
+                    "{ne} experts, {height:?}, {route:?}, {case} ({} pairs)",
+                    ids.len()
+                );
                 check_sort(&ids, ne, top_k, height, &out, &case);
                 eprintln!("sort {case}: valid, {} tiles", out.num_tiles);
             }

@@ -52,23 +52,60 @@ __device__ int block_exclusive_scan(int v, int* warp_sums, int* total) {
     return exclusive;
 }
 
+// From each expert's pair count (thread e holds expert e's, threads past NE 0), every expert's
+// first slot (returned to thread e) and the tile map: tiles[3i .. 3i+3] = {expert, first slot,
+// rows ≤ tile_rows}, an expert's tiles consecutive and in expert order, *num_tiles = Σ_e
+// ceil(count_e / tile_rows) ≤ pairs / tile_rows + NE. Every thread of a SORT_THREADS block calls
+// it; it ends with the block met.
+__device__ int sort_plan(int count, int tile_rows, int* tiles, int* num_tiles) {
+    __shared__ int slot_start[NE + 1];  // an expert's first slot; [NE] = pairs
+    __shared__ int tile_start[NE + 1];  // an expert's first tile; [NE] = the tile count
+    __shared__ int warp_sums[WARP + 1];
+    const int tid = threadIdx.x;
+    int n_tiles = (count + tile_rows - 1) / tile_rows;
+    int total_pairs, total_tiles;
+    int first_slot = block_exclusive_scan(count, warp_sums, &total_pairs);
+    int first_tile = block_exclusive_scan(n_tiles, warp_sums, &total_tiles);
+    if (tid < NE) {
+        slot_start[tid] = first_slot;
+        tile_start[tid] = first_tile;
+    }
+    if (tid == 0) {
+        slot_start[NE] = total_pairs;
+        tile_start[NE] = total_tiles;
+        *num_tiles = total_tiles;
+    }
+    __syncthreads();
+    for (int i = tid; i < total_tiles; i += SORT_THREADS) {
+        // The tile's expert: the first e whose tiles end past i (empty experts end where they
+        // start, so they are skipped).
+        int lo = 0, hi = NE - 1;
+        while (lo < hi) {
+            int mid = (lo + hi) / 2;
+            if (tile_start[mid + 1] > i) hi = mid; else lo = mid + 1;
+        }
+        int first = slot_start[lo] + (i - tile_start[lo]) * tile_rows;
+        tiles[3 * i] = lo;
+        tiles[3 * i + 1] = first;
+        tiles[3 * i + 2] = min(tile_rows, slot_start[lo + 1] - first);
+    }
+    __syncthreads();
+    return first_slot;
+}
+
 // Sorts the pairs by expert (a counting sort) and cuts each expert's slots into tiles of
-// tile_rows (> 0, the height of the grouped GEMM entry that reads them):
-//   gather[s] = the token of slot s, slot_of[p] = the slot of pair p,
-//   tiles[3i .. 3i+3] = {expert, first slot, rows ≤ tile_rows}, an expert's tiles consecutive and
-//   in expert order, *num_tiles = Σ_e ceil(count_e / tile_rows) ≤ pairs / tile_rows + NE.
-// One block of SORT_THREADS. Within an expert the slot order depends on atomic timing; that is
-// harmless, since every slot's GEMM row depends only on its own input and the combine reads the
-// slots back through slot_of in choice order. Pairs with the same expert in a warp take one
-// atomic between them: when every pair goes to one expert (32,768 pairs), per-pair shared
-// atomics on one address would serialise.
+// tile_rows (> 0, the height of the grouped GEMM entry that reads them): gather[s] = the token of
+// slot s, slot_of[p] = the slot of pair p, and the tile map of sort_plan. One block of
+// SORT_THREADS. Within an expert the slot order depends on atomic timing; that is harmless,
+// since every slot's GEMM row depends only on its own input and the combine reads the slots back
+// through slot_of in choice order. Pairs with the same expert in a warp take one atomic between
+// them: when every pair goes to one expert (32,768 pairs), per-pair shared atomics on one
+// address would serialise. (The route `MoeSortRoute::Block`; the grid route below spreads the
+// same work over many blocks.)
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
 moe_sort(const int* ids, int pairs, int tile_rows, int* gather, int* slot_of, int* tiles, int* num_tiles) {
     pdl_wait();
     __shared__ int cursor[NE];          // pairs per expert, then the next free slot of each
-    __shared__ int slot_start[NE + 1];  // an expert's first slot; [NE] = pairs
-    __shared__ int tile_start[NE + 1];  // an expert's first tile; [NE] = the tile count
-    __shared__ int warp_sums[WARP + 1];
     int tid = threadIdx.x, lane = tid % WARP;
     unsigned lanes_below = (1u << lane) - 1u;
 
@@ -84,36 +121,9 @@ moe_sort(const int* ids, int pairs, int tile_rows, int* gather, int* slot_of, in
     }
     __syncthreads();
 
-    int count = tid < NE ? cursor[tid] : 0;
-    int n_tiles = (count + tile_rows - 1) / tile_rows;
-    int total_pairs, total_tiles;
-    int first_slot = block_exclusive_scan(count, warp_sums, &total_pairs);
-    int first_tile = block_exclusive_scan(n_tiles, warp_sums, &total_tiles);
-    if (tid < NE) {
-        cursor[tid] = first_slot;
-        slot_start[tid] = first_slot;
-        tile_start[tid] = first_tile;
-    }
-    if (tid == 0) {
-        slot_start[NE] = total_pairs;
-        tile_start[NE] = total_tiles;
-        *num_tiles = total_tiles;
-    }
+    int first_slot = sort_plan(tid < NE ? cursor[tid] : 0, tile_rows, tiles, num_tiles);
+    if (tid < NE) cursor[tid] = first_slot;
     __syncthreads();
-
-    for (int i = tid; i < total_tiles; i += SORT_THREADS) {
-        // The tile's expert: the first e whose tiles end past i (empty experts end where they
-        // start, so they are skipped).
-        int lo = 0, hi = NE - 1;
-        while (lo < hi) {
-            int mid = (lo + hi) / 2;
-            if (tile_start[mid + 1] > i) hi = mid; else lo = mid + 1;
-        }
-        int first = slot_start[lo] + (i - tile_start[lo]) * tile_rows;
-        tiles[3 * i] = lo;
-        tiles[3 * i + 1] = first;
-        tiles[3 * i + 2] = min(tile_rows, slot_start[lo + 1] - first);
-    }
 
     for (int base = 0; base < pairs; base += SORT_THREADS) {
         int p = base + tid;
@@ -128,6 +138,75 @@ moe_sort(const int* ids, int pairs, int tile_rows, int* gather, int* slot_of, in
             gather[s] = p / TOPK;
             slot_of[p] = s;
         }
+    }
+}
+
+// The same sort over many blocks (`MoeSortRoute::Grid`): moe_sort, one block on one SM, took 71
+// µs a layer for a 4K chunk's 32,768 pairs on an H100 whether its loads were in flight one or
+// eight at a time: its match.any and shared atomics, ~2 cycles of the SM a pair. Here block b
+// takes pairs [b·SORT_GRID_PAIRS, (b + 1)·SORT_GRID_PAIRS):
+//   moe_sort_count    each block's histogram, counts[b][e];
+//   moe_sort_offsets  one block: the plan from the totals, and counts[b][e] becomes block b's
+//                     first slot on expert e (the slots of expert e in block order);
+//   moe_sort_scatter  each block places its pairs from those offsets.
+// The outputs are moe_sort's (the slot order within an expert may differ, harmlessly). Expert
+// ids come from moe_topk_rows, always in [0, NE).
+#define SORT_GRID_THREADS 256
+#define SORT_GRID_PER_THREAD 4
+#define SORT_GRID_PAIRS (SORT_GRID_THREADS * SORT_GRID_PER_THREAD)
+
+extern "C" __global__ void __launch_bounds__(SORT_GRID_THREADS)
+moe_sort_count(const int* ids, int pairs, int* counts) {
+    pdl_wait();
+    __shared__ int hist[NE];
+    for (int e = threadIdx.x; e < NE; e += SORT_GRID_THREADS) hist[e] = 0;
+    __syncthreads();
+    int e[SORT_GRID_PER_THREAD];
+#pragma unroll
+    for (int i = 0; i < SORT_GRID_PER_THREAD; i++) {
+        const int p = blockIdx.x * SORT_GRID_PAIRS + i * SORT_GRID_THREADS + threadIdx.x;
+        e[i] = p < pairs ? ids[p] : -1;
+    }
+#pragma unroll
+    for (int i = 0; i < SORT_GRID_PER_THREAD; i++)
+        if (e[i] >= 0) atomicAdd(&hist[e[i]], 1);
+    __syncthreads();
+    for (int x = threadIdx.x; x < NE; x += SORT_GRID_THREADS) counts[(long)blockIdx.x * NE + x] = hist[x];
+}
+
+// counts [blocks][NE] from moe_sort_count → each block's first slot per expert, in place; the
+// tile map as moe_sort writes it. One block of SORT_THREADS.
+extern "C" __global__ void __launch_bounds__(SORT_THREADS)
+moe_sort_offsets(int* counts, int blocks, int tile_rows, int* tiles, int* num_tiles) {
+    pdl_wait();
+    const int tid = threadIdx.x;
+    int total = 0;
+    if (tid < NE)
+        for (int b = 0; b < blocks; b++) {
+            const int c = counts[(long)b * NE + tid];
+            counts[(long)b * NE + tid] = total;
+            total += c;
+        }
+    const int first_slot = sort_plan(total, tile_rows, tiles, num_tiles);
+    if (tid < NE)
+        for (int b = 0; b < blocks; b++) counts[(long)b * NE + tid] += first_slot;
+}
+
+// Block b's pairs into their slots from offsets[b][e] (moe_sort_offsets). Same grid as
+// moe_sort_count.
+extern "C" __global__ void __launch_bounds__(SORT_GRID_THREADS)
+moe_sort_scatter(const int* ids, int pairs, const int* offsets, int* gather, int* slot_of) {
+    pdl_wait();
+    __shared__ int cursor[NE];
+    for (int x = threadIdx.x; x < NE; x += SORT_GRID_THREADS) cursor[x] = offsets[(long)blockIdx.x * NE + x];
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < SORT_GRID_PER_THREAD; i++) {
+        const int p = blockIdx.x * SORT_GRID_PAIRS + i * SORT_GRID_THREADS + threadIdx.x;
+        if (p >= pairs) continue;
+        const int s = atomicAdd(&cursor[ids[p]], 1);
+        gather[s] = p / TOPK;
+        slot_of[p] = s;
     }
 }
 
