@@ -87,12 +87,16 @@ impl CudaOptions {
     /// The defaults with the overrides `var` gives (a variable's value by name).
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Self> {
         let mut o = CudaOptions::default();
-        if let Some(v) = var("LILY_KV_CACHE") {
-            o.kv = match v.as_str() {
-                "bf16" => KvPrecision::Bf16,
-                "f32" => KvPrecision::F32,
-                _ => bail!("LILY_KV_CACHE={v:?}: expected bf16 or f32"),
-            };
+        // A variable naming one of a setting's values: that value, else an error naming both.
+        let pick = |name: &str, values: &[&str]| -> Result<Option<usize>> {
+            let Some(v) = var(name) else { return Ok(None) };
+            match values.iter().position(|&x| x == v) {
+                Some(i) => Ok(Some(i)),
+                None => bail!("{name}={v:?}: expected {}", values.join(" or ")),
+            }
+        };
+        if let Some(i) = pick("LILY_KV_CACHE", &["bf16", "f32"])? {
+            o.kv = [KvPrecision::Bf16, KvPrecision::F32][i];
         }
         if let Some(v) = var("LILY_PREFILL_CHUNK") {
             o.prefill_chunk = match v.parse::<usize>() {
@@ -100,61 +104,29 @@ impl CudaOptions {
                 _ => bail!("LILY_PREFILL_CHUNK={v:?}: expected a positive number of tokens"),
             };
         }
-        if let Some(v) = var("LILY_DECODE") {
-            o.decode = match v.as_str() {
-                "graph" => DecodePath::Graph,
-                "persistent" => DecodePath::Persistent,
-                _ => bail!("LILY_DECODE={v:?}: expected graph or persistent"),
-            };
+        if let Some(i) = pick("LILY_DECODE", &["graph", "persistent"])? {
+            o.decode = [DecodePath::Graph, DecodePath::Persistent][i];
         }
-        if let Some(v) = var("LILY_DECODE_KERNELS") {
-            o.decode_kernels = match v.as_str() {
-                "mma" => DecodeKernels::Mma,
-                "imma" => DecodeKernels::Imma,
-                _ => bail!("LILY_DECODE_KERNELS={v:?}: expected mma or imma"),
-            };
+        if let Some(i) = pick("LILY_DECODE_KERNELS", &["mma", "imma"])? {
+            o.decode_kernels = [DecodeKernels::Mma, DecodeKernels::Imma][i];
         }
-        if let Some(v) = var("LILY_PDL") {
-            o.pdl = match v.as_str() {
-                "1" => true,
-                "0" => false,
-                _ => bail!("LILY_PDL={v:?}: expected 0 or 1"),
-            };
+        if let Some(i) = pick("LILY_PDL", &["0", "1"])? {
+            o.pdl = i == 1;
         }
-        if let Some(v) = var("LILY_STAMPS") {
-            o.stamps = match v.as_str() {
-                "1" => true,
-                "0" => false,
-                _ => bail!("LILY_STAMPS={v:?}: expected 0 or 1"),
-            };
+        if let Some(i) = pick("LILY_STAMPS", &["0", "1"])? {
+            o.stamps = i == 1;
         }
-        if let Some(v) = var("LILY_GEMM") {
-            o.gemm = Some(match v.as_str() {
-                "mma" => GemmPath::MmaSync,
-                "wgmma" => GemmPath::Wgmma,
-                _ => bail!("LILY_GEMM={v:?}: expected mma or wgmma"),
-            });
+        if let Some(i) = pick("LILY_GEMM", &["mma", "wgmma"])? {
+            o.gemm = Some([GemmPath::MmaSync, GemmPath::Wgmma][i]);
         }
-        if let Some(v) = var("LILY_GDN_PREFILL") {
-            o.gdn_prefill = Some(match v.as_str() {
-                "scan" => GdnPrefillRoute::Scan,
-                "chunked" => GdnPrefillRoute::Chunked,
-                _ => bail!("LILY_GDN_PREFILL={v:?}: expected scan or chunked"),
-            });
+        if let Some(i) = pick("LILY_GDN_PREFILL", &["scan", "chunked"])? {
+            o.gdn_prefill = Some([GdnPrefillRoute::Scan, GdnPrefillRoute::Chunked][i]);
         }
-        if let Some(v) = var("LILY_GATE_UP") {
-            o.gate_up = match v.as_str() {
-                "split" => GateUpRoute::Split,
-                "fused" => GateUpRoute::Fused,
-                _ => bail!("LILY_GATE_UP={v:?}: expected split or fused"),
-            };
+        if let Some(i) = pick("LILY_GATE_UP", &["split", "fused"])? {
+            o.gate_up = [GateUpRoute::Split, GateUpRoute::Fused][i];
         }
-        if let Some(v) = var("LILY_MOE_SORT") {
-            o.moe_sort = match v.as_str() {
-                "block" => MoeSortRoute::Block,
-                "grid" => MoeSortRoute::Grid,
-                _ => bail!("LILY_MOE_SORT={v:?}: expected block or grid"),
-            };
+        if let Some(i) = pick("LILY_MOE_SORT", &["block", "grid"])? {
+            o.moe_sort = [MoeSortRoute::Block, MoeSortRoute::Grid][i];
         }
         Ok(o)
     }
