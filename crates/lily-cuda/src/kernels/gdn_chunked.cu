@@ -56,23 +56,9 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const float (&a)[4], con
           "r"(__float_as_uint(a[3])), "r"(__float_as_uint(b[0])), "r"(__float_as_uint(b[1])));
 }
 
-// x as TF32 hi and lo parts (x ≈ hi + lo), the operands of a 3xTF32 product.
-__device__ __forceinline__ float2 tf32_split(float x) {
-    float hi = tf32_round(x);
-    return make_float2(hi, tf32_round(x - hi));
-}
-
-// The B fragment pair of elements x = B(k, n) and y = B(k + 4, n), split: {hi x, hi y, lo x,
-// lo y}, the register pairs the hi and lo products take.
-__device__ __forceinline__ float4 tf32_pair(float x, float y) {
-    float2 a = tf32_split(x), b = tf32_split(y);
-    return make_float4(a.x, b.x, a.y, b.y);
-}
-
 // One k-step (8 deep) of a warp's strip of NT 16 × 8 tiles at columns n0 + 8i: c[i] (and lo[i],
 // the 3xTF32 correction terms, a second set of independent chains) += a·b(k0.., n), where af
-// is the step's A fragment and b(k, n) (k % 8 < 4) gives B(k, n) and B(k + 4, n) as tf32_pair
-// does (reading shared memory, split there or before); tiles from column n_end on are skipped.
+// is the step's A fragment and b reads shared memory; tiles from column n_end on are skipped.
 // Fragments (PTX m16n8k8 .tf32), g = lane/4, q = lane%4: a0 (g, q), a1 (g+8, q), a2 (g, q+4),
 // a3 (g+8, q+4); b0 (q, g), b1 (q+4, g); accumulator c0 (g, 2q), c1 (g, 2q+1), c2 (g+8, 2q),
 // c3 (g+8, 2q+1) (acc_row / acc_col).
@@ -90,10 +76,10 @@ __device__ __forceinline__ void mma_kstep(float (&c)[NT][4], float (&lo)[NT][4],
     for (int i = 0; i < NT; i++) {
         if (n0 + 8 * i >= n_end) continue;
         int n = n0 + 8 * i + g;
-        float4 bp = b(k0 + q, n);
-        float bh[2] = {bp.x, bp.y};
+        float bf[2] = {b(k0 + q, n), b(k0 + q + 4, n)};
+        float bh[2] = {tf32_round(bf[0]), tf32_round(bf[1])};
         if constexpr (GDNC_TF32_PASSES == 3) {
-            float bl[2] = {bp.z, bp.w};
+            float bl[2] = {tf32_round(bf[0] - bh[0]), tf32_round(bf[1] - bh[1])};
             mma_tf32(lo[i], al, bh);
             mma_tf32(lo[i], ah, bl);
         }
@@ -238,7 +224,7 @@ extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scrat
         float c[GDNC_C / 8][4];
         zero_acc(c);
         mma_strip(c, m0, 0, DK, [&](int r, int k) { return L[r * GDNC_LDK + k]; },
-                  [&](int k, int n) { return tf32_pair(Ks[n * GDNC_LDK + k], Ks[n * GDNC_LDK + k + 4]); }, m0 + 16);
+                  [&](int k, int n) { return Ks[n * GDNC_LDK + k]; }, m0 + 16);
 #pragma unroll
         for (int i = 0; i < GDNC_C / 8; i++)
 #pragma unroll
@@ -307,7 +293,7 @@ extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scrat
         float c[GDNC_WNT][4];
         zero_acc(c);
         mma_strip(c, m0, n0, m0 + 16, [&](int r, int k) { return Ts[r * GDNC_LDC + k]; },
-                  [&](int k, int n) { return tf32_pair(Ks[k * GDNC_LDK + n], Ks[(k + 4) * GDNC_LDK + n]); });
+                  [&](int k, int n) { return Ks[k * GDNC_LDK + n]; });
 #pragma unroll
         for (int i = 0; i < GDNC_WNT; i++)
 #pragma unroll
@@ -325,32 +311,12 @@ extern "C" __global__ void gdn_chunk_prep(const float* prep, int t, float* scrat
 }
 
 // gdn_chunk_scan keeps in shared memory only what every warp reads: the state S and the chunk's
-// V and V', its B operands. Each is stored already split for 3xTF32, in the order a fragment
-// reads it: B(k, n) and B(k + 4, n) (k % 8 < 4) as one float4 {hi, hi, lo, lo} (tf32_pair) at
-// split_at(k, n), rows of GDNC_LDB4 = COLS + 2 float4s (a quarter-warp's 4 rows × 2 columns in
-// distinct banks). A fragment is then one 16-byte load in the registers the mma takes, where
-// splitting it on every read cost six ALU ops beside its three mma, on every tile of every warp
-// (the scan issued ~3,400 instructions a warp and chunk, most of them those; a float2 per
-// element instead cost as many moves to pair the registers). S is kept in f32 too ([DK][LDB],
-// LDB = COLS + 8), read and rewritten only by the warp that updates its rows: hi + lo is not
-// exactly the f32 value. Each A operand (W, Tβ, P, Q, Kᵀ) is read by one warp once per chunk,
-// so it goes from global memory straight into that warp's registers, a phase ahead of its use.
+// V and V' (B operands, [k][COLS] with row stride GDNC_LDB: +8 puts a B fragment's 4 rows × 8
+// columns in 32 banks). Each A operand (W, Tβ, P, Q, Kᵀ) is read by one warp once per chunk, so
+// it goes from global memory straight into that warp's registers, a phase ahead of its use.
 #define GDNC_LDB (GDNC_COLS + 8)
-#define GDNC_LDB4 (GDNC_COLS + 2)
-// Shared floats of gdn_chunk_scan: S [DK][LDB]; split S [DK/2][LDB4], split V, V' and
-// diag(e^{γ_C − γ}) V' [C/2][LDB4] (float4s).
-#define GDNC_SCAN_SHARED (DK * GDNC_LDB + 2 * (DK + 3 * GDNC_C) * GDNC_LDB4)
-
-__device__ __forceinline__ int split_at(int k, int n) { return (k / 8 * 4 + k % 4) * GDNC_LDB4 + n; }
-
-// B(k, n) = x into the split matrix m.
-__device__ __forceinline__ void put_split(float4* m, int k, int n, float x) {
-    float* at = (float*)(m + split_at(k, n)) + (k % 8) / 4;
-    float2 s = tf32_split(x);
-    at[0] = s.x;
-    at[2] = s.y;
-}
-
+// Shared floats of gdn_chunk_scan: S [DK][LDB]; V, V', diag(e^{γ_C − γ}) V' [C][LDB].
+#define GDNC_SCAN_SHARED ((DK + 3 * GDNC_C) * GDNC_LDB)
 // Tiles of 8 columns in a strip: every strip (of V', O or S) spans the block's COLS columns.
 #define GDNC_NT (GDNC_COLS / 8)
 // k-steps of 8 over DK (DK % 16 == 0 on the route; rounded up so other shapes still compile).
@@ -417,17 +383,12 @@ __device__ __forceinline__ void v_load(float4 (&v)[GDNC_VPT], const float* src, 
     }
 }
 
-__device__ __forceinline__ void v_store(float4* Vs, const float4 (&v)[GDNC_VPT]) {
+__device__ __forceinline__ void v_store(float* Vs, const float4 (&v)[GDNC_VPT]) {
 #pragma unroll
     for (int p = 0; p < GDNC_VPT; p++) {
         int i = threadIdx.x + p * GDNC_WARPS * WARP;
         int r = i / (GDNC_COLS / 4), c4 = (i % (GDNC_COLS / 4)) * 4;
-        if (i < GDNC_C * GDNC_COLS / 4) {
-            put_split(Vs, r, c4, v[p].x);
-            put_split(Vs, r, c4 + 1, v[p].y);
-            put_split(Vs, r, c4 + 2, v[p].z);
-            put_split(Vs, r, c4 + 3, v[p].w);
-        }
+        if (i < GDNC_C * GDNC_COLS / 4) *(float4*)(Vs + r * GDNC_LDB + c4) = v[p];
     }
 }
 
@@ -449,10 +410,9 @@ gdn_chunk_scan(const float* conv, const float* prep, const float* scratch, int t
     static_assert(2 * GDNC_C / 16 == GDNC_WARPS, "one strip of V' or O per warp");
     extern __shared__ float4 gdnc_shared4[];
     float* Ss = (float*)gdnc_shared4;
-    float4* Ss2 = (float4*)(Ss + DK * GDNC_LDB);   // DK % 16 == 0: 16-byte aligned
-    float4* Vs = Ss2 + DK / 2 * GDNC_LDB4;
-    float4* Vp = Vs + GDNC_C / 2 * GDNC_LDB4;
-    float4* Vk = Vp + GDNC_C / 2 * GDNC_LDB4;
+    float* Vs = Ss + DK * GDNC_LDB;
+    float* Vp = Vs + GDNC_C * GDNC_LDB;
+    float* Vk = Vp + GDNC_C * GDNC_LDB;
     int j = blockIdx.y, kh = j / (NV / NK), col0 = blockIdx.x * GDNC_COLS;
     int warp = threadIdx.x / WARP, g = (threadIdx.x % WARP) / 4;
     int chunks = (t + GDNC_C - 1) / GDNC_C;
@@ -491,15 +451,7 @@ gdn_chunk_scan(const float* conv, const float* prep, const float* scratch, int t
         decay = in[GDNC_EG + GDNC_C - 1];
     };
 
-    for (int i = threadIdx.x; i < DK * GDNC_COLS / 4; i += blockDim.x) {
-        int r = i / (GDNC_COLS / 4), c4 = (i % (GDNC_COLS / 4)) * 4;
-        float4 x = *(const float4*)(S + (long)r * DV + c4);
-        *(float4*)(Ss + r * GDNC_LDB + c4) = x;
-        put_split(Ss2, r, c4, x.x);
-        put_split(Ss2, r, c4 + 1, x.y);
-        put_split(Ss2, r, c4 + 2, x.z);
-        put_split(Ss2, r, c4 + 3, x.w);
-    }
+    gdnc_load<DK, GDNC_COLS>(Ss, GDNC_LDB, S, DV, DK, [](int) { return 1.f; });
     v_load(v, vsrc, len_of(0));
     v_store(Vs, v);
     load_a1(0);
@@ -508,13 +460,13 @@ gdn_chunk_scan(const float* conv, const float* prep, const float* scratch, int t
     load_scales(0);
     __syncthreads();
 
-    auto from = [](const float4* m) { return [m](int k, int n) { return m[split_at(k, n)]; }; };
+    auto from = [](const float* m) { return [m](int k, int n) { return m[k * GDNC_LDB + n]; }; };
     for (int c = 0; c < chunks; c++) {
         // The last chunk's loads for "next" repeat it (harmless, and never out of bounds).
         int tok0 = c * GDNC_C, len = len_of(c), next = min(c + 1, chunks - 1);
         float acc[GDNC_NT][4];
         zero_acc(acc);
-        mma_regs(acc, a1, vw ? -1.f : 1.f, 0, from(Ss2));
+        mma_regs(acc, a1, vw ? -1.f : 1.f, 0, from(Ss));
         load_a1(next);
         if (vw) {
             mma_regs(acc, a2, 1.f, 0, from(Vs));
@@ -523,9 +475,9 @@ gdn_chunk_scan(const float* conv, const float* prep, const float* scratch, int t
             for (int i = 0; i < GDNC_NT; i++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
-                    int r = acc_row(m0, e), col = acc_col(8 * i, e);
-                    put_split(Vp, r, col, acc[i][e]);
-                    put_split(Vk, r, col, acc[i][e] * (e < 2 ? sc0 : sc1));
+                    int at = acc_row(m0, e) * GDNC_LDB + acc_col(8 * i, e);
+                    Vp[at] = acc[i][e];
+                    Vk[at] = acc[i][e] * (e < 2 ? sc0 : sc1);
                 }
         } else {
 #pragma unroll
@@ -562,11 +514,7 @@ gdn_chunk_scan(const float* conv, const float* prep, const float* scratch, int t
 #pragma unroll
             for (int n = 0; n < GDNC_NT; n++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int r = acc_row(r0, e), col = acc_col(8 * n, e);
-                    Ss[r * GDNC_LDB + col] = s[n][e];
-                    put_split(Ss2, r, col, s[n][e]);
-                }
+                for (int e = 0; e < 4; e++) Ss[acc_row(r0, e) * GDNC_LDB + acc_col(8 * n, e)] = s[n][e];
         }
         load_kt(next);
         load_scales(next);
