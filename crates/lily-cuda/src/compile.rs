@@ -201,7 +201,6 @@ pub const KERNEL_FILES: [KernelFile; 17] = [
         source: include_str!("kernels/moe_prefill.cu"),
         entries: &[
             "moe_topk_rows",
-            "moe_sort",
             "moe_sort_count",
             "moe_sort_offsets",
             "moe_sort_scatter",

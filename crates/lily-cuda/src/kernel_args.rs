@@ -203,10 +203,6 @@ kernel_args! {
         act16: u64,
     }
     MoeTopkRows { logits: u64, t: i32, ids: u64, weights: u64 }
-    MoeSort {
-        ids: u64, pairs: i32, tile_rows: i32, gather: u64, slot_of: u64, tiles: u64,
-        num_tiles: u64,
-    }
     MoeSortCount { ids: u64, pairs: i32, counts: u64 }
     MoeSortOffsets { counts: u64, blocks: i32, tile_rows: i32, tiles: u64, num_tiles: u64 }
     MoeSortScatter { ids: u64, pairs: i32, offsets: u64, gather: u64, slot_of: u64 }
@@ -328,7 +324,6 @@ pub fn entries() -> Vec<Entry> {
     ));
     all.extend(each::<GemmGateUp>(one("gemm_wgmma_gate_up64_b4_x16")));
     all.extend(each::<MoeTopkRows>(one("moe_topk_rows")));
-    all.extend(each::<MoeSort>(one("moe_sort")));
     all.extend(each::<MoeSortCount>(one("moe_sort_count")));
     all.extend(each::<MoeSortOffsets>(one("moe_sort_offsets")));
     all.extend(each::<MoeSortScatter>(one("moe_sort_scatter")));

@@ -10,32 +10,20 @@ use crate::gemm::GemmX;
 use crate::gemm_wgmma::GemmPath;
 use crate::gpu::Gpu;
 use crate::kernel_args::{
-    MoeCombine, MoeSort, MoeSortCount, MoeSortOffsets, MoeSortScatter, MoeSwiglu, MoeTopkRows,
+    MoeCombine, MoeSortCount, MoeSortOffsets, MoeSortScatter, MoeSwiglu, MoeTopkRows,
 };
 use crate::launch;
 
 /// Token rows a `moe_topk_rows` block routes: one warp each.
 const TOPK_ROWS_PER_BLOCK: usize = 4;
-/// `moe_sort` and `moe_sort_offsets` are one block of this many threads (`SORT_THREADS` in the
-/// kernel).
+/// `moe_sort_offsets` is one block of this many threads (`SORT_THREADS` in the kernel).
 const SORT_THREADS: u32 = 1024;
 /// Threads of a `moe_sort_count` / `moe_sort_scatter` block, and the pairs it takes
 /// (`SORT_GRID_THREADS`, `SORT_GRID_PAIRS`).
 const SORT_GRID_THREADS: u32 = 256;
 const SORT_GRID_PAIRS: usize = 1024;
 
-/// How prefill sorts a chunk's pairs by expert.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MoeSortRoute {
-    /// `moe_sort`, one block: 71 µs a layer at a 4K chunk on an H100 (its atomics and
-    /// `match.any` on one SM). The default until the grid route has run on a GPU.
-    Block,
-    /// `moe_sort_count`, `moe_sort_offsets` and `moe_sort_scatter`: the pairs spread over a
-    /// block per 1,024 (written in the sixteenth session, when its device time had run out).
-    Grid,
-}
-
-/// Ints of the grid route's per-block counts for `pairs` pairs over `experts` experts
+/// Ints of the sort's per-block counts for `pairs` pairs over `experts` experts
 /// (`[⌈pairs / 1,024⌉, experts]`).
 pub fn sort_counts(pairs: usize, experts: usize) -> usize {
     pairs.div_ceil(SORT_GRID_PAIRS) * experts
@@ -134,8 +122,8 @@ pub fn topk_rows(gpu: &Gpu, logits: u64, t: usize, ids: u64, weights: u64) -> Re
 
 /// Sorts `pairs` (= t·TOPK) routed pairs by expert. `ids` i32 [pairs] → `gather` i32 [pairs]
 /// (the token of each slot), `slot_of` i32 [pairs] (the slot of each pair) and the tiles of
-/// `map`, cut at its height (its `max_tiles` at least `max_tiles(pairs, NE, map.height)`), by
-/// `gpu`'s route; `counts` holds [`sort_counts`] ints for the grid route (unread by the other).
+/// `map`, cut at its height (its `max_tiles` at least `max_tiles(pairs, NE, map.height)`), over
+/// a block per 1,024 pairs; `counts` holds [`sort_counts`] ints.
 pub fn sort(
     gpu: &Gpu,
     ids: u64,
@@ -147,20 +135,6 @@ pub fn sort(
 ) -> Result<()> {
     let tile_rows = int(map.height.rows(), "tile rows")?;
     let pairs_arg = int(pairs, "routed pairs")?;
-    if gpu.moe_sort == MoeSortRoute::Block {
-        // Even with no pairs the kernel runs, so that num_tiles says 0.
-        let args = MoeSort {
-            ids,
-            pairs: pairs_arg,
-            tile_rows,
-            gather,
-            slot_of,
-            tiles: map.tiles,
-            num_tiles: map.num_tiles,
-        };
-        launch!(gpu, "moe_sort", (1, 1, 1), SORT_THREADS, args);
-        return Ok(());
-    }
     let blocks = pairs.div_ceil(SORT_GRID_PAIRS);
     if blocks > 0 {
         let args = MoeSortCount {

@@ -9,7 +9,6 @@ use crate::decode::DecodePath;
 use crate::gdn_prefill::GdnPrefillRoute;
 use crate::gemm::GateUpRoute;
 use crate::gemm_wgmma::GemmPath;
-use crate::moe_prefill::MoeSortRoute;
 
 /// The kernels of the graph decode step's 4-bit products (gemv.rs, step.rs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -49,8 +48,6 @@ pub struct CudaOptions {
     /// The routed experts' gate and up projections in prefill, where the wgmma kernels take them
     /// (`LILY_GATE_UP=split|fused`).
     pub gate_up: GateUpRoute,
-    /// How prefill sorts the routed pairs by expert (`LILY_MOE_SORT=block|grid`).
-    pub moe_sort: MoeSortRoute,
     /// Kernels compiled to timestamp every block's wait, for `lily bench`'s in-graph breakdown of
     /// a decode step (stamps.rs; `LILY_STAMPS=0|1`).
     pub stamps: bool,
@@ -71,8 +68,6 @@ impl Default for CudaOptions {
             gdn_prefill: None,
             // Fused measured +3.5 % prefill at 4K on an H100 (docs/BENCHMARKS.md, sixteenth session).
             gate_up: GateUpRoute::Fused,
-            // Block until the grid route has run on a GPU.
-            moe_sort: MoeSortRoute::Block,
             stamps: false,
         }
     }
@@ -125,9 +120,6 @@ impl CudaOptions {
         if let Some(i) = pick("LILY_GATE_UP", &["split", "fused"])? {
             o.gate_up = [GateUpRoute::Split, GateUpRoute::Fused][i];
         }
-        if let Some(i) = pick("LILY_MOE_SORT", &["block", "grid"])? {
-            o.moe_sort = [MoeSortRoute::Block, MoeSortRoute::Grid][i];
-        }
         Ok(o)
     }
 
@@ -170,7 +162,6 @@ mod tests {
             ("LILY_GDN_PREFILL", "scan"),
             ("LILY_STAMPS", "1"),
             ("LILY_GATE_UP", "split"),
-            ("LILY_MOE_SORT", "grid"),
         ]))
         .unwrap();
         let want = CudaOptions {
@@ -182,7 +173,6 @@ mod tests {
             gemm: Some(GemmPath::MmaSync),
             gdn_prefill: Some(GdnPrefillRoute::Scan),
             gate_up: GateUpRoute::Split,
-            moe_sort: MoeSortRoute::Grid,
             stamps: true,
         };
         assert_eq!(o, want);
@@ -201,7 +191,6 @@ mod tests {
             ("LILY_GDN_PREFILL", "wy"),
             ("LILY_STAMPS", "on"),
             ("LILY_GATE_UP", "both"),
-            ("LILY_MOE_SORT", "radix"),
         ] {
             let err = CudaOptions::from_vars(vars(&[(name, value)])).unwrap_err();
             let text = format!("{err:#}");

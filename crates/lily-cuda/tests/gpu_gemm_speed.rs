@@ -111,7 +111,7 @@ fn random_routing(t: usize, top_k: usize, experts: usize, seed: u64) -> Vec<i32>
 
 /// The grouped expert GEMMs of one MoE layer at the production shapes (hidden 2,048, 256 experts
 /// of 512 rows, top 8, 4-bit weights in groups of 64), for chunks of 128 to 4,096 tokens routed
-/// at random and sorted by moe_sort, at both tile heights and on every GEMM path (16-row tiles
+/// at random and sorted by the expert sort, at both tile heights and on every GEMM path (16-row tiles
 /// take gemm.cu on every path): the record to set ROWS64_FROM_ROWS_PER_EXPERT from. Gate and up
 /// are launches of one shape, so gate stands for both; a layer's expert GEMMs take two of it and
 /// one down. At 4,096 tokens and 64-row tiles it gives docs/BENCHMARKS.md's grouped TFLOP/s.
@@ -119,7 +119,7 @@ fn random_routing(t: usize, top_k: usize, experts: usize, seed: u64) -> Vec<i32>
 #[ignore = "needs a CUDA GPU"]
 fn grouped_gemm_speed_by_tokens() {
     let c = ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap();
-    // moe_sort is compiled for the model's expert count and top-k.
+    // The sort is compiled for the model's expert count and top-k.
     let mut gpu = Gpu::new(&c, KvPrecision::Bf16).expect(NEEDS_GPU);
     let paths = gemm_paths(&gpu);
     let (h, inter) = (c.hidden_size, c.moe_intermediate_size);

@@ -9,7 +9,7 @@ use lily_cuda::KvPrecision;
 use lily_cuda::gemm::GemmX;
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::moe_prefill::{
-    MoeSortRoute, MoeTile, TileMap, combine, max_tiles, sort, sort_counts, swiglu, topk_rows,
+    MoeTile, TileMap, combine, max_tiles, sort, sort_counts, swiglu, topk_rows,
 };
 
 const NEEDS_GPU: &str = "needs a CUDA GPU";
@@ -259,7 +259,7 @@ fn random_ids(pairs: usize, ne: usize, seed: u64, pick: impl Fn(u64) -> usize) -
 #[ignore = "needs a CUDA GPU"]
 fn sort_orders_pairs_by_expert_in_tiles() {
     for (ne, top_k, norm) in ROUTINGS {
-        let mut gpu = Gpu::new(&config(ne, top_k, norm), KvPrecision::Bf16).expect(NEEDS_GPU);
+        let gpu = Gpu::new(&config(ne, top_k, norm), KvPrecision::Bf16).expect(NEEDS_GPU);
         let mut cases: Vec<(String, Vec<i32>)> = Vec::new();
         for t in TOKENS {
             cases.push((
@@ -304,16 +304,9 @@ fn sort_orders_pairs_by_expert_in_tiles() {
         cases.push(("tile edges".into(), edges));
         cases.push(("no pairs".into(), Vec::new()));
         for (case, ids) in cases {
-            for (height, route) in MoeTile::ALL
-                .into_iter()
-                .flat_map(|h| [MoeSortRoute::Block, MoeSortRoute::Grid].map(|r| (h, r)))
-            {
-                gpu.moe_sort = route;
+            for height in MoeTile::ALL {
                 let out = gpu_sort(&gpu, &ids, ne, height);
-                let case = format!(
-                    "{ne} experts, {height:?}, {route:?}, {case} ({} pairs)",
-                    ids.len()
-                );
+                let case = format!("{ne} experts, {height:?}, {case} ({} pairs)", ids.len());
                 check_sort(&ids, ne, top_k, height, &out, &case);
                 eprintln!("sort {case}: valid, {} tiles", out.num_tiles);
             }

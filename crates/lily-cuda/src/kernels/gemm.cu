@@ -6,7 +6,7 @@
 // A block computes a BM × BN tile of Y with 8 warps, each a WM × 32 tile, WM = min(BM, 64): at
 // WM = 64, 4 × 4 mma tiles (per 16 columns of K, 4 ldmatrix of X and 2 of W feed 16 mma); at
 // WM = 16, 1 × 4. Dense: BM = BN = 128, warps 2 (rows) × 4 (columns). Grouped: BN = 256, warps
-// 1 × 8, and BM the height moe_sort cut the experts' rows at, 16 or 64, one entry each. The host
+// 1 × 8, and BM the height the expert sort cut the experts' rows at, 16 or 64, one entry each. The host
 // picks the height from the average rows per expert: an expert with few rows in a 64-row tile
 // spends most of its mma work on padding, while one with many rows in 16-row tiles dequantises
 // its weight once per tile, four times as often.
@@ -473,7 +473,7 @@ extern "C" __global__ void gemm_reduce(const float* part, int splits, int m, int
 }
 
 // Grouped (MoE experts): w stacks experts of n rows each. Tile t = tiles[3t..3t+3] = {expert,
-// first sorted slot, rows}, cut by moe_sort at this entry's height BM (the host launches the entry
+// first sorted slot, rows}, cut by the sort at this entry's height BM (the host launches the entry
 // of the height it sorted with); blocks past *num_tiles return (the host sizes the grid for the
 // worst case). Slot s reads X row gather[s] (or s) and writes y[s, 0..n). Grid (⌈n/256⌉, max tiles).
 #define GEMM_GROUPED(BM, BITS)                                                                       \

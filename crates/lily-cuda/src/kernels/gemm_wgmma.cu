@@ -12,7 +12,7 @@
 //
 // A block is two warpgroups (256 threads) and 256 weight rows (output columns). Dense: 128 rows of
 // X, warpgroup g computes rows 64g..64g+63 as m64n256 (128 f32 accumulators a thread, one block an
-// SM). Grouped (moe_sort's 64-row tiles): warpgroup g computes the tile's 64 rows at columns
+// SM). Grouped (the sort's 64-row tiles): warpgroup g computes the tile's 64 rows at columns
 // 128g..128g+127 as m64n128 (64 accumulators, at most 128 registers so that two blocks share an
 // SM and hide each other's barriers and load latency). A warpgroup with no live rows (dense) or
 // columns (grouped) issues no wgmma.

@@ -4,7 +4,7 @@
 //
 // Pair p = t·TOPK + k is token t's k-th choice. The expert GEMMs work on "slots": the pairs
 // sorted by expert, so each expert's rows are contiguous and cut into tiles of at most the grouped
-// GEMM's height, which the host chooses per chunk (16 or 64 rows) and passes to moe_sort.
+// GEMM's height, which the host chooses per chunk (16 or 64 rows) and passes to the sort.
 
 // A logits row: [router (NE) | shared-expert gate (1)].
 #define LOGITS_STRIDE (NE + 1)
@@ -19,10 +19,10 @@ extern "C" __global__ void moe_topk_rows(const float* logits, int t, int* ids, f
     route_topk(logits + row * LOGITS_STRIDE, threadIdx.x % WARP, ids + row * TOPK, weights + row * TOPK);
 }
 
-// moe_sort runs as one block of this many threads: one thread per expert in the scans (NE ≤
-// 1,024 is checked on the host) and 32 warps for the block scan's second level.
+// moe_sort_offsets runs as one block of this many threads: one thread per expert in the scans
+// (NE ≤ 1,024 is checked on the host) and 32 warps for the block scan's second level.
 #define SORT_THREADS 1024
-static_assert(NE <= SORT_THREADS, "moe_sort scans one expert per thread");
+static_assert(NE <= SORT_THREADS, "the sort plan scans one expert per thread");
 
 // Exclusive prefix sum of one int per thread over the whole block; *total gets the block's sum.
 // Every thread must call it; `warp_sums` holds WARP + 1 ints and is free again on return.
@@ -95,62 +95,17 @@ __device__ int sort_plan(int count, int tile_rows, int* tiles, int* num_tiles) {
 
 // Sorts the pairs by expert (a counting sort) and cuts each expert's slots into tiles of
 // tile_rows (> 0, the height of the grouped GEMM entry that reads them): gather[s] = the token of
-// slot s, slot_of[p] = the slot of pair p, and the tile map of sort_plan. One block of
-// SORT_THREADS. Within an expert the slot order depends on atomic timing; that is harmless,
-// since every slot's GEMM row depends only on its own input and the combine reads the slots back
-// through slot_of in choice order. Pairs with the same expert in a warp take one atomic between
-// them: when every pair goes to one expert (32,768 pairs), per-pair shared atomics on one
-// address would serialise. (The route `MoeSortRoute::Block`; the grid route below spreads the
-// same work over many blocks.)
-extern "C" __global__ void __launch_bounds__(SORT_THREADS)
-moe_sort(const int* ids, int pairs, int tile_rows, int* gather, int* slot_of, int* tiles, int* num_tiles) {
-    pdl_wait();
-    __shared__ int cursor[NE];          // pairs per expert, then the next free slot of each
-    int tid = threadIdx.x, lane = tid % WARP;
-    unsigned lanes_below = (1u << lane) - 1u;
-
-    for (int e = tid; e < NE; e += SORT_THREADS) cursor[e] = 0;
-    __syncthreads();
-    // The loop bound is uniform over the block, so every lane reaches the match; lanes past the
-    // end carry expert -1 and do nothing.
-    for (int base = 0; base < pairs; base += SORT_THREADS) {
-        int p = base + tid;
-        int e = p < pairs ? ids[p] : -1;
-        unsigned same = __match_any_sync(FULL_MASK, e);
-        if (e >= 0 && (same & lanes_below) == 0) atomicAdd(&cursor[e], __popc(same));
-    }
-    __syncthreads();
-
-    int first_slot = sort_plan(tid < NE ? cursor[tid] : 0, tile_rows, tiles, num_tiles);
-    if (tid < NE) cursor[tid] = first_slot;
-    __syncthreads();
-
-    for (int base = 0; base < pairs; base += SORT_THREADS) {
-        int p = base + tid;
-        int e = p < pairs ? ids[p] : -1;
-        unsigned same = __match_any_sync(FULL_MASK, e);
-        int leader = __ffs(same) - 1;
-        int first = 0;
-        if (e >= 0 && lane == leader) first = atomicAdd(&cursor[e], __popc(same));
-        first = __shfl_sync(FULL_MASK, first, leader);
-        if (e >= 0) {
-            int s = first + __popc(same & lanes_below);
-            gather[s] = p / TOPK;
-            slot_of[p] = s;
-        }
-    }
-}
-
-// The same sort over many blocks (`MoeSortRoute::Grid`): moe_sort, one block on one SM, took 71
-// µs a layer for a 4K chunk's 32,768 pairs on an H100 whether its loads were in flight one or
-// eight at a time: its match.any and shared atomics, ~2 cycles of the SM a pair. Here block b
-// takes pairs [b·SORT_GRID_PAIRS, (b + 1)·SORT_GRID_PAIRS):
+// slot s, slot_of[p] = the slot of pair p, and the tile map of sort_plan. Block b takes pairs
+// [b·SORT_GRID_PAIRS, (b + 1)·SORT_GRID_PAIRS):
 //   moe_sort_count    each block's histogram, counts[b][e];
 //   moe_sort_offsets  one block: the plan from the totals, and counts[b][e] becomes block b's
 //                     first slot on expert e (the slots of expert e in block order);
 //   moe_sort_scatter  each block places its pairs from those offsets.
-// The outputs are moe_sort's (the slot order within an expert may differ, harmlessly). Expert
-// ids come from moe_topk_rows, always in [0, NE).
+// Within an expert the slot order depends on atomic timing; that is harmless, since every slot's
+// GEMM row depends only on its own input and the combine reads the slots back through slot_of in
+// choice order. Expert ids come from moe_topk_rows, always in [0, NE). (One block sorting a 4K
+// chunk's 32,768 pairs alone took 71 µs a layer on an H100, bound by its match.any and shared
+// atomics on one SM; these three take 17: docs/BENCHMARKS.md, seventeenth session.)
 #define SORT_GRID_THREADS 256
 #define SORT_GRID_PER_THREAD 4
 #define SORT_GRID_PAIRS (SORT_GRID_THREADS * SORT_GRID_PER_THREAD)
@@ -175,7 +130,7 @@ moe_sort_count(const int* ids, int pairs, int* counts) {
 }
 
 // counts [blocks][NE] from moe_sort_count → each block's first slot per expert, in place; the
-// tile map as moe_sort writes it. One block of SORT_THREADS.
+// tile map of sort_plan. One block of SORT_THREADS.
 extern "C" __global__ void __launch_bounds__(SORT_THREADS)
 moe_sort_offsets(int* counts, int blocks, int tile_rows, int* tiles, int* num_tiles) {
     pdl_wait();

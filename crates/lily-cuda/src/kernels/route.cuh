@@ -43,7 +43,7 @@ __device__ void route_topk(const float* logits, int lane, int* ids, float* weigh
         const u32 best = __reduce_max_sync(0xffffffffu, v);
         u32 at = __reduce_min_sync(0xffffffffu, v == best ? id : (u32)NE);
         // Only a warp with no keys left (fewer experts than TOPK) finds none; an id of NE would
-        // send moe_sort's shared-memory counters and the decode expert reads out of bounds, so
+        // send the sort's shared-memory counters and the decode expert reads out of bounds, so
         // take a valid one. NaN probabilities (a diverged model) are chosen like any other and
         // carry the failure to the output through their weights.
         if (best == 0u) at = k;
