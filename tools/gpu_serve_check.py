@@ -34,23 +34,36 @@ def post(base, path, body, timeout=300):
         return e.code, e.read().decode()
 
 
-def first_token_seconds(base, body):
-    """Seconds from sending a streamed request to the first chunk that carries generated text."""
+def server_sums(base):
+    """The server's own (sum, count) of its time-to-first-token and inter-token histograms."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    value = lambda name: float(next(l.split()[-1] for l in text.splitlines() if l.startswith(name + " ")))
+    return {h: (value(f"lily_{h}_seconds_sum"), value(f"lily_{h}_seconds_count"))
+            for h in ("time_to_first_token", "inter_token_latency")}
+
+
+def stream_times(base, body):
+    """Seconds from sending a streamed request to its first event, and to each chunk that
+    carries generated text."""
     u = urllib.parse.urlparse(base)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=300)
     started = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = conn.getresponse()
-    first = None
+    first_event, texts = None, []
     for raw in response:
         line = raw.decode().strip()
-        if first is None and line.startswith("data: ") and line != "data: [DONE]":
-            choices = json.loads(line[6:]).get("choices") or [{}]
-            delta = choices[0].get("delta", {})
-            if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
-                first = time.perf_counter() - started
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        now = time.perf_counter() - started
+        first_event = now if first_event is None else first_event
+        choices = json.loads(line[6:]).get("choices") or [{}]
+        delta = choices[0].get("delta", {})
+        if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+            texts.append(now)
     conn.close()
-    return first
+    return first_event, texts
 
 
 def chat(model, text, **extra):
@@ -148,11 +161,23 @@ def main():
         code, body = post(base, "/v1/chat/completions", chat(m, long_prompt(0), max_tokens=1, temperature=0))
         check(code == 200, "a ~1K-token prompt")
         tokens = usage(body)["prompt_tokens"]
-        times = [first_token_seconds(base, chat(m, long_prompt(i), max_tokens=4, temperature=0, stream=True))
-                 for i in range(1, 8)]
-        check(all(t is not None for t in times), "every streamed long reply carried a token")
+        before = server_sums(base)
+        runs = [stream_times(base, chat(m, long_prompt(i), max_tokens=4, temperature=0, stream=True))
+                for i in range(1, 8)]
+        after = server_sums(base)
+        check(all(texts for _, texts in runs), "every streamed long reply carried a token")
+        times = [texts[0] for _, texts in runs if texts]
         print(f"time to first token, {tokens}-token prompt, 7 requests: median {statistics.median(times) * 1e3:.1f} ms"
               f" (min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f})", flush=True)
+        # Where the time goes: the first event (the role chunk) against the text chunks after it,
+        # each token's chunk when none is held back.
+        ms = lambda xs: " ".join(f"{x * 1e3:.1f}" for x in xs)
+        for first_event, texts in runs:
+            print(f"  first event {first_event * 1e3:.1f} ms, text chunks at {ms(texts)} ms", flush=True)
+        for h, (total, n) in after.items():
+            total, n = total - before[h][0], n - before[h][1]
+            print(f"  the server's own {h.replace('_', ' ')}: mean {total / max(n, 1) * 1e3:.1f} ms over {n:.0f}",
+                  flush=True)
     finally:
         server.terminate()
         try:
