@@ -116,6 +116,8 @@ struct WorkerSink {
     events: UnboundedSender<WorkerEvent>,
     queued_at: Instant,
     started: Instant,
+    /// When the first and the latest piece of generated text went out.
+    first_text: Option<Instant>,
     last_text: Option<Instant>,
     stop: Arc<AtomicBool>,
     metrics: Arc<Metrics>,
@@ -126,10 +128,12 @@ impl Sink for WorkerSink {
         if let EngineEvent::Text { .. } = &event {
             let now = Instant::now();
             match self.last_text {
-                None => self
-                    .metrics
-                    .time_to_first_token
-                    .observe(now - self.queued_at),
+                None => {
+                    self.metrics
+                        .time_to_first_token
+                        .observe(now - self.queued_at);
+                    self.first_text = Some(now);
+                }
                 Some(previous) => self.metrics.inter_token.observe(now - previous),
             }
             self.last_text = Some(now);
@@ -178,6 +182,7 @@ fn serve_queue<B: Backend>(
                 events: queued.events,
                 queued_at: queued.queued_at,
                 started: Instant::now(),
+                first_text: None,
                 last_text: None,
                 stop: stop.clone(),
                 metrics: metrics.clone(),
@@ -212,7 +217,14 @@ fn report<B: Backend>(finished: Finished<WorkerSink>, engine: &Engine<B>) {
     let last = match finished.result {
         Ok(outcome) => {
             sink.metrics.count_outcome(&outcome);
-            log_outcome(&sink.request_id, &outcome, sink.started.elapsed(), engine);
+            let first_text = sink.first_text.map(|t| t - sink.queued_at);
+            log_outcome(
+                &sink.request_id,
+                &outcome,
+                sink.started.elapsed(),
+                first_text,
+                engine,
+            );
             WorkerEvent::Done(outcome)
         }
         Err(e) => {
@@ -224,12 +236,23 @@ fn report<B: Backend>(finished: Finished<WorkerSink>, engine: &Engine<B>) {
     let _ = sink.events.send(last);
 }
 
-fn log_outcome<B: Backend>(id: &str, outcome: &Outcome, elapsed: Duration, engine: &Engine<B>) {
+/// One line per finished generation; `first_text` is the time from its arrival in the queue to
+/// its first generated text, where it had any.
+fn log_outcome<B: Backend>(
+    id: &str,
+    outcome: &Outcome,
+    elapsed: Duration,
+    first_text: Option<Duration>,
+    engine: &Engine<B>,
+) {
     let (snapshots, bytes) = engine.snapshot_usage();
     let seconds = elapsed.as_secs_f64();
+    let first = first_text.map_or(String::new(), |t| {
+        format!(", first text after {:.1} ms", t.as_secs_f64() * 1e3)
+    });
     eprintln!(
-        "lily: {id}: {} prompt tokens ({} cached), {} generated in {seconds:.2} s ({:.1} tok/s), {:?}; \
-         {snapshots} snapshots ({:.1} MiB)",
+        "lily: {id}: {} prompt tokens ({} cached), {} generated in {seconds:.2} s ({:.1} tok/s){first}, \
+         {:?}; {snapshots} snapshots ({:.1} MiB)",
         outcome.prompt_tokens,
         outcome.cached_tokens,
         outcome.completion_tokens(),
