@@ -4,7 +4,7 @@
 //! ops, so each backend is free to fuse and schedule as it likes. The CPU backend is the reference
 //! every other backend is tested against.
 
-use anyhow::Result;
+use anyhow::{Result, ensure};
 
 use crate::choice::{Choice, Pick};
 use crate::config::ModelConfig;
@@ -76,6 +76,45 @@ pub trait Backend: Send + Sync {
         Ok(choice.pick(&logits))
     }
 
+    /// Appends `tokens` as [`Backend::prefill`] does and also returns a fork of the state as it
+    /// stood after the first `at` of them (0 < `at` < `tokens.len()`): the snapshot where a
+    /// conversation branches, inside the chunk that goes on to the generation prompt. This default
+    /// runs the two parts as two prefills with a fork between; a device backend takes the fork
+    /// inside one pass. On error the state may hold the first part; callers drop it.
+    fn prefill_forking(
+        &self,
+        state: &mut Self::State,
+        tokens: &[u32],
+        at: usize,
+        rows: LogitRows,
+    ) -> Result<(Vec<f32>, Self::State)> {
+        check_fork(tokens, at)?;
+        let first_rows = match rows {
+            LogitRows::All => LogitRows::All,
+            LogitRows::Last | LogitRows::None => LogitRows::None,
+        };
+        let mut logits = self.prefill(state, &tokens[..at], first_rows)?;
+        let fork = self.fork(state)?;
+        logits.extend(self.prefill(state, &tokens[at..], rows)?);
+        Ok((logits, fork))
+    }
+
+    /// [`Backend::prefill_forking`] that makes the choice after the tokens as
+    /// [`Backend::prefill_choose`] does.
+    fn prefill_choose_forking(
+        &self,
+        state: &mut Self::State,
+        tokens: &[u32],
+        at: usize,
+        choice: &mut Choice<'_>,
+    ) -> Result<(Pick, Self::State)> {
+        check_fork(tokens, at)?;
+        self.prefill(state, &tokens[..at], LogitRows::None)?;
+        let fork = self.fork(state)?;
+        let pick = self.prefill_choose(state, &tokens[at..], choice)?;
+        Ok((pick, fork))
+    }
+
     /// Appends one token and returns the logits that follow it.
     fn decode(&self, state: &mut Self::State, token: u32) -> Result<Vec<f32>> {
         self.prefill(state, &[token], LogitRows::Last)
@@ -103,4 +142,14 @@ pub trait Backend: Send + Sync {
             .map(|row| self.decode_choose(row.state, row.token, &mut row.choice))
             .collect()
     }
+}
+
+/// A fork inside a prefill falls strictly between its first and last token.
+pub fn check_fork(tokens: &[u32], at: usize) -> Result<()> {
+    ensure!(
+        at > 0 && at < tokens.len(),
+        "a fork inside a prefill must leave tokens on both sides: {at} of {}",
+        tokens.len()
+    );
+    Ok(())
 }

@@ -93,6 +93,21 @@ impl SamplingStage {
         Ok(pick)
     }
 
+    /// [`SamplingStage::prefill`] that also returns a fork of the state after the first `at`
+    /// tokens ([`Backend::prefill_choose_forking`]).
+    pub fn prefill_forking<B: Backend>(
+        &mut self,
+        backend: &B,
+        state: &mut B::State,
+        tokens: &[u32],
+        at: usize,
+    ) -> Result<(Pick, B::State)> {
+        let (pick, fork) =
+            backend.prefill_choose_forking(state, tokens, at, &mut self.choice()?)?;
+        self.advance(&pick)?;
+        Ok((pick, fork))
+    }
+
     /// Feeds `token` to `state` and picks the one that follows.
     pub fn decode<B: Backend>(
         &mut self,

@@ -112,9 +112,18 @@ fn check_chunk(t: usize, ld: usize, c: &ModelConfig) -> Result<()> {
     Ok(())
 }
 
+/// A second conv window to leave as it stands after the chunk's first `at` rows (0 < `at` <
+/// `t`): a fork of the state inside the chunk.
+#[derive(Clone, Copy, Debug)]
+pub struct WindowAt {
+    pub at: usize,
+    pub window: u64,
+}
+
 /// Causal depthwise conv + SiLU of the qkv columns of `proj` into `out` (`[t, conv_dim]`),
 /// continuing from `window` (`[(conv_kernel − 1), conv_dim]`, oldest row first), which then holds
-/// the chunk's last `conv_kernel − 1` pre-conv rows. `t == 0` launches nothing.
+/// the chunk's last `conv_kernel − 1` pre-conv rows; `fork`'s window gets those before its row.
+/// `t == 0` launches nothing.
 #[allow(clippy::too_many_arguments)]
 pub fn conv_rows(
     gpu: &Gpu,
@@ -125,8 +134,16 @@ pub fn conv_rows(
     conv_w: u64,
     window: u64,
     out: u64,
+    fork: Option<WindowAt>,
 ) -> Result<()> {
     check_chunk(t, ld, c)?;
+    if let Some(f) = fork {
+        ensure!(
+            f.at > 0 && f.at < t && f.window != 0,
+            "a conv window fork must fall inside the chunk of {t} rows, not after {}",
+            f.at
+        );
+    }
     if t == 0 {
         return Ok(());
     }
@@ -142,6 +159,8 @@ pub fn conv_rows(
         conv_w,
         window,
         out,
+        fork_window: fork.map_or(0, |f| f.window),
+        fork_at: fork.map_or(0, |f| f.at as i32),
     };
     launch!(gpu, "gdn_conv_rows", grid, CONV_THREADS as u32, args);
     Ok(())

@@ -183,7 +183,10 @@ kernel_args! {
         q: u64, k_cache: u64, v_cache: u64, pos0: i32, t: i32, qkv: u64, ld: i32, out: u64,
         out16: u64,
     }
-    GdnConvRows { proj: u64, ld: i32, t: i32, conv_w: u64, window: u64, out: u64 }
+    GdnConvRows {
+        proj: u64, ld: i32, t: i32, conv_w: u64, window: u64, out: u64, fork_window: u64,
+        fork_at: i32,
+    }
     GdnScanPrep {
         conv: u64, proj: u64, ld: i32, t: i32, a_log: u64, dt_bias: u64, prep: u64,
     }

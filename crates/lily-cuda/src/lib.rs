@@ -36,7 +36,7 @@ pub mod weights;
 use std::sync::Mutex;
 
 use anyhow::{Context, Result, bail, ensure};
-use lily_core::backend::{Backend, DecodeRow, LogitRows};
+use lily_core::backend::{Backend, DecodeRow, LogitRows, check_fork};
 use lily_core::choice::{Choice, Pick};
 use lily_core::config::ModelConfig;
 use lily_core::weights::ModelWeights;
@@ -50,7 +50,7 @@ use crate::decode::{DecodePath, PersistentStep};
 use crate::decoding::BatchGraph;
 use crate::gpu::{Gpu, ptr};
 use crate::pick::PickScratch;
-use crate::prefill::{Model, PrefillScratch, encode_chunk};
+use crate::prefill::{ChunkFork, Model, PrefillScratch, encode_chunk};
 use crate::step::Scratch;
 use crate::weights::{DeviceWeights, HostWeights, WeightSource};
 
@@ -205,14 +205,17 @@ impl CudaBackend {
 
     /// Runs `tokens` through the prefill chunks. `All` returns every row's logits; `Last` leaves
     /// the last row's in the decode scratch's `logits`, on the device; `None` computes none. The
-    /// device position is left stale ([`Self::set_position`]).
+    /// device position is left stale ([`Self::set_position`]). With `fork_at`, also returns a
+    /// fork of the state after that many tokens: a copy of the state at the start of the chunk
+    /// it falls in, filled inside the chunk's pass (`ChunkFork`).
     fn encode_prompt(
         &self,
         buffers: &mut Buffers,
         state: &mut CudaState,
         tokens: &[u32],
         rows: LogitRows,
-    ) -> Result<Vec<f32>> {
+        fork_at: Option<usize>,
+    ) -> Result<(Vec<f32>, Option<CudaState>)> {
         let Buffers {
             decode, prefill, ..
         } = buffers;
@@ -220,9 +223,23 @@ impl CudaBackend {
         let all = rows == LogitRows::All;
         let chunks: Vec<&[u32]> = tokens.chunks(prefill.chunk).collect();
         let mut out = Vec::new();
+        let (mut fork, mut chunk_start) = (None, 0);
         for (i, chunk) in chunks.iter().enumerate() {
-            let normed = encode_chunk(self.model(), prefill, state, chunk, all, None)?;
+            // The fork's tokens into this chunk, where it falls here.
+            let into = fork_at
+                .filter(|&at| chunk_start <= at && at < chunk_start + chunk.len())
+                .map(|at| at - chunk_start);
+            let chunk_fork = match into {
+                Some(at) => {
+                    let f: &mut CudaState = fork.insert(state.fork(&self.gpu)?);
+                    f.len += at;
+                    (at > 0).then_some(ChunkFork { at, state: f })
+                }
+                None => None,
+            };
+            let normed = encode_chunk(self.model(), prefill, state, chunk, all, chunk_fork, None)?;
             state.len += chunk.len();
+            chunk_start += chunk.len();
             if all {
                 for first in (0..chunk.len()).step_by(LOGIT_ROWS) {
                     let n = LOGIT_ROWS.min(chunk.len() - first);
@@ -238,7 +255,49 @@ impl CudaBackend {
             }
         }
         state.device_token = None;
-        Ok(out)
+        if let Some(f) = &mut fork {
+            f.device_token = None;
+            self.set_position(f)?;
+        }
+        Ok((out, fork))
+    }
+
+    /// [`Backend::prefill`], and [`Backend::prefill_forking`] with `fork_at`.
+    fn prefill_rows(
+        &self,
+        state: &mut CudaState,
+        tokens: &[u32],
+        rows: LogitRows,
+        fork_at: Option<usize>,
+    ) -> Result<(Vec<f32>, Option<CudaState>)> {
+        self.check_prompt(state, tokens)?;
+        let mut buffers = self.lock()?;
+        let (all, fork) = self.encode_prompt(&mut buffers, state, tokens, rows, fork_at)?;
+        self.set_position(state)?;
+        let logits = match rows {
+            LogitRows::All => all,
+            LogitRows::Last => self.first_logits(&buffers.decode)?,
+            LogitRows::None => Vec::new(),
+        };
+        Ok((logits, fork))
+    }
+
+    /// [`Backend::prefill_choose`], and [`Backend::prefill_choose_forking`] with `fork_at`.
+    fn prefill_pick(
+        &self,
+        state: &mut CudaState,
+        tokens: &[u32],
+        choice: &mut Choice<'_>,
+        fork_at: Option<usize>,
+    ) -> Result<(Pick, Option<CudaState>)> {
+        self.check_prompt(state, tokens)?;
+        let mut buffers = self.lock()?;
+        let (_, fork) =
+            self.encode_prompt(&mut buffers, state, tokens, LogitRows::Last, fork_at)?;
+        let pick = self.choose(&mut buffers, state, choice, false)?;
+        // After the argmax, which advances the position as a decode step does.
+        self.set_position(state)?;
+        Ok((pick, fork))
     }
 
     /// The first row of the decode scratch's logits: a prefill's last row, a single step's row.
@@ -366,15 +425,7 @@ impl Backend for CudaBackend {
     }
 
     fn prefill(&self, state: &mut CudaState, tokens: &[u32], rows: LogitRows) -> Result<Vec<f32>> {
-        self.check_prompt(state, tokens)?;
-        let mut buffers = self.lock()?;
-        let all = self.encode_prompt(&mut buffers, state, tokens, rows)?;
-        self.set_position(state)?;
-        match rows {
-            LogitRows::All => Ok(all),
-            LogitRows::Last => self.first_logits(&buffers.decode),
-            LogitRows::None => Ok(Vec::new()),
-        }
+        Ok(self.prefill_rows(state, tokens, rows, None)?.0)
     }
 
     /// The first token is chosen on the device: only the pick comes back, not the logits.
@@ -384,13 +435,32 @@ impl Backend for CudaBackend {
         tokens: &[u32],
         choice: &mut Choice<'_>,
     ) -> Result<Pick> {
-        self.check_prompt(state, tokens)?;
-        let mut buffers = self.lock()?;
-        self.encode_prompt(&mut buffers, state, tokens, LogitRows::Last)?;
-        let pick = self.choose(&mut buffers, state, choice, false)?;
-        // After the argmax, which advances the position as a decode step does.
-        self.set_position(state)?;
-        Ok(pick)
+        Ok(self.prefill_pick(state, tokens, choice, None)?.0)
+    }
+
+    /// The fork is taken inside the pass: no second prefill, the delta rule cut at `at`.
+    fn prefill_forking(
+        &self,
+        state: &mut CudaState,
+        tokens: &[u32],
+        at: usize,
+        rows: LogitRows,
+    ) -> Result<(Vec<f32>, CudaState)> {
+        check_fork(tokens, at)?;
+        let (logits, fork) = self.prefill_rows(state, tokens, rows, Some(at))?;
+        Ok((logits, fork.context("the prefill took no fork")?))
+    }
+
+    fn prefill_choose_forking(
+        &self,
+        state: &mut CudaState,
+        tokens: &[u32],
+        at: usize,
+        choice: &mut Choice<'_>,
+    ) -> Result<(Pick, CudaState)> {
+        check_fork(tokens, at)?;
+        let (pick, fork) = self.prefill_pick(state, tokens, choice, Some(at))?;
+        Ok((pick, fork.context("the prefill took no fork")?))
     }
 
     /// One graph step (the f32 GEMV path), logits read back.

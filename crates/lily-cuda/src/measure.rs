@@ -224,6 +224,7 @@ impl CudaBackend {
             state,
             tokens,
             false,
+            None,
             Some(&mut timeline),
         )?;
         state.len += tokens.len();

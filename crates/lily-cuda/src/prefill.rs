@@ -10,7 +10,7 @@ use cudarc::driver::CudaSlice;
 use lily_core::config::ModelConfig;
 
 use crate::attention_prefill::{self, AttnChunk};
-use crate::gdn_prefill::GdnPrefillRoute;
+use crate::gdn_prefill::{GdnPrefillRoute, WindowAt};
 use crate::gemm::{GateUp, GateUpRoute, GemmX};
 use crate::gemm_wgmma::GemmPath;
 use crate::gpu::{Gpu, ptr};
@@ -171,15 +171,27 @@ pub struct Model<'a> {
     pub w: &'a DeviceWeights,
 }
 
+/// A fork of the state taken inside a chunk's pass (`Backend::prefill_forking`): `state`, a
+/// copy of the sequence's state at the chunk's start, gets every layer's state after the chunk's
+/// first `at` tokens (0 < `at` < the chunk's length): the attention rows up to there, the conv
+/// windows, and the recurrent states, for which the delta rule runs as two parts cut at `at`.
+/// Its length is the caller's to set.
+pub struct ChunkFork<'a> {
+    pub at: usize,
+    pub state: &'a mut CudaState,
+}
+
 /// Enqueues one chunk of `tokens` (at most `s.chunk`) for `state`, starting at position
-/// `state.len` (the caller advances it). Returns the device address of the final-normed hidden
-/// rows `[rows, hidden]` for the lm_head: every row with `all_rows`, else only the last.
+/// `state.len` (the caller advances it), and fills `fork` where one is asked for. Returns the
+/// device address of the final-normed hidden rows `[rows, hidden]` for the lm_head: every row
+/// with `all_rows`, else only the last.
 pub fn encode_chunk(
     model: Model,
     s: &mut PrefillScratch,
     state: &CudaState,
     tokens: &[u32],
     all_rows: bool,
+    mut fork: Option<ChunkFork>,
     mut timeline: Option<&mut Timeline>,
 ) -> Result<u64> {
     let Model { gpu, c, w } = model;
@@ -194,6 +206,13 @@ pub fn encode_chunk(
         "a prefill chunk holds 1 to {} tokens, not {t}",
         s.chunk
     );
+    if let Some(f) = &fork {
+        anyhow::ensure!(
+            f.at > 0 && f.at < t && f.state.layers.len() == state.layers.len(),
+            "a fork inside a chunk of {t} tokens cannot be taken after {}",
+            f.at
+        );
+    }
     gpu.stream
         .memcpy_htod(tokens, &mut s.tokens.slice_mut(0..t))?;
     let p = |b: &CudaSlice<f32>| ptr(b, &gpu.stream);
@@ -238,7 +257,9 @@ pub fn encode_chunk(
     mark("embed")?;
 
     let mut delta = 0u64;
-    for (layer, ls) in w.layers.iter().zip(&state.layers) {
+    for (i, (layer, ls)) in w.layers.iter().zip(&state.layers).enumerate() {
+        // This layer's part of the fork, if one is asked for.
+        let mut fork_layer = fork.as_mut().map(|f| (f.at, &mut f.state.layers[i]));
         add_rms_norm(rows, p(&s.hidden), delta, p(&layer.input_norm), x)?;
         mark("rms norm")?;
         match (&layer.mixer, ls) {
@@ -257,6 +278,20 @@ pub fn encode_chunk(
                     col += m.rows;
                 }
                 mark("mixer input gemm")?;
+                let fork_gdn = match &mut fork_layer {
+                    Some((
+                        at,
+                        LayerState::GatedDeltaNet {
+                            window: fork_window,
+                            recurrent: fork_recurrent,
+                        },
+                    )) => Some((*at, fork_window, fork_recurrent)),
+                    _ => None,
+                };
+                let window_at = fork_gdn.as_ref().map(|(at, fork_window, _)| WindowAt {
+                    at: *at,
+                    window: p(fork_window),
+                });
                 gdn_prefill::conv_rows(
                     gpu,
                     c,
@@ -266,21 +301,33 @@ pub fn encode_chunk(
                     p(conv),
                     p(window),
                     p(&s.conv),
+                    window_at,
                 )?;
-                gdn_prefill::scan(
-                    gpu,
-                    c,
-                    gdn_prefill::route_for(gpu, c, t),
-                    p(&s.conv),
-                    p(&s.proj),
-                    gdn_w,
-                    t,
-                    p(a_log),
-                    p(dt_bias),
-                    p(&s.gdn_prep),
-                    p(recurrent),
-                    p(&s.gdn_o),
-                )?;
+                // The delta rule over rows `[first, end)` of the chunk.
+                let scan_rows = |first: usize, end: usize| {
+                    gdn_prefill::scan(
+                        gpu,
+                        c,
+                        gdn_prefill::route_for(gpu, c, end - first),
+                        p(&s.conv) + (first * c.gdn_conv_dim() * 4) as u64,
+                        p(&s.proj) + (first * gdn_w * 4) as u64,
+                        gdn_w,
+                        end - first,
+                        p(a_log),
+                        p(dt_bias),
+                        p(&s.gdn_prep),
+                        p(recurrent),
+                        p(&s.gdn_o) + (first * c.gdn_value_dim() * 4) as u64,
+                    )
+                };
+                match fork_gdn {
+                    Some((at, _, fork_recurrent)) => {
+                        scan_rows(0, at)?;
+                        gpu.stream.memcpy_dtod(recurrent, fork_recurrent)?;
+                        scan_rows(at, t)?;
+                    }
+                    None => scan_rows(0, t)?,
+                }
                 // The gated norm's rows in f32 only for an output projection that reads f32.
                 let mut gdn_y = with16(p(&s.gdn_y), &s.mix16);
                 if gemm::path_of(gpu, out_proj) == GemmPath::Wgmma {
@@ -325,6 +372,21 @@ pub fn encode_chunk(
                     out: attn_out,
                 };
                 attention_prefill::prep_rows(gpu, c, &chunk, p(q_norm), p(k_norm))?;
+                if let Some((
+                    at,
+                    LayerState::Attention {
+                        k: fork_k,
+                        v: fork_v,
+                    },
+                )) = fork_layer
+                {
+                    // The chunk's first `at` rows of the caches, position-major.
+                    let row = c.num_kv_heads * c.head_dim * gpu.kv.bytes() / 2;
+                    let rows = state.len * row..(state.len + at) * row;
+                    let st = &gpu.stream;
+                    st.memcpy_dtod(&k.slice(rows.clone()), &mut fork_k.slice_mut(rows.clone()))?;
+                    st.memcpy_dtod(&v.slice(rows.clone()), &mut fork_v.slice_mut(rows))?;
+                }
                 attention_prefill::attend(gpu, c, &chunk)?;
                 mark("attention")?;
                 gemm::gemm(gpu, o_proj, attn_out, t, p(&s.mix_out), h, 0)?;

@@ -128,6 +128,7 @@ fn delta_rule_speed_at(gpu: &Gpu, c: &ModelConfig, t: usize) {
             p(&d.conv_w),
             p(&d.window),
             p(&conv),
+            None,
         )
         .unwrap()
     });

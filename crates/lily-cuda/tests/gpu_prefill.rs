@@ -110,15 +110,105 @@ fn chunked_prefill_equals_one_chunk() {
     }
 }
 
-/// The real model's head structure (GQA group 8, head dim 256, 64 rotary dims, GDN 16/32 heads of
-/// 128, 256 experts top 8) at a small width, so every prefill kernel runs at its production
-/// constants, with prompts that cross chunk boundaries at ragged lengths. The expert tile height
-/// follows the chunk's length and the GEMM path: on mma.sync the last prompt's first chunk is the
-/// shortest with 64-row tiles and its second takes 16-row ones; on the wgmma path (sm_90's
-/// default) every chunk takes 64-row tiles, so run it with `LILY_GEMM=mma` too.
+/// A fork taken inside a prefill's pass (`prefill_forking`, `prefill_choose_forking`: the
+/// server's snapshot at a turn boundary) is the state a prefill of the tokens before it leaves,
+/// and the pass goes on as if none were taken. Forks at the first tokens (inside the conv window),
+/// at ragged points, at a chunk's edge and inside a later chunk (chunks of 48); each fork's next
+/// two steps against a prefix's own prefill, the whole state's logits and next step against an
+/// unforked prefill's. Then the production heads, where one side of the cut takes the chunked
+/// delta rule and the other the scan.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn prefill_at_production_shapes_matches_the_cpu() {
+fn a_fork_inside_a_prefill_equals_a_prefill_of_its_prefix() {
+    for name in ["tiny-a", "tiny-mlx-q4"] {
+        let (config, source) = ModelRef::Dir(fixture(name)).open().unwrap();
+        let weights = ModelWeights::load(&config, source).unwrap();
+        let gpu =
+            CudaBackend::with_options(config.clone(), &weights, &options(KvPrecision::F32, 48))
+                .unwrap();
+        let cases = [
+            (40, vec![1, 2, 3, 4, 17, 39]),
+            (130, vec![47, 48, 49, 100, 129]),
+        ];
+        for (len, forks) in cases {
+            let prompt = tokens(len, config.vocab_size, len as u32);
+            check_forks(&gpu, &prompt, &forks, 1e-5, name);
+        }
+    }
+    let config = production_shaped(4096);
+    let weights = ModelWeights::load(&config, Box::new(SyntheticSource::new(9))).unwrap();
+    let gpu = CudaBackend::with_options(config.clone(), &weights, &options(KvPrecision::F32, 512))
+        .unwrap();
+    let prompt = tokens(420, config.vocab_size, 5);
+    check_forks(&gpu, &prompt, &[100, 300], 1e-4, "production heads");
+}
+
+/// [`a_fork_inside_a_prefill_equals_a_prefill_of_its_prefix`] for one prompt: every fork point
+/// in `forks`, by both calls, against the prefix alone and the unforked prompt, within `tol`.
+fn check_forks(gpu: &CudaBackend, prompt: &[u32], forks: &[usize], tol: f32, name: &str) {
+    let len = prompt.len();
+    let probe = [3, 5].map(|t| t % gpu.config().vocab_size as u32);
+    // Logits after `state`'s own and then after each probe token, on a copy of it.
+    let steps = |state: &lily_cuda::CudaState, first: Vec<f32>| {
+        let mut copy = gpu.fork(state).unwrap();
+        let mut out = first;
+        for &t in &probe {
+            out.extend(gpu.decode(&mut copy, t).unwrap());
+        }
+        out
+    };
+    let mut whole = gpu.new_state(len + 4).unwrap();
+    let whole_logits = gpu.prefill(&mut whole, prompt, LogitRows::Last).unwrap();
+    let unforked = steps(&whole, whole_logits.clone());
+    let greedy = argmax(&whole_logits) as u32;
+    for &at in forks {
+        let mut prefix = gpu.new_state(len + 4).unwrap();
+        let prefix_logits = gpu
+            .prefill(&mut prefix, &prompt[..at], LogitRows::Last)
+            .unwrap();
+        let prefix_steps = steps(&prefix, prefix_logits.clone());
+
+        let mut state = gpu.new_state(len + 4).unwrap();
+        let (logits, fork) = gpu
+            .prefill_forking(&mut state, prompt, at, LogitRows::Last)
+            .unwrap();
+        assert_eq!((gpu.state_len(&state), gpu.state_len(&fork)), (len, at));
+        let (dw, df) = (
+            rel_diff(&steps(&state, logits), &unforked),
+            rel_diff(&steps(&fork, prefix_logits.clone()), &prefix_steps),
+        );
+
+        let mut chosen = gpu.new_state(len + 4).unwrap();
+        let mut greedy_sampler = Sampler::new(SamplingParams::greedy());
+        let (pick, chosen_fork) = gpu
+            .prefill_choose_forking(
+                &mut chosen,
+                prompt,
+                at,
+                &mut Choice::of(&mut greedy_sampler),
+            )
+            .unwrap();
+        let dc = rel_diff(&steps(&chosen_fork, prefix_logits), &prefix_steps);
+        eprintln!(
+            "{name}, prompt {len}, fork at {at}: whole {dw:e}, fork {df:e}, chosen's fork {dc:e}"
+        );
+        assert!(dw <= tol && df <= tol && dc <= tol, "{name}, {len} at {at}");
+        assert_eq!(pick.token, greedy, "{name}, {len} at {at}");
+        assert_eq!(gpu.state_len(&chosen_fork), at);
+    }
+    // A fork must fall inside the tokens.
+    let mut state = gpu.new_state(len + 4).unwrap();
+    for at in [0, len] {
+        assert!(
+            gpu.prefill_forking(&mut state, prompt, at, LogitRows::None)
+                .is_err()
+        );
+    }
+    assert_eq!(gpu.state_len(&state), 0);
+}
+
+/// The real model's heads at a small width (see `prefill_at_production_shapes_matches_the_cpu`).
+fn production_shaped(vocab: usize) -> ModelConfig {
     let mut root: serde_json::Value =
         serde_json::from_str(lily_core::config::QWEN36_35B_A3B_CONFIG).unwrap();
     let t = root["text_config"].as_object_mut().unwrap();
@@ -131,10 +221,22 @@ fn prefill_at_production_shapes_matches_the_cpu() {
     t.insert("hidden_size".into(), 256.into());
     t.insert("num_hidden_layers".into(), layers.len().into());
     t.insert("layer_types".into(), serde_json::json!(layers));
-    t.insert("vocab_size".into(), 4096.into());
+    t.insert("vocab_size".into(), vocab.into());
     t.insert("moe_intermediate_size".into(), 64.into());
     t.insert("shared_expert_intermediate_size".into(), 128.into());
-    let config = ModelConfig::from_json(&root.to_string()).unwrap();
+    ModelConfig::from_json(&root.to_string()).unwrap()
+}
+
+/// The real model's head structure (GQA group 8, head dim 256, 64 rotary dims, GDN 16/32 heads of
+/// 128, 256 experts top 8) at a small width, so every prefill kernel runs at its production
+/// constants, with prompts that cross chunk boundaries at ragged lengths. The expert tile height
+/// follows the chunk's length and the GEMM path: on mma.sync the last prompt's first chunk is the
+/// shortest with 64-row tiles and its second takes 16-row ones; on the wgmma path (sm_90's
+/// default) every chunk takes 64-row tiles, so run it with `LILY_GEMM=mma` too.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn prefill_at_production_shapes_matches_the_cpu() {
+    let config = production_shaped(4096);
     let weights = ModelWeights::load(&config, Box::new(SyntheticSource::new(7))).unwrap();
     let first_tall = ROWS64_FROM_ROWS_PER_EXPERT * config.num_experts / config.experts_per_token;
     let backend = |chunk| {

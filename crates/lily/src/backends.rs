@@ -114,6 +114,46 @@ impl Backend for AnyBackend {
         with_state!(self, state, b, s => b.prefill_choose(s, tokens, choice))
     }
 
+    fn prefill_forking(
+        &self,
+        state: &mut AnyState,
+        tokens: &[u32],
+        at: usize,
+        rows: LogitRows,
+    ) -> Result<(Vec<f32>, AnyState)> {
+        Ok(match (self, state) {
+            (AnyBackend::Cpu(b), AnyState::Cpu(s)) => {
+                let (logits, fork) = b.prefill_forking(s, tokens, at, rows)?;
+                (logits, AnyState::Cpu(fork))
+            }
+            (AnyBackend::Cuda(b), AnyState::Cuda(s)) => {
+                let (logits, fork) = b.prefill_forking(s, tokens, at, rows)?;
+                (logits, AnyState::Cuda(Box::new(fork)))
+            }
+            _ => bail!(mismatch()),
+        })
+    }
+
+    fn prefill_choose_forking(
+        &self,
+        state: &mut AnyState,
+        tokens: &[u32],
+        at: usize,
+        choice: &mut Choice<'_>,
+    ) -> Result<(Pick, AnyState)> {
+        Ok(match (self, state) {
+            (AnyBackend::Cpu(b), AnyState::Cpu(s)) => {
+                let (pick, fork) = b.prefill_choose_forking(s, tokens, at, choice)?;
+                (pick, AnyState::Cpu(fork))
+            }
+            (AnyBackend::Cuda(b), AnyState::Cuda(s)) => {
+                let (pick, fork) = b.prefill_choose_forking(s, tokens, at, choice)?;
+                (pick, AnyState::Cuda(Box::new(fork)))
+            }
+            _ => bail!(mismatch()),
+        })
+    }
+
     fn decode(&self, state: &mut AnyState, token: u32) -> Result<Vec<f32>> {
         with_state!(self, state, b, s => b.decode(s, token))
     }

@@ -11,11 +11,34 @@
 // read proj closer to once. At least CONV_K-1, so only the first tile reaches into the window.
 #define CONV_TT 16
 
+// The window after the chunk's first `n` rows, channel `ch`: row m is the input at position
+// n-(CONV_K-1)+m, a chunk row, or for n < CONV_K-1 old window row m+n (`old`: the window before
+// the chunk, in registers, constant indices so no local memory).
+__device__ __forceinline__ void conv_window_at(const float* proj, int ld, int n, int ch,
+                                               const float (&old)[CONV_K - 1], float* window) {
+#pragma unroll
+    for (int m = 0; m < CONV_K - 1; m++) {
+        int p = n - (CONV_K - 1) + m;
+        float v = 0.f;
+        if (p >= 0) {
+            v = proj[(long)p * ld + ch];
+        } else {
+#pragma unroll
+            for (int j = 0; j < CONV_K - 1; j++)
+                if (j == m + n) v = old[j];
+        }
+        window[m * CONV_DIM + ch] = v;
+    }
+}
+
 // Causal depthwise conv + SiLU over the chunk, continuing from `window`; then the window becomes
-// the chunk's last CONV_K-1 inputs (old window rows mixed in when t < CONV_K-1).
+// the chunk's last CONV_K-1 inputs (old window rows mixed in when t < CONV_K-1). With a
+// `fork_window`, that one gets the window after the first `fork_at` rows (0 < fork_at < t): a
+// fork of the state inside the chunk.
 // Grid (ceil(CONV_DIM / blockDim), ceil(t / CONV_TT)); a thread is one channel of one token tile.
 extern "C" __global__ void gdn_conv_rows(const float* proj, int ld, int t, const float* conv_w,
-                                         float* window, float* out) {
+                                         float* window, float* out, float* fork_window,
+                                         int fork_at) {
     pdl_wait();
     static_assert(CONV_TT >= CONV_K - 1, "a conv tile must cover the window");
     int ch = blockIdx.x * blockDim.x + threadIdx.x;
@@ -46,21 +69,9 @@ extern "C" __global__ void gdn_conv_rows(const float* proj, int ld, int t, const
         for (int j = 0; j < CONV_K - 1; j++) hist[j] = hist[j + 1];
     }
     if (blockIdx.y != 0) return;
-    // New window row m is the input at position t-(CONV_K-1)+m: a chunk row, or for a chunk
-    // shorter than the window, old window row m+t (`old` is valid here: this is tile 0).
-#pragma unroll
-    for (int m = 0; m < CONV_K - 1; m++) {
-        int p = t - (CONV_K - 1) + m;
-        float v = 0.f;
-        if (p >= 0) {
-            v = proj[(long)p * ld + ch];
-        } else {
-#pragma unroll
-            for (int j = 0; j < CONV_K - 1; j++)
-                if (j == m + t) v = old[j];   // constant register indices, no local memory
-        }
-        window[m * CONV_DIM + ch] = v;
-    }
+    // `old` is valid here: this is tile 0.
+    if (fork_window) conv_window_at(proj, ld, fork_at, ch, old, fork_window);
+    conv_window_at(proj, ld, t, ch, old, window);
 }
 
 // What the scan reads per token, computed once rather than by each of the scan's warps: prep is

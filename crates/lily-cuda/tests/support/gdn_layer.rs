@@ -263,6 +263,7 @@ pub fn run_chunk_by(
         p(&d.conv_w),
         p(&d.window),
         p(&conv),
+        None,
     )
     .unwrap();
     scan(

@@ -543,23 +543,31 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// Whether the cache would keep a snapshot of `state` after `tokens` (with `logits`): it has
+    /// room and holds none as good.
+    fn wants_snapshot(&self, tokens: &[u32], state: &B::State, logits: Option<&Vec<f32>>) -> bool {
+        let (bytes, logit_count) = (self.backend.state_bytes(state), logits.map_or(0, Vec::len));
+        self.snapshots.fits(bytes, logit_count)
+            && !self.snapshots.contains(tokens, logits.is_some())
+    }
+
+    /// Keeps a fork of `state` after `tokens`, where the cache wants it.
     fn keep_snapshot(
         &mut self,
         tokens: &[u32],
         state: &B::State,
         logits: Option<&Vec<f32>>,
     ) -> Result<()> {
-        let bytes = self.backend.state_bytes(state);
-        let logit_count = logits.map_or(0, Vec::len);
-        if !self.snapshots.fits(bytes, logit_count)
-            || self.snapshots.contains(tokens, logits.is_some())
-        {
-            return Ok(());
+        if self.wants_snapshot(tokens, state, logits) {
+            let snapshot = self.backend.fork(state)?;
+            self.insert_snapshot(tokens, snapshot, logits.cloned());
         }
-        let snapshot = self.backend.fork(state)?;
-        self.snapshots
-            .insert(tokens.to_vec(), snapshot, logits.cloned(), bytes);
         Ok(())
+    }
+
+    fn insert_snapshot(&mut self, tokens: &[u32], state: B::State, logits: Option<Vec<f32>>) {
+        let bytes = self.backend.state_bytes(&state);
+        self.snapshots.insert(tokens.to_vec(), state, logits, bytes);
     }
 }
 

@@ -1,7 +1,7 @@
 //! A prompt going into its state, one chunk per engine step, so that the sequences already
 //! generating wait at most one chunk for each of their tokens. It starts from the longest
 //! snapshot the prompt extends, keeps a snapshot where the conversation before the generation
-//! prompt ends and one after the whole prompt, and with `prompt_logprobs` scores every prompt
+//! prompt ends (a fork taken inside the chunk's pass) and one after the whole prompt, and with `prompt_logprobs` scores every prompt
 //! token from an empty state instead.
 //!
 //! A generation of one choice chooses its first token with the prompt's last chunk, where the
@@ -84,7 +84,8 @@ impl<B: Backend> Engine<B> {
     }
 
     /// Feeds the next chunk of the prompt (which must not be all in yet): up to the backend's
-    /// largest chunk of tokens, in two calls where the turn boundary falls inside it.
+    /// largest chunk of tokens. Where the turn boundary falls inside the chunk, its snapshot is
+    /// a fork taken within the chunk's pass (`Backend::prefill_forking`), not a second pass.
     pub(super) fn fill_chunk(
         &mut self,
         job: &GenerationJob,
@@ -94,44 +95,72 @@ impl<B: Backend> Engine<B> {
             return self.fill_scored_chunk(&job.prompt, top, fill);
         }
         let prompt = &job.prompt;
-        let mut budget = self.backend.max_prefill_chunk().max(1);
-        while budget > 0 && fill.done < prompt.len() {
-            let start = fill.done;
-            let mut end = (start + budget).min(prompt.len());
-            // The conversation before the generation prompt is where a later turn branches.
-            let boundary = job
-                .turn_boundary
-                .filter(|&b| start < b && b < prompt.len() && b <= end);
-            if let Some(b) = boundary {
-                end = b;
-            }
-            let (chunk, last) = (&prompt[start..end], end == prompt.len());
-            if last && let Some(mut stage) = fill.stage.take() {
-                let pick = stage.prefill(&self.backend, &mut fill.state, chunk)?;
-                fill.end = Some(PromptEnd::Picked(stage, pick));
-            } else if last {
-                let logits = self
-                    .backend
-                    .prefill(&mut fill.state, chunk, LogitRows::Last)?;
-                fill.end = Some(PromptEnd::Logits(logits));
-            } else {
-                self.backend
-                    .prefill(&mut fill.state, chunk, LogitRows::None)?;
-            }
-            (fill.done, budget) = (end, budget - (end - start));
-            if boundary.is_some() {
-                self.keep_snapshot(&prompt[..end], &fill.state, None)?;
-            }
-            if last {
-                // A snapshot keeps the logits where the host has them.
-                let logits = match &fill.end {
-                    Some(PromptEnd::Logits(logits)) => Some(logits),
-                    _ => None,
-                };
-                self.keep_snapshot(prompt, &fill.state, logits)?;
-            }
+        let start = fill.done;
+        let end = (start + self.backend.max_prefill_chunk().max(1)).min(prompt.len());
+        let last = end == prompt.len();
+        // The conversation before the generation prompt is where a later turn branches: kept
+        // where the cache has room for it and does not hold it already.
+        let boundary = job
+            .turn_boundary
+            .filter(|&b| start < b && b <= end && b < prompt.len())
+            .filter(|&b| self.wants_snapshot(&prompt[..b], &fill.state, None));
+        let fork_at = boundary.filter(|&b| b < end).map(|b| b - start);
+        let fork = self.feed(fill, &prompt[start..end], last, fork_at)?;
+        fill.done = end;
+        match (boundary, fork) {
+            (Some(b), Some(fork)) => self.insert_snapshot(&prompt[..b], fork, None),
+            (Some(b), None) => self.keep_snapshot(&prompt[..b], &fill.state, None)?,
+            (None, _) => {}
+        }
+        if last {
+            // A snapshot keeps the logits where the host has them.
+            let logits = match &fill.end {
+                Some(PromptEnd::Logits(logits)) => Some(logits),
+                _ => None,
+            };
+            self.keep_snapshot(prompt, &fill.state, logits)?;
         }
         Ok(())
+    }
+
+    /// Appends `chunk` to the fill's state and, for the prompt's `last` chunk, leaves how its
+    /// choices begin: the sole choice's first token chosen with the chunk, or the logits. With
+    /// `fork_at`, returns a fork of the state after that many of the chunk's tokens.
+    fn feed(
+        &self,
+        fill: &mut PromptFill<B::State>,
+        chunk: &[u32],
+        last: bool,
+        fork_at: Option<usize>,
+    ) -> Result<Option<B::State>> {
+        let (backend, state) = (&self.backend, &mut fill.state);
+        if last && let Some(mut stage) = fill.stage.take() {
+            let (pick, fork) = match fork_at {
+                Some(at) => {
+                    let (pick, fork) = stage.prefill_forking(backend, state, chunk, at)?;
+                    (pick, Some(fork))
+                }
+                None => (stage.prefill(backend, state, chunk)?, None),
+            };
+            fill.end = Some(PromptEnd::Picked(stage, pick));
+            return Ok(fork);
+        }
+        let rows = if last {
+            LogitRows::Last
+        } else {
+            LogitRows::None
+        };
+        let (logits, fork) = match fork_at {
+            Some(at) => {
+                let (logits, fork) = backend.prefill_forking(state, chunk, at, rows)?;
+                (logits, Some(fork))
+            }
+            None => (backend.prefill(state, chunk, rows)?, None),
+        };
+        if last {
+            fill.end = Some(PromptEnd::Logits(logits));
+        }
+        Ok(fork)
     }
 
     /// A chunk of a prompt scored from an empty state with every row's logits (a snapshot has

@@ -352,12 +352,14 @@ fn logit_bias_reaches_the_sampler_on_the_greedy_path() {
     assert_eq!(text, "Hello".repeat(6));
 }
 
-/// The engine's backend, counting the chunks chosen where the logits are (`prefill_choose`) and
-/// those whose logits were sent to the host (`prefill` of any rows but none).
+/// The engine's backend, counting the chunks chosen where the logits are (`prefill_choose`),
+/// those whose logits were sent to the host (`prefill` of any rows but none), and the chunks
+/// that took a fork inside their pass (`prefill_forking`, `prefill_choose_forking`).
 struct Counting {
     inner: AnyBackend,
     chosen: std::sync::atomic::AtomicUsize,
     logits: std::sync::atomic::AtomicUsize,
+    forks: std::sync::atomic::AtomicUsize,
 }
 
 impl Backend for Counting {
@@ -406,6 +408,28 @@ impl Backend for Counting {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.inner.prefill_choose(state, tokens, choice)
     }
+    fn prefill_forking(
+        &self,
+        state: &mut Self::State,
+        tokens: &[u32],
+        at: usize,
+        rows: LogitRows,
+    ) -> Result<(Vec<f32>, Self::State)> {
+        self.forks
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.prefill_forking(state, tokens, at, rows)
+    }
+    fn prefill_choose_forking(
+        &self,
+        state: &mut Self::State,
+        tokens: &[u32],
+        at: usize,
+        choice: &mut lily_core::choice::Choice<'_>,
+    ) -> Result<(lily_core::choice::Pick, Self::State)> {
+        self.forks
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.prefill_choose_forking(state, tokens, at, choice)
+    }
     fn decode_batch(
         &self,
         rows: &mut [lily_core::backend::DecodeRow<'_, Self::State>],
@@ -416,26 +440,40 @@ impl Backend for Counting {
 
 #[test]
 fn one_choice_is_chosen_with_the_prompts_last_chunk_and_several_share_host_logits() {
-    let counting = Counting {
+    let counting = || Counting {
         inner: load_with("synthetic:tiny", Device::Cpu, false).unwrap(),
         chosen: 0.into(),
         logits: 0.into(),
+        forks: 0.into(),
     };
-    // No snapshots: every prompt goes in whole, in one chunk.
-    let mut engine = Engine::new(counting, text_model(), 4096, 0).unwrap();
     let counts = |e: &Engine<Counting>| {
         let load =
             |a: &std::sync::atomic::AtomicUsize| a.load(std::sync::atomic::Ordering::Relaxed);
-        (load(&e.backend.chosen), load(&e.backend.logits))
+        (
+            load(&e.backend.chosen),
+            load(&e.backend.logits),
+            load(&e.backend.forks),
+        )
     };
     let messages = [json!({"role": "user", "content": "Name a colour."})];
-    // A chat prompt goes in as two chunks, split at its turn boundary: the first asks for no
-    // logits.
     let one = job(&messages, 5, sampled(3));
-    assert!(one.turn_boundary.is_some());
     let quiet = |_: EngineEvent| ControlFlow::Continue(());
+    // With room for snapshots, the one keeping the conversation before the generation prompt is
+    // a fork taken inside the prompt's one pass, which chooses the first token too.
+    let mut kept = Engine::new(counting(), text_model(), 4096, 256 << 20).unwrap();
+    let forked = kept.run(&one, quiet, || false).unwrap();
+    assert_eq!(counts(&kept), (0, 0, 1));
+    // Asked again, the prompt starts from the snapshot at its boundary: no fork to take.
+    let again = kept.run(&one, quiet, || false).unwrap();
+    assert_eq!(again.cached_tokens, one.turn_boundary.unwrap());
+    assert_eq!(counts(&kept), (1, 0, 1));
+
+    // No snapshots: every prompt goes in whole, in one chunk, and nothing is forked.
+    let mut engine = Engine::new(counting(), text_model(), 4096, 0).unwrap();
     let sole = engine.run(&one, quiet, || false).unwrap();
-    assert_eq!(counts(&engine), (1, 0));
+    assert_eq!(counts(&engine), (1, 0, 0));
+    assert_eq!(sole.tokens(), forked.tokens());
+    assert_eq!(sole.tokens(), again.tokens());
 
     // Two choices: one prefill whose logits both pick from on the host, none made with the chunk.
     // The first choice has the sole one's seed, so it takes the same tokens by the other route.
@@ -444,7 +482,7 @@ fn one_choice_is_chosen_with_the_prompts_last_chunk_and_several_share_host_logit
         ..one.clone()
     };
     let both = engine.run(&two, quiet, || false).unwrap();
-    assert_eq!(counts(&engine), (1, 1));
+    assert_eq!(counts(&engine), (1, 1, 0));
     assert_eq!(sole.tokens().len(), 5);
     assert_eq!(both.tokens(), sole.tokens());
     // A scored prompt brings its logits back too; no token to generate needs no choice.
@@ -458,5 +496,5 @@ fn one_choice_is_chosen_with_the_prompts_last_chunk_and_several_share_host_logit
         ..one
     };
     engine.run(&none, quiet, || false).unwrap();
-    assert_eq!(counts(&engine), (1, 3));
+    assert_eq!(counts(&engine), (1, 3, 0));
 }
