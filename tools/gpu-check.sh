@@ -117,8 +117,12 @@ if [ "$step" = all ] || [ "$step" = agree ]; then
     --temperature 0 --ignore-eos --json 2>&1 | tee "$out/greedy-cpu.json"
 fi
 if [ "$step" = all ] || [ "$step" = serve ]; then
-  # The OpenAI-compatible server on the GPU against real HTTP clients.
-  python3 tools/gpu_serve_check.py --lily .gpu/lily 2>&1 | tee "$out/serve.log"
+  # The OpenAI-compatible server on the GPU against real HTTP clients; SERVE_BINS="lily
+  # lily-NAME ..." runs each of those binaries in turn (the variants of .gpu/lilies.txz).
+  [ -f .gpu/lilies.txz ] && tar -xJf .gpu/lilies.txz -C .gpu --skip-old-files
+  for bin in ${SERVE_BINS:-lily}; do
+    python3 tools/gpu_serve_check.py --lily ".gpu/$bin" 2>&1 | tee "$out/serve-$bin.log"
+  done
 fi
 if [ "$step" = all ] || [ "$step" = profile ]; then
   # Every kernel of the first decode steps, timed by Nsight Compute (clocks left alone); the
