@@ -40,7 +40,7 @@ impl KernelFile {
     }
 }
 
-pub const KERNEL_FILES: [KernelFile; 18] = [
+pub const KERNEL_FILES: [KernelFile; 17] = [
     KernelFile {
         name: "gemv",
         headers: &[GEMV_STAGED, GEMV_ROWS, GEMV_MMA],
@@ -185,23 +185,12 @@ pub const KERNEL_FILES: [KernelFile; 18] = [
     },
     KernelFile {
         name: "gemm_wgmma_x16",
-        headers: &[WGMMA, WGMMA_COPY],
+        headers: &[WGMMA],
         source: include_str!("kernels/gemm_wgmma_x16.cu"),
         entries: &[
             "gemm_wgmma_b4_x16",
             "gemm_wgmma_grouped64_b4_x16",
             "gemm_wgmma_gate_up64_b4_x16",
-        ],
-        only_for: Some("sm_90a"),
-        decode_kernels: None,
-    },
-    KernelFile {
-        name: "gemm_wgmma_wreg",
-        headers: &[WGMMA, WGMMA_COPY],
-        source: include_str!("kernels/gemm_wgmma_wreg.cu"),
-        entries: &[
-            "gemm_wgmma_grouped64_wreg_b4_x16",
-            "gemm_wgmma_gate_up64_wreg_b4_x16",
         ],
         only_for: Some("sm_90a"),
         decode_kernels: None,
@@ -313,7 +302,6 @@ const GEMV_IMMA: &str = include_str!("kernels/gemv_imma.cuh");
 const MOE_IMMA: &str = include_str!("kernels/moe_imma.cuh");
 const GEMV_STREAM: &str = include_str!("kernels/gemv_stream.cuh");
 pub(crate) const WGMMA: &str = include_str!("kernels/wgmma.cuh");
-pub(crate) const WGMMA_COPY: &str = include_str!("kernels/wgmma_copy.cuh");
 
 /// The persistent decode step. Compiled apart from [`KERNEL_FILES`], once the weights are laid out:
 /// their formats are constants of it too (`crate::step_constants`).

@@ -7,7 +7,6 @@ use anyhow::{Result, ensure};
 
 use crate::gemm_wgmma::{
     self, GemmPath, WGMMA_DENSE, WGMMA_DENSE_X16, WGMMA_GROUPED_SHARED, WGMMA_GROUPED_X16_SHARED,
-    WGMMA_WREG_SHARED,
 };
 use crate::gpu::{Gpu, Shape, ptr};
 use crate::kernel_args::{Gemm, GemmGateUp, GemmGrouped, GemmReduce};
@@ -324,35 +323,25 @@ pub fn gemm_grouped(
     let (warg, x) = (w.arg(gpu), x.into());
     check_bf16_rows(x)?;
     let wgmma = map.height == MoeTile::Rows64 && path_of(gpu, w) == GemmPath::Wgmma;
-    // The kernel, its dynamic shared memory and the W rows a block computes.
-    let (name, shared, x, block_rows) = match (wgmma, x.bf16) {
-        (true, Some(x16)) if gpu.expert_w == ExpertW::Registers => (
-            gemm_wgmma::GROUPED_WREG_ENTRY.to_string(),
-            WGMMA_WREG_SHARED,
-            x16,
-            gemm_wgmma::WREG_ROWS,
-        ),
+    let (name, shared, x) = match (wgmma, x.bf16) {
         (true, Some(x16)) => (
             gemm_wgmma::GROUPED_X16_ENTRY.to_string(),
             WGMMA_GROUPED_X16_SHARED,
             x16,
-            GEMM_GROUPED_BN,
         ),
         (true, None) => (
             gemm_wgmma::GROUPED_ENTRY.to_string(),
             WGMMA_GROUPED_SHARED,
             x.f32,
-            GEMM_GROUPED_BN,
         ),
         (false, _) => (
             grouped_entry(map.height, w.bits),
             grouped_shared(map.height),
             x.f32,
-            GEMM_GROUPED_BN,
         ),
     };
     ensure!(x != 0, "a GEMM on f32 rows was given only their bf16 copy");
-    let grid = (n.div_ceil(block_rows) as u32, max_tiles as u32, 1);
+    let grid = (n.div_ceil(GEMM_GROUPED_BN) as u32, max_tiles as u32, 1);
     let args = GemmGrouped {
         w: warg,
         n: n as i32,
@@ -380,19 +369,6 @@ pub enum GateUpRoute {
     /// One [`gemm_gate_up`] launch, the SwiGLU in its epilogue, act in bf16 only. The default:
     /// a 4K chunk's expert GEMMs 39.6 → 35.2 ms on an H100 (docs/BENCHMARKS.md).
     Fused,
-}
-
-/// Where the wgmma kernels of the experts' grouped GEMMs (64-row tiles, X as bf16 rows)
-/// dequantise W.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ExpertW {
-    /// Into a shared tile that wgmma reads as its B operand, the tile's tokens its 64-row A
-    /// side (gemm_wgmma_x16.cu).
-    Shared,
-    /// Into registers as wgmma's A operand, the tokens its N side in halves of 32
-    /// (gemm_wgmma_wreg.cu): nothing dequantised goes through shared memory, and a tile of 32
-    /// rows or fewer pays for 32.
-    Registers,
 }
 
 /// The routed experts' gate and up projections: two stacks of experts of `n` rows each.
@@ -463,24 +439,21 @@ pub fn gemm_gate_up(
         act,
         act16,
     };
-    // A block takes half its W rows from gate and the same rows of up.
-    let (entry, shared, block_rows) = match gpu.expert_w {
-        ExpertW::Shared => (
-            gemm_wgmma::GATE_UP_X16_ENTRY,
-            WGMMA_GROUPED_X16_SHARED,
-            GEMM_GROUPED_BN,
-        ),
-        ExpertW::Registers => (
-            gemm_wgmma::GATE_UP_WREG_ENTRY,
-            WGMMA_WREG_SHARED,
-            gemm_wgmma::WREG_ROWS,
-        ),
-    };
+    // A block takes 128 gate rows and the same 128 up rows.
     let shape = Shape {
-        grid: (n.div_ceil(block_rows / 2) as u32, map.max_tiles as u32, 1),
+        grid: (
+            n.div_ceil(GEMM_GROUPED_BN / 2) as u32,
+            map.max_tiles as u32,
+            1,
+        ),
         block: GEMM_THREADS,
     };
-    gpu.launch_shared(entry, shape, shared, &args)?;
+    gpu.launch_shared(
+        gemm_wgmma::GATE_UP_X16_ENTRY,
+        shape,
+        WGMMA_GROUPED_X16_SHARED,
+        &args,
+    )?;
     Ok(())
 }
 
@@ -491,16 +464,12 @@ mod tests {
     use crate::gemm_wgmma::tests::{define, file};
 
     /// The launchers name, at every tile height and weight format, exactly the entries gemm.cu,
-    /// gemm_wgmma.cu, gemm_wgmma_x16.cu and gemm_wgmma_wreg.cu instantiate and compile.rs loads
-    /// (the split-K reduction besides).
+    /// gemm_wgmma.cu and gemm_wgmma_x16.cu instantiate and compile.rs loads (the split-K
+    /// reduction besides).
     #[test]
     fn every_launched_entry_is_compiled() {
         let gemm = file("gemm");
-        let wgmma = [
-            file("gemm_wgmma"),
-            file("gemm_wgmma_x16"),
-            file("gemm_wgmma_wreg"),
-        ];
+        let wgmma = [file("gemm_wgmma"), file("gemm_wgmma_x16")];
         let mut launched: Vec<String> = dynamic_shared(true).into_iter().map(|(e, _)| e).collect();
         launched.push("gemm_reduce".to_string());
         let mut loaded: Vec<String> = gemm
@@ -512,7 +481,7 @@ mod tests {
         launched.sort();
         loaded.sort();
         assert_eq!(launched, loaded);
-        assert_eq!(dynamic_shared(false).len(), dynamic_shared(true).len() - 7);
+        assert_eq!(dynamic_shared(false).len(), dynamic_shared(true).len() - 5);
         for bits in [4, 8, 32] {
             let mut made = vec![format!("GEMM_DENSE({bits})")];
             made.extend(MoeTile::ALL.map(|h| format!("GEMM_GROUPED({}, {bits})", h.rows())));

@@ -74,14 +74,6 @@ pub(crate) const DENSE_X16_ENTRY: &str = "gemm_wgmma_b4_x16";
 pub(crate) const GROUPED_X16_ENTRY: &str = "gemm_wgmma_grouped64_b4_x16";
 /// The experts' gate and up projections with the SwiGLU (`GemmGateUp`), X as bf16 rows.
 pub(crate) const GATE_UP_X16_ENTRY: &str = "gemm_wgmma_gate_up64_b4_x16";
-/// The grouped _x16 entry and the gate/up one with W dequantised into registers as wgmma's A
-/// operand (gemm_wgmma_wreg.cu, `ExpertW::Registers`), the same arguments.
-pub(crate) const GROUPED_WREG_ENTRY: &str = "gemm_wgmma_grouped64_wreg_b4_x16";
-pub(crate) const GATE_UP_WREG_ENTRY: &str = "gemm_wgmma_gate_up64_wreg_b4_x16";
-/// W rows a block of those computes, 64 a warpgroup (`WREG_ROWS`).
-pub(crate) const WREG_ROWS: usize = 128;
-/// Steps ahead they copy (`WREG_AHEAD`).
-const WREG_AHEAD: usize = 4;
 
 /// Dynamic shared memory of a block with `bm` rows of X (`gemm_wgmma_shared_bytes`): two X and
 /// two W tiles of 128-byte rows, and 1 KiB to align them to 1,024 bytes.
@@ -123,10 +115,6 @@ pub(crate) const WGMMA_DENSE_X16: DenseTiling = DenseTiling {
 pub(crate) const WGMMA_GROUPED_SHARED: u32 = shared_bytes(64);
 /// Grouped _x16 blocks: 113 KiB, two an SM.
 pub(crate) const WGMMA_GROUPED_X16_SHARED: u32 = x16_shared_bytes(64, GROUPED_AHEAD);
-/// Blocks of gemm_wgmma_wreg.cu (`gemm_wgmma_wreg_shared_bytes`): `WREG_AHEAD` + 1 X tiles of 64
-/// rows, `WREG_AHEAD` raw slots of 128 W rows, 1 KiB of alignment: 65 KiB.
-pub(crate) const WGMMA_WREG_SHARED: u32 =
-    ((WREG_AHEAD + 1) * 64 * 128 + WREG_AHEAD * WREG_ROWS * (32 + 8 + 8) + 1024) as u32;
 
 // A step of a tile row is one 128-byte swizzle row of bf16, and a split along K whole steps.
 const _: () = assert!(WGMMA_DENSE.bk * 2 == 128 && SPLIT_MIN_K.is_multiple_of(WGMMA_DENSE.bk));
@@ -134,20 +122,17 @@ const _: () = assert!(WGMMA_DENSE.bk * 2 == 128 && SPLIT_MIN_K.is_multiple_of(WG
 // reserved), with X in f32 or bf16; one dense _x16 block fits the 227 KiB a block may take.
 const _: () = assert!(2 * (WGMMA_GROUPED_SHARED + 1024) <= 228 * 1024);
 const _: () = assert!(2 * (WGMMA_GROUPED_X16_SHARED + 1024) <= 228 * 1024);
-const _: () = assert!(2 * (WGMMA_WREG_SHARED + 1024) <= 228 * 1024);
 const _: () = assert!(WGMMA_DENSE_X16.shared <= 227 * 1024);
 
 /// The entries and the dynamic shared memory each launches with (above the default 48 KiB, so
 /// `Gpu::new` raises their limit).
-pub(crate) fn dynamic_shared() -> [(String, u32); 7] {
+pub(crate) fn dynamic_shared() -> [(String, u32); 5] {
     [
         (DENSE_ENTRY.to_string(), WGMMA_DENSE.shared),
         (GROUPED_ENTRY.to_string(), WGMMA_GROUPED_SHARED),
         (DENSE_X16_ENTRY.to_string(), WGMMA_DENSE_X16.shared),
         (GROUPED_X16_ENTRY.to_string(), WGMMA_GROUPED_X16_SHARED),
         (GATE_UP_X16_ENTRY.to_string(), WGMMA_GROUPED_X16_SHARED),
-        (GROUPED_WREG_ENTRY.to_string(), WGMMA_WREG_SHARED),
-        (GATE_UP_WREG_ENTRY.to_string(), WGMMA_WREG_SHARED),
     ]
 }
 
@@ -185,17 +170,8 @@ pub(crate) mod tests {
         assert_eq!(DENSE_AHEAD, define(x16, "GEMM_WG_DENSE_AHEAD"));
         assert_eq!(GROUPED_AHEAD, define(x16, "GEMM_WG_GROUPED_AHEAD"));
         assert!(x16.contains("#define GEMM_WG_RAW_BYTES (GEMM_WG_BN * (32 + 8 + 8))"));
-        let wreg = file("gemm_wgmma_wreg").source;
-        assert_eq!(WREG_ROWS, define(wreg, "WREG_ROWS"));
-        assert_eq!(WREG_AHEAD, define(wreg, "WREG_AHEAD"));
-        assert!(wreg.contains("#define WREG_RAW_BYTES (WREG_ROWS * (32 + 8 + 8))"));
-        assert!(wreg.contains("#define WREG_X_BYTES (GEMM_WG_GROUPED_BM * 128)"));
         for (entry, _) in dynamic_shared() {
-            let files = [
-                file("gemm_wgmma"),
-                file("gemm_wgmma_x16"),
-                file("gemm_wgmma_wreg"),
-            ];
+            let files = [file("gemm_wgmma"), file("gemm_wgmma_x16")];
             assert!(files.iter().any(|f| f.entries.contains(&entry.as_str())));
         }
     }

@@ -41,8 +41,6 @@ pub struct Gpu {
     pub gdn_prefill_route: Option<crate::gdn_prefill::GdnPrefillRoute>,
     /// How prefill runs the routed experts' gate and up projections where it may choose.
     pub gate_up: crate::gemm::GateUpRoute,
-    /// Where the experts' wgmma GEMMs dequantise W.
-    pub expert_w: crate::gemm::ExpertW,
     /// Which kernels run the 4-bit prefill GEMMs ([`Gpu::set_gemm_path`]).
     gemm_path: GemmPath,
     /// Partial sums of dense GEMMs split along K ([`crate::gemm::gemm`]); one launch at a time
@@ -177,7 +175,6 @@ impl Gpu {
             decode_kernels: options.decode_kernels,
             gdn_prefill_route: options.gdn_prefill,
             gate_up: options.gate_up,
-            expert_w: options.expert_w,
             gemm_path,
             stamps: stamps.map(Mutex::new),
             launch_log: Mutex::new(None),

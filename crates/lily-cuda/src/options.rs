@@ -7,7 +7,7 @@ use anyhow::{Result, bail};
 use crate::compile::KvPrecision;
 use crate::decode::DecodePath;
 use crate::gdn_prefill::GdnPrefillRoute;
-use crate::gemm::{ExpertW, GateUpRoute};
+use crate::gemm::GateUpRoute;
 use crate::gemm_wgmma::GemmPath;
 
 /// The kernels of the graph decode step's 4-bit products (gemv.rs, step.rs).
@@ -48,8 +48,6 @@ pub struct CudaOptions {
     /// The routed experts' gate and up projections in prefill, where the wgmma kernels take them
     /// (`LILY_GATE_UP=split|fused`).
     pub gate_up: GateUpRoute,
-    /// Where the experts' wgmma GEMMs dequantise W (`LILY_EXPERT_W=shared|registers`).
-    pub expert_w: ExpertW,
     /// Kernels compiled to timestamp every block's wait, for `lily bench`'s in-graph breakdown of
     /// a decode step (stamps.rs; `LILY_STAMPS=0|1`).
     pub stamps: bool,
@@ -70,8 +68,6 @@ impl Default for CudaOptions {
             gdn_prefill: None,
             // Fused measured +3.5 % prefill at 4K on an H100 (docs/BENCHMARKS.md, sixteenth session).
             gate_up: GateUpRoute::Fused,
-            // Shared until the register route is measured faster.
-            expert_w: ExpertW::Shared,
             stamps: false,
         }
     }
@@ -124,9 +120,6 @@ impl CudaOptions {
         if let Some(i) = pick("LILY_GATE_UP", &["split", "fused"])? {
             o.gate_up = [GateUpRoute::Split, GateUpRoute::Fused][i];
         }
-        if let Some(i) = pick("LILY_EXPERT_W", &["shared", "registers"])? {
-            o.expert_w = [ExpertW::Shared, ExpertW::Registers][i];
-        }
         Ok(o)
     }
 
@@ -169,7 +162,6 @@ mod tests {
             ("LILY_GDN_PREFILL", "scan"),
             ("LILY_STAMPS", "1"),
             ("LILY_GATE_UP", "split"),
-            ("LILY_EXPERT_W", "registers"),
         ]))
         .unwrap();
         let want = CudaOptions {
@@ -181,7 +173,6 @@ mod tests {
             gemm: Some(GemmPath::MmaSync),
             gdn_prefill: Some(GdnPrefillRoute::Scan),
             gate_up: GateUpRoute::Split,
-            expert_w: ExpertW::Registers,
             stamps: true,
         };
         assert_eq!(o, want);
@@ -200,7 +191,6 @@ mod tests {
             ("LILY_GDN_PREFILL", "wy"),
             ("LILY_STAMPS", "on"),
             ("LILY_GATE_UP", "both"),
-            ("LILY_EXPERT_W", "global"),
         ] {
             let err = CudaOptions::from_vars(vars(&[(name, value)])).unwrap_err();
             let text = format!("{err:#}");

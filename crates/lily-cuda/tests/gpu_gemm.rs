@@ -16,7 +16,7 @@ use lily_core::rng::{mix64, uniform_at};
 use lily_core::synthetic::synthetic_config;
 use lily_core::weights::Linear;
 use lily_cuda::KvPrecision;
-use lily_cuda::gemm::{ExpertW, GateUp, GemmX, gemm, gemm_gate_up, gemm_grouped};
+use lily_cuda::gemm::{GateUp, GemmX, gemm, gemm_gate_up, gemm_grouped};
 use lily_cuda::gemm_wgmma::{GemmPath, takes};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
@@ -487,43 +487,31 @@ fn check_grouped(
     for &path in paths {
         gpu.set_gemm_path(path).unwrap();
         for height in MoeTile::ALL {
-            let errors = |y: &[f32]| {
-                let got: Vec<Vec<f32>> = rows
-                    .iter()
-                    .map(|&s| y[s * n..(s + 1) * n].to_vec())
-                    .collect();
-                (rel_diff(&got, &want_a), rel_diff(&got, &want_b))
-            };
             let y = run_grouped(gpu, c, &w, ptr(&dx, &gpu.stream), gather_ptr, height);
             if height == MoeTile::Rows64 && reads_bf16_x(gpu, path, &w) {
                 let x = GemmX {
                     f32: ptr(&dx, &gpu.stream),
                     bf16: Some(ptr(&dx16, &gpu.stream)),
                 };
+                check_gate_up_fused(gpu, c, &w, &dx16, gather_ptr);
+                let y16 = run_grouped(gpu, c, &w, x, gather_ptr, height);
                 let what = format!(
                     "{}-bit n {n} k {k} counts {:?} gather {:?}",
                     c.bits, c.counts, c.gather_tokens
                 );
-                // W dequantised into a shared tile: the f32 X path's products to the bit. Into
-                // registers (the operands swapped): the same products, summed by the tensor
-                // cores in an order of their own, so held to the references; its fused gate/up
-                // to its own grouped GEMMs' bits.
-                for route in [ExpertW::Shared, ExpertW::Registers] {
-                    gpu.expert_w = route;
-                    check_gate_up_fused(gpu, c, &w, &dx16, gather_ptr);
-                    let y16 = run_grouped(gpu, c, &w, x, gather_ptr, height);
-                    match route {
-                        ExpertW::Shared => assert_same_bits(&y, &y16, &what),
-                        ExpertW::Registers => {
-                            let (a, b) = errors(&y16);
-                            results.push((path, "gemm_wgmma_wreg.cu", height, a, b));
-                        }
-                    }
-                }
-                gpu.expert_w = ExpertW::Shared;
+                assert_same_bits(&y, &y16, &what);
             }
-            let (a, b) = errors(&y);
-            results.push((path, kernel_file(gpu, path, &w, height), height, a, b));
+            let got: Vec<Vec<f32>> = rows
+                .iter()
+                .map(|&s| y[s * n..(s + 1) * n].to_vec())
+                .collect();
+            results.push((
+                path,
+                kernel_file(gpu, path, &w, height),
+                height,
+                rel_diff(&got, &want_a),
+                rel_diff(&got, &want_b),
+            ));
         }
     }
     results
