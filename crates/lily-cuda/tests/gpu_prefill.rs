@@ -132,20 +132,31 @@ fn a_fork_inside_a_prefill_equals_a_prefill_of_its_prefix() {
         ];
         for (len, forks) in cases {
             let prompt = tokens(len, config.vocab_size, len as u32);
-            check_forks(&gpu, &prompt, &forks, 1e-5, name);
+            check_forks(&gpu, &prompt, &forks, [1e-5, 1e-5], name);
         }
     }
     let config = production_shaped(4096);
     let weights = ModelWeights::load(&config, Box::new(SyntheticSource::new(9))).unwrap();
     let gpu = CudaBackend::with_options(config.clone(), &weights, &options(KvPrecision::F32, 512))
         .unwrap();
+    // The fork's delta rule runs as the prefix's own does (exact); the whole prompt's is cut in
+    // two, one side by the scan and the other by the chunked form (~1e-6 apart), and the random
+    // model carries a bf16 rounding that moves by that to its logits as a bf16 step (4e-3 seen).
     let prompt = tokens(420, config.vocab_size, 5);
-    check_forks(&gpu, &prompt, &[100, 300], 1e-4, "production heads");
+    let tol = [1e-5, BF16_PREFILL];
+    check_forks(&gpu, &prompt, &[100, 300], tol, "production heads");
 }
 
 /// [`a_fork_inside_a_prefill_equals_a_prefill_of_its_prefix`] for one prompt: every fork point
-/// in `forks`, by both calls, against the prefix alone and the unforked prompt, within `tol`.
-fn check_forks(gpu: &CudaBackend, prompt: &[u32], forks: &[usize], tol: f32, name: &str) {
+/// in `forks`, by both calls, against the prefix alone within `fork_tol` and the unforked prompt
+/// within `whole_tol`.
+fn check_forks(
+    gpu: &CudaBackend,
+    prompt: &[u32],
+    forks: &[usize],
+    [fork_tol, whole_tol]: [f32; 2],
+    name: &str,
+) {
     let len = prompt.len();
     let probe = [3, 5].map(|t| t % gpu.config().vocab_size as u32);
     // Logits after `state`'s own and then after each probe token, on a copy of it.
@@ -159,8 +170,7 @@ fn check_forks(gpu: &CudaBackend, prompt: &[u32], forks: &[usize], tol: f32, nam
     };
     let mut whole = gpu.new_state(len + 4).unwrap();
     let whole_logits = gpu.prefill(&mut whole, prompt, LogitRows::Last).unwrap();
-    let unforked = steps(&whole, whole_logits.clone());
-    let greedy = argmax(&whole_logits) as u32;
+    let unforked = steps(&whole, whole_logits);
     for &at in forks {
         let mut prefix = gpu.new_state(len + 4).unwrap();
         let prefix_logits = gpu
@@ -173,6 +183,8 @@ fn check_forks(gpu: &CudaBackend, prompt: &[u32], forks: &[usize], tol: f32, nam
             .prefill_forking(&mut state, prompt, at, LogitRows::Last)
             .unwrap();
         assert_eq!((gpu.state_len(&state), gpu.state_len(&fork)), (len, at));
+        // The choice made in the same pass is the greedy one of its logits.
+        let greedy = argmax(&logits) as u32;
         let (dw, df) = (
             rel_diff(&steps(&state, logits), &unforked),
             rel_diff(&steps(&fork, prefix_logits.clone()), &prefix_steps),
@@ -192,7 +204,10 @@ fn check_forks(gpu: &CudaBackend, prompt: &[u32], forks: &[usize], tol: f32, nam
         eprintln!(
             "{name}, prompt {len}, fork at {at}: whole {dw:e}, fork {df:e}, chosen's fork {dc:e}"
         );
-        assert!(dw <= tol && df <= tol && dc <= tol, "{name}, {len} at {at}");
+        assert!(
+            dw <= whole_tol && df <= fork_tol && dc <= fork_tol,
+            "{name}, {len} at {at}"
+        );
         assert_eq!(pick.token, greedy, "{name}, {len} at {at}");
         assert_eq!(gpu.state_len(&chosen_fork), at);
     }
