@@ -20,9 +20,6 @@ use crate::options::CudaOptions;
 
 pub struct Gpu {
     pub ctx: Arc<CudaContext>,
-    /// The device's default memory pool, where the stream's allocations come from (None where
-    /// the device allocates synchronously): it keeps what is freed ([`keep_freed_memory`]).
-    pool: Option<MemPool>,
     pub stream: Arc<CudaStream>,
     functions: HashMap<String, CudaFunction>,
     pub name: String,
@@ -78,7 +75,6 @@ impl Gpu {
             bail!("no CUDA GPU found (the CUDA driver library is missing or sees no device)");
         }
         let ctx = CudaContext::new(0).context("cannot open GPU 0")?;
-        let pool = keep_freed_memory(&ctx)?;
         // One stream does all the work, so cudarc's cross-stream event tracking is not needed,
         // and it would add events inside captured graphs.
         // SAFETY: no buffer is ever used from a second stream.
@@ -165,7 +161,6 @@ impl Gpu {
         let gemm_partials = stream.alloc_zeros(crate::gemm::partial_floats(sms))?;
         Ok(Gpu {
             ctx,
-            pool,
             stream,
             functions,
             name,
@@ -261,75 +256,10 @@ impl Gpu {
         Ok((*per_sm).max(1) * self.sms)
     }
 
-    /// Free and total device memory in bytes; free counts what the memory pool holds unused,
-    /// which the next allocations take first.
+    /// Free and total device memory in bytes.
     pub fn memory(&self) -> Result<(usize, usize)> {
-        let (free, total) = self.ctx.mem_get_info()?;
-        let idle = match &self.pool {
-            Some(pool) => pool.idle_bytes()?,
-            None => 0,
-        };
-        Ok((free + idle, total))
+        Ok(self.ctx.mem_get_info()?)
     }
-}
-
-/// A device's default memory pool (`cuDeviceGetDefaultMemPool`), as an address: the handle is
-/// the driver's, valid while the context lives, and used from any thread.
-struct MemPool(usize);
-
-impl MemPool {
-    fn handle(&self) -> cudarc::driver::sys::CUmemoryPool {
-        self.0 as cudarc::driver::sys::CUmemoryPool
-    }
-
-    fn attribute(&self, attr: cudarc::driver::sys::CUmemPool_attribute) -> Result<u64> {
-        let mut value = 0u64;
-        // SAFETY: a pool of the open context; the byte-count attributes are 64-bit.
-        unsafe {
-            cudarc::driver::sys::cuMemPoolGetAttribute(
-                self.handle(),
-                attr,
-                (&mut value as *mut u64).cast(),
-            )
-            .result()?;
-        }
-        Ok(value)
-    }
-
-    /// Bytes the pool holds that no allocation uses.
-    fn idle_bytes(&self) -> Result<usize> {
-        use cudarc::driver::sys::CUmemPool_attribute::{
-            CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT, CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
-        };
-        let reserved = self.attribute(CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)?;
-        let used = self.attribute(CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
-        Ok(reserved.saturating_sub(used) as usize)
-    }
-}
-
-/// Sets the device's default memory pool to keep what is freed instead of handing it back to
-/// the driver at the next synchronisation (its release threshold, 0 by default): every request
-/// allocates a sequence state and its snapshots (~150 MB at a 4K context), and mapping that
-/// memory afresh each time sat on the path to the first token. None where the device allocates
-/// synchronously (no pool).
-fn keep_freed_memory(ctx: &CudaContext) -> Result<Option<MemPool>> {
-    use cudarc::driver::sys;
-    if !ctx.has_async_alloc() {
-        return Ok(None);
-    }
-    let mut handle: sys::CUmemoryPool = std::ptr::null_mut();
-    let mut threshold = u64::MAX;
-    // SAFETY: the context's own device; the threshold attribute is a u64.
-    unsafe {
-        sys::cuDeviceGetDefaultMemPool(&mut handle, ctx.cu_device()).result()?;
-        sys::cuMemPoolSetAttribute(
-            handle,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            (&mut threshold as *mut u64).cast(),
-        )
-        .result()?;
-    }
-    Ok(Some(MemPool(handle as usize)))
 }
 
 /// The raw device address of a buffer (or a view of one), for kernel arguments and structs
