@@ -2,6 +2,7 @@
 //! stop strings, and the parser that splits streamed output into reasoning, answer and tool calls.
 
 pub mod assets;
+mod cuts;
 pub mod detok;
 pub mod output;
 pub mod stop;

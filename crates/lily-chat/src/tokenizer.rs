@@ -8,6 +8,8 @@ use anyhow::{Context, Result, anyhow, bail};
 use tokenizers::Tokenizer;
 use tokenizers::decoders::DecoderWrapper;
 
+use crate::cuts::{cut_points, cuts_keep_tokens};
+
 /// Qwen3.6's `tokenizer.json`, gzip-compressed (20 MB → 3.8 MB), so that `synthetic:*` models
 /// have the real tokenizer from any directory. Provenance: assets/qwen3.6/README.md.
 const EMBEDDED_TOKENIZER_GZ: &[u8] = include_bytes!("../../../assets/qwen3.6/tokenizer.json.gz");
@@ -18,16 +20,15 @@ pub struct TextTokenizer {
     /// transformers does with `skip_special_tokens=True`.
     pieces: Vec<Option<Box<[u8]>>>,
     special: HashMap<String, u32>,
+    /// Whether a long text may be cut and its pieces tokenised on threads of their own
+    /// (`cuts`: exact for Qwen's pipeline only).
+    cuttable: bool,
 }
 
 impl TextTokenizer {
     /// Qwen3.6's tokenizer, built into the binary.
     pub fn embedded() -> Result<Self> {
-        let mut json = Vec::with_capacity(20 << 20);
-        flate2::read::GzDecoder::new(EMBEDDED_TOKENIZER_GZ)
-            .read_to_end(&mut json)
-            .context("decompressing the embedded tokenizer.json")?;
-        Self::from_json(&json).context("the embedded tokenizer.json")
+        Self::from_json(&embedded_json()?).context("the embedded tokenizer.json")
     }
 
     pub fn from_file(path: &Path) -> Result<Self> {
@@ -68,16 +69,50 @@ impl TextTokenizer {
             };
             pieces.push(piece);
         }
+        let cuttable = cuts_keep_tokens(&inner);
         Ok(TextTokenizer {
             inner,
             pieces,
             special,
+            cuttable,
         })
     }
 
     /// Text to ids. Control tokens written in the text (`<|im_start|>`) become their ids, as the
     /// chat template needs; no BOS is added (Qwen has none).
+    ///
+    /// A long text is cut where its pieces tokenise to the same ids ([`cut_points`]) and the
+    /// pieces go on threads of their own (up to 8).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+        let cuts = if self.cuttable {
+            cut_points(text, threads)
+        } else {
+            Vec::new()
+        };
+        let Some(&first) = cuts.first() else {
+            return self.encode_whole(text);
+        };
+        let ends: Vec<usize> = cuts.iter().skip(1).copied().chain([text.len()]).collect();
+        std::thread::scope(|scope| {
+            let rest: Vec<_> = cuts
+                .iter()
+                .zip(&ends)
+                .map(|(&from, &to)| scope.spawn(move || self.encode_whole(&text[from..to])))
+                .collect();
+            let mut ids = self.encode_whole(&text[..first])?;
+            for piece in rest {
+                let piece = piece
+                    .join()
+                    .map_err(|_| anyhow!("a tokenizing thread panicked"))?;
+                ids.extend(piece?);
+            }
+            Ok(ids)
+        })
+    }
+
+    /// Text to ids on this thread.
+    fn encode_whole(&self, text: &str) -> Result<Vec<u32>> {
         let encoding = self
             .inner
             .encode_fast(text, false)
@@ -143,6 +178,15 @@ impl TextTokenizer {
 }
 
 /// GPT-2's byte-level alphabet, inverted: the printable character that stands for each byte.
+/// The embedded `tokenizer.json`, decompressed.
+pub(crate) fn embedded_json() -> Result<Vec<u8>> {
+    let mut json = Vec::with_capacity(20 << 20);
+    flate2::read::GzDecoder::new(EMBEDDED_TOKENIZER_GZ)
+        .read_to_end(&mut json)
+        .context("decompressing the embedded tokenizer.json")?;
+    Ok(json)
+}
+
 fn byte_level_alphabet() -> HashMap<char, u8> {
     let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
     let mut map = HashMap::with_capacity(256);
@@ -157,4 +201,91 @@ fn byte_level_alphabet() -> HashMap<char, u8> {
         map.insert(c, b);
     }
     map
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Texts of every kind of piece the split pattern tells apart, cut and tokenised on threads,
+    /// give the ids of the whole text tokenised at once.
+    #[test]
+    fn a_long_text_cut_into_pieces_tokenises_as_the_whole() {
+        let tokenizer = TextTokenizer::embedded().unwrap();
+        assert!(tokenizer.cuttable);
+        let fragments = [
+            "word",
+            "Word",
+            " the",
+            " The",
+            "it's",
+            "They'LL",
+            "'s",
+            "dog.",
+            " ",
+            "  ",
+            "\t",
+            "\n",
+            "\r\n",
+            " \n ",
+            "42",
+            " 7",
+            "3.14",
+            ",",
+            "!?",
+            "«quote»",
+            "café",
+            "cafe\u{301}",
+            "e\u{301}",
+            "日本語",
+            " 日本",
+            "🙂",
+            "Ωmega",
+            "x²",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<think>",
+            "</think>",
+            "<tool_call>",
+            "{\"a\": 1}",
+            "--",
+            "__init__",
+            "ÄÖÜ",
+        ];
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut cut_texts = 0;
+        for case in 0..40 {
+            let target = 2_000 + (next() % 40_000) as usize;
+            let mut text = String::new();
+            while text.len() < target {
+                // Mostly ASCII words between spaces, where cuts fall, with everything else mixed in.
+                match next() % 3 {
+                    0 => text.push_str(fragments[(next() % fragments.len() as u64) as usize]),
+                    _ => text
+                        .push_str([" alpha", " Beta", "gamma ", " delta9"][(next() % 4) as usize]),
+                }
+            }
+            let cuts = cut_points(&text, 8);
+            cut_texts += usize::from(!cuts.is_empty());
+            let whole = tokenizer.encode_whole(&text).unwrap();
+            assert_eq!(
+                tokenizer.encode(&text).unwrap(),
+                whole,
+                "case {case}, cuts {cuts:?}"
+            );
+            // Each cut alone, too, whatever the thread count.
+            for &at in &cuts {
+                let mut ids = tokenizer.encode_whole(&text[..at]).unwrap();
+                ids.extend(tokenizer.encode_whole(&text[at..]).unwrap());
+                assert_eq!(ids, whole, "case {case}, cut at {at}");
+            }
+        }
+        assert!(cut_texts >= 30, "only {cut_texts} of 40 texts were cut");
+    }
 }
