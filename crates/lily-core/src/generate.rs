@@ -213,4 +213,49 @@ mod tests {
         let mut choice = Choice::of(&mut sampler);
         assert!(prefill_choose(&backend, &mut Vec::new(), &[], &mut choice).is_err());
     }
+
+    /// The trait's forks inside a prefill: two prefills around a fork, the second choosing where
+    /// asked; the fork holds the tokens before `at`, the state all of them; a fork at either end
+    /// is refused before anything runs.
+    #[test]
+    fn a_default_fork_inside_a_prefill_is_two_prefills_around_a_fork() {
+        let backend = Recorder {
+            config: ModelConfig::from_json(QWEN36_35B_A3B_CONFIG).unwrap(),
+            chunk: 64,
+            calls: Mutex::new(Vec::new()),
+        };
+        let tokens: Vec<u32> = (0..10).collect();
+        let mut state = Vec::new();
+        let (_, fork) = backend
+            .prefill_forking(&mut state, &tokens, 3, LogitRows::Last)
+            .unwrap();
+        assert_eq!(
+            (fork.as_slice(), state.as_slice()),
+            (&tokens[..3], &tokens[..])
+        );
+        let mut sampler = Sampler::new(SamplingParams::greedy());
+        let mut state = Vec::new();
+        let (pick, fork) = backend
+            .prefill_choose_forking(&mut state, &tokens, 9, &mut Choice::of(&mut sampler))
+            .unwrap();
+        assert_eq!(
+            (fork.as_slice(), state.as_slice()),
+            (&tokens[..9], &tokens[..])
+        );
+        assert_eq!(pick.token, 10);
+        let calls = vec![
+            ("prefill", 3),
+            ("prefill", 7),
+            ("prefill", 9),
+            ("prefill_choose", 1),
+        ];
+        assert_eq!(*backend.calls.lock().unwrap(), calls);
+        let mut state = Vec::new();
+        for at in [0, 10, 11] {
+            let refused = backend.prefill_forking(&mut state, &tokens, at, LogitRows::None);
+            assert!(refused.is_err(), "a fork at {at} of 10");
+        }
+        assert!(state.is_empty());
+        assert_eq!(backend.calls.lock().unwrap().len(), 4);
+    }
 }
