@@ -1,8 +1,8 @@
 //! A prompt going into its state, one chunk per engine step, so that the sequences already
 //! generating wait at most one chunk for each of their tokens. It starts from the longest
 //! snapshot the prompt extends, keeps a snapshot where the conversation before the generation
-//! prompt ends (a fork taken inside the chunk's pass) and one after the whole prompt, and with `prompt_logprobs` scores every prompt
-//! token from an empty state instead.
+//! prompt ends (a fork taken inside the chunk's pass) and one after the whole prompt, and with
+//! `prompt_logprobs` scores every prompt token from an empty state instead.
 //!
 //! A generation of one choice chooses its first token with the prompt's last chunk, where the
 //! logits are (`Backend::prefill_choose`: on a GPU only the pick comes back, as in `lily
