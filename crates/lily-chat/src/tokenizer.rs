@@ -264,7 +264,7 @@ mod tests {
             let target = 2_000 + (next() % 40_000) as usize;
             let mut text = String::new();
             while text.len() < target {
-                // Mostly ASCII words between spaces, where cuts fall, with everything else mixed in.
+                // Mostly ASCII words between spaces, where cuts fall, with the rest mixed in.
                 match next() % 3 {
                     0 => text.push_str(fragments[(next() % fragments.len() as u64) as usize]),
                     _ => text
