@@ -188,6 +188,15 @@ impl<S, K> Sequence<'_, S, K> {
     }
 }
 
+/// A sole choice's start: the prompt's state, the stage that chose the first token with the
+/// prompt's last chunk, that token, and whether the snapshot after the prompt is still due.
+struct Picked<S> {
+    state: S,
+    stage: SamplingStage,
+    pick: Pick,
+    keep_prompt: bool,
+}
+
 /// A sequence that has left the batch, with its sink and how it went.
 pub struct Finished<K> {
     pub sink: K,
@@ -375,24 +384,38 @@ impl<B: Backend> Engine<B> {
         }
         let result = match end {
             PromptEnd::Logits(logits) => self.next_choice(sequence, Some((fill.state, logits))),
-            PromptEnd::Picked(stage, pick) => self.start_picked(sequence, fill.state, *stage, pick),
+            PromptEnd::Picked(stage, pick) => {
+                let start = Picked {
+                    state: fill.state,
+                    stage: *stage,
+                    pick,
+                    keep_prompt: fill.keep_prompt,
+                };
+                self.start_picked(sequence, start)
+            }
         };
         if let Err(e) = result {
             sequence.phase = Phase::Ended(Err(e));
         }
     }
 
-    /// Starts the sole choice from the first token its stage chose with the prompt's last chunk.
+    /// Starts the sole choice from the first token its stage chose with the prompt's last chunk;
+    /// then, the token out, keeps the snapshot after the prompt where it is due.
     fn start_picked<K: Sink>(
         &mut self,
         sequence: &mut Sequence<'_, B::State, K>,
-        state: B::State,
-        stage: SamplingStage,
-        pick: Pick,
+        start: Picked<B::State>,
     ) -> Result<()> {
         let room = self.max_seq - sequence.job.prompt.len();
-        let mut choice = ChoiceRun::with_stage(&sequence.job, 0, state, sequence.text, room, stage);
-        match choice.accept(pick, &self.stop_ids, &mut sequence.sink) {
+        let job = &sequence.job;
+        let mut choice =
+            ChoiceRun::with_stage(job, 0, start.state, sequence.text, room, start.stage);
+        let finish = choice.accept(start.pick, &self.stop_ids, &mut sequence.sink);
+        if start.keep_prompt {
+            // No decode step has run: the choice's state is still the prompt's.
+            self.keep_snapshot(&sequence.job.prompt, &choice.state, None)?;
+        }
+        match finish {
             None => {
                 sequence.phase = Phase::Decode {
                     choice: Box::new(choice),

@@ -32,6 +32,10 @@ pub(super) struct PromptFill<S> {
     stage: Option<Box<SamplingStage>>,
     /// What the prompt leaves its choices, once it is all in.
     pub end: Option<PromptEnd>,
+    /// The snapshot after the whole prompt is still to be kept: for a first token chosen with
+    /// the last chunk it is taken once that token has gone out (`Engine::start_picked`), off the
+    /// path to the first text.
+    pub keep_prompt: bool,
     /// `Some(k)`: every prompt token after the first is scored with its `k` most likely.
     scored: Option<usize>,
     pub prompt_logprobs: Vec<TokenLogprobs>,
@@ -77,6 +81,7 @@ impl<B: Backend> Engine<B> {
             cached,
             stage,
             end,
+            keep_prompt: false,
             scored,
             prompt_logprobs: Vec::new(),
         };
@@ -113,12 +118,14 @@ impl<B: Backend> Engine<B> {
             (None, _) => {}
         }
         if last {
-            // A snapshot keeps the logits where the host has them.
-            let logits = match &fill.end {
-                Some(PromptEnd::Logits(logits)) => Some(logits),
-                _ => None,
-            };
-            self.keep_snapshot(prompt, &fill.state, logits)?;
+            // A snapshot keeps the logits where the host has them; without them it waits for
+            // the first token to go out.
+            match &fill.end {
+                Some(PromptEnd::Logits(logits)) => {
+                    self.keep_snapshot(prompt, &fill.state, Some(logits))?
+                }
+                _ => fill.keep_prompt = true,
+            }
         }
         Ok(())
     }

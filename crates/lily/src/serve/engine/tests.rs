@@ -360,6 +360,8 @@ struct Counting {
     chosen: std::sync::atomic::AtomicUsize,
     logits: std::sync::atomic::AtomicUsize,
     forks: std::sync::atomic::AtomicUsize,
+    /// "fork" for every `fork` (a snapshot's copy), in order with what a test's sink adds.
+    log: std::sync::Arc<std::sync::Mutex<Vec<&'static str>>>,
 }
 
 impl Backend for Counting {
@@ -381,6 +383,7 @@ impl Backend for Counting {
         self.inner.state_len(state)
     }
     fn fork(&self, state: &Self::State) -> Result<Self::State> {
+        self.log.lock().unwrap().push("fork");
         self.inner.fork(state)
     }
     fn state_bytes(&self, state: &Self::State) -> usize {
@@ -440,11 +443,13 @@ impl Backend for Counting {
 
 #[test]
 fn one_choice_is_chosen_with_the_prompts_last_chunk_and_several_share_host_logits() {
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let counting = || Counting {
         inner: load_with("synthetic:tiny", Device::Cpu, false).unwrap(),
         chosen: 0.into(),
         logits: 0.into(),
         forks: 0.into(),
+        log: log.clone(),
     };
     let counts = |e: &Engine<Counting>| {
         let load =
@@ -461,8 +466,17 @@ fn one_choice_is_chosen_with_the_prompts_last_chunk_and_several_share_host_logit
     // With room for snapshots, the one keeping the conversation before the generation prompt is
     // a fork taken inside the prompt's one pass, which chooses the first token too.
     let mut kept = Engine::new(counting(), text_model(), 4096, 256 << 20).unwrap();
-    let forked = kept.run(&one, quiet, || false).unwrap();
+    let texts = |event: EngineEvent| {
+        if let EngineEvent::Text { .. } = event {
+            log.lock().unwrap().push("text");
+        }
+        ControlFlow::Continue(())
+    };
+    let forked = kept.run(&one, texts, || false).unwrap();
     assert_eq!(counts(&kept), (0, 0, 1));
+    // The snapshot after the prompt is copied once the first token's text has gone out.
+    let order = log.lock().unwrap().clone();
+    assert_eq!(order[..2], ["text", "fork"], "{order:?}");
     // Asked again, the prompt starts from the snapshot at its boundary: no fork to take.
     let again = kept.run(&one, quiet, || false).unwrap();
     assert_eq!(again.cached_tokens, one.turn_boundary.unwrap());
