@@ -18,6 +18,18 @@ pub enum AnyState {
     Cuda(Box<CudaState>),
 }
 
+impl From<CpuState> for AnyState {
+    fn from(state: CpuState) -> Self {
+        AnyState::Cpu(state)
+    }
+}
+
+impl From<CudaState> for AnyState {
+    fn from(state: CudaState) -> Self {
+        AnyState::Cuda(Box::new(state))
+    }
+}
+
 fn mismatch() -> anyhow::Error {
     anyhow::anyhow!("a sequence state was used with a backend other than the one that made it")
 }
@@ -72,8 +84,8 @@ impl Backend for AnyBackend {
 
     fn new_state(&self, max_seq: usize) -> Result<AnyState> {
         Ok(match self {
-            AnyBackend::Cpu(b) => AnyState::Cpu(b.new_state(max_seq)?),
-            AnyBackend::Cuda(b) => AnyState::Cuda(Box::new(b.new_state(max_seq)?)),
+            AnyBackend::Cpu(b) => b.new_state(max_seq)?.into(),
+            AnyBackend::Cuda(b) => b.new_state(max_seq)?.into(),
         })
     }
 
@@ -95,8 +107,8 @@ impl Backend for AnyBackend {
 
     fn fork(&self, state: &AnyState) -> Result<AnyState> {
         Ok(match (self, state) {
-            (AnyBackend::Cpu(b), AnyState::Cpu(s)) => AnyState::Cpu(b.fork(s)?),
-            (AnyBackend::Cuda(b), AnyState::Cuda(s)) => AnyState::Cuda(Box::new(b.fork(s)?)),
+            (AnyBackend::Cpu(b), AnyState::Cpu(s)) => b.fork(s)?.into(),
+            (AnyBackend::Cuda(b), AnyState::Cuda(s)) => b.fork(s)?.into(),
             _ => bail!(mismatch()),
         })
     }
@@ -121,16 +133,9 @@ impl Backend for AnyBackend {
         at: usize,
         rows: LogitRows,
     ) -> Result<(Vec<f32>, AnyState)> {
-        Ok(match (self, state) {
-            (AnyBackend::Cpu(b), AnyState::Cpu(s)) => {
-                let (logits, fork) = b.prefill_forking(s, tokens, at, rows)?;
-                (logits, AnyState::Cpu(fork))
-            }
-            (AnyBackend::Cuda(b), AnyState::Cuda(s)) => {
-                let (logits, fork) = b.prefill_forking(s, tokens, at, rows)?;
-                (logits, AnyState::Cuda(Box::new(fork)))
-            }
-            _ => bail!(mismatch()),
+        with_state!(self, state, b, s => {
+            let (logits, fork) = b.prefill_forking(s, tokens, at, rows)?;
+            Ok((logits, fork.into()))
         })
     }
 
@@ -141,16 +146,9 @@ impl Backend for AnyBackend {
         at: usize,
         choice: &mut Choice<'_>,
     ) -> Result<(Pick, AnyState)> {
-        Ok(match (self, state) {
-            (AnyBackend::Cpu(b), AnyState::Cpu(s)) => {
-                let (pick, fork) = b.prefill_choose_forking(s, tokens, at, choice)?;
-                (pick, AnyState::Cpu(fork))
-            }
-            (AnyBackend::Cuda(b), AnyState::Cuda(s)) => {
-                let (pick, fork) = b.prefill_choose_forking(s, tokens, at, choice)?;
-                (pick, AnyState::Cuda(Box::new(fork)))
-            }
-            _ => bail!(mismatch()),
+        with_state!(self, state, b, s => {
+            let (pick, fork) = b.prefill_choose_forking(s, tokens, at, choice)?;
+            Ok((pick, fork.into()))
         })
     }
 
