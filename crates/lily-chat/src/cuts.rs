@@ -1,7 +1,8 @@
 //! Where a long text can be cut so that its pieces, tokenised apart (on threads of their own),
-//! give exactly the ids of the whole. Tokenising sits ahead of the first token: a prompt of 1K
-//! tokens took 2.5 ms on one core of the 2-core development machine and 32K tokens 108 ms; cut
-//! over its two cores, 1.8 and 63 ms (medians of 15).
+//! give exactly the ids of the whole. Tokenising sits ahead of the first token: on the 2-core
+//! development machine (`examples/tokenize_speed.rs`, four runs) 32K tokens took 70-110 ms on one
+//! thread and 46-61 ms cut over both cores; at 1K tokens (1.4-2.4 ms) the two were within the
+//! machine's noise.
 //!
 //! A cut is safe for one tokenizer pipeline only, Qwen's: NFC, then the pre-tokenizer's regex
 //! split, then byte-level BPE within each piece of that split ([`cuts_keep_tokens`] checks a

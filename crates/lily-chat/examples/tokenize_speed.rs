@@ -1,0 +1,48 @@
+//! Tokenising a long prompt on one thread (the tokenizers crate directly) against
+//! `TextTokenizer::encode`, which cuts it over threads (src/cuts.rs): medians of 15, and the
+//! same ids asserted. `cargo run --release -p lily-chat --example tokenize_speed`.
+
+use std::time::Instant;
+
+fn median_ms(mut run: impl FnMut() -> Vec<u32>) -> (f64, Vec<u32>) {
+    let mut times = Vec::new();
+    let mut ids = Vec::new();
+    for _ in 0..15 {
+        let start = Instant::now();
+        ids = run();
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    (times[times.len() / 2], ids)
+}
+
+fn main() -> anyhow::Result<()> {
+    let ours = lily_chat::TextTokenizer::embedded()?;
+    let json = std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/data/qwen3.6/tokenizer.json"),
+    );
+    let plain = match json {
+        Ok(json) => tokenizers::Tokenizer::from_bytes(json).map_err(|e| anyhow::anyhow!("{e}"))?,
+        Err(e) => anyhow::bail!("reading ../shared/data/qwen3.6/tokenizer.json: {e}"),
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!("{threads} threads available");
+    for repeats in [100, 3200] {
+        let text = format!(
+            "<|im_start|>user\n{}<|im_end|>\n",
+            "The quick brown fox jumps over the lazy dog. ".repeat(repeats)
+        );
+        let (one, want) = median_ms(|| {
+            let encoding = plain.encode_fast(text.as_str(), false).expect("tokenizing");
+            encoding.get_ids().to_vec()
+        });
+        let (cut, got) = median_ms(|| ours.encode(&text).expect("tokenizing"));
+        assert_eq!(got, want);
+        println!(
+            "{} tokens: one thread {one:.2} ms, cut {cut:.2} ms",
+            want.len()
+        );
+    }
+    Ok(())
+}
