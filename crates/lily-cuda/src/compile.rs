@@ -204,6 +204,7 @@ pub const KERNEL_FILES: [KernelFile; 17] = [
             "moe_sort_count",
             "moe_sort_offsets",
             "moe_sort_scatter",
+            "moe_dense_tiles",
             "moe_swiglu",
             "moe_combine",
         ],

@@ -9,8 +9,8 @@ use crate::gemm_wgmma::{
     self, GemmPath, WGMMA_DENSE, WGMMA_DENSE_X16, WGMMA_GROUPED_SHARED, WGMMA_GROUPED_X16_SHARED,
 };
 use crate::gpu::{Gpu, Shape, ptr};
-use crate::kernel_args::{Gemm, GemmGateUp, GemmGrouped, GemmReduce};
-use crate::mat::DeviceMat;
+use crate::kernel_args::{Gemm, GemmGateUp, GemmGrouped, GemmReduce, GemmStack};
+use crate::mat::{DeviceMat, MatArg};
 use crate::moe_prefill::{MoeTile, TileMap};
 
 /// Expert weight rows (output columns) one block of either grouped GEMM computes (gemm.cu's
@@ -203,20 +203,69 @@ pub fn gemm(
     ldy: usize,
     col0: usize,
 ) -> Result<()> {
+    gemm_stack(gpu, &[w], x, m, y, ldy, col0)
+}
+
+/// Weights the wgmma dense launch takes at once (`gemm_wgmma_b4_x16`'s m0..m3).
+const STACK_MAX: usize = 4;
+
+/// [`gemm`] of each of `ws` into the columns after the one before it (`w[0]` from `col0`, `w[1]`
+/// from `col0 + w[0].rows`, ...): the input projections of a mixer, which share X. Where they
+/// run on wgmma with bf16 X and share K, the group and the format (the model's do), as one
+/// launch over the stack of their rows: the narrow ones (the GDN's b and a, 32 rows) then ride
+/// in the wide ones' waves instead of taking split-K launches and reductions of their own.
+pub fn gemm_stack(
+    gpu: &Gpu,
+    ws: &[&DeviceMat],
+    x: impl Into<GemmX>,
+    m: usize,
+    y: u64,
+    ldy: usize,
+    col0: usize,
+) -> Result<()> {
     let x = x.into();
-    check_weight(w)?;
-    if m == 0 {
+    for w in ws {
+        check_weight(w)?;
+    }
+    let stackable = |w: &&DeviceMat| {
+        path_of(gpu, w) == GemmPath::Wgmma
+            && (w.cols, w.group, w.bits) == (ws[0].cols, ws[0].group, ws[0].bits)
+    };
+    if x.bf16.is_some() && ws.len() <= STACK_MAX && ws.iter().all(stackable) {
+        return dense(gpu, ws, x, m, y, ldy, col0);
+    }
+    let mut col = col0;
+    for w in ws {
+        dense(gpu, &[w], x, m, y, ldy, col)?;
+        col += w.rows;
+    }
+    Ok(())
+}
+
+/// One dense launch (and its reduction) of the stack `ws`: several weights only on the wgmma
+/// path with bf16 X ([`gemm_stack`] checks).
+fn dense(
+    gpu: &Gpu,
+    ws: &[&DeviceMat],
+    x: GemmX,
+    m: usize,
+    y: u64,
+    ldy: usize,
+    col0: usize,
+) -> Result<()> {
+    if m == 0 || ws.is_empty() {
         return Ok(());
     }
+    let n: usize = ws.iter().map(|w| w.rows).sum();
     ensure!(
-        col0 + w.rows <= ldy && ldy <= i32::MAX as usize,
+        col0 + n <= ldy && ldy <= i32::MAX as usize && n <= i32::MAX as usize,
         "output columns {col0}..{} do not fit rows of {ldy}",
-        col0 + w.rows
+        col0 + n
     );
-    let warg = w.arg(gpu);
+    let w = ws[0];
     let wgmma = path_of(gpu, w) == GemmPath::Wgmma;
     check_bf16_rows(x)?;
-    let (name, tiling, x) = match (wgmma, x.bf16) {
+    let (name, tiling, xp) = match (wgmma, x.bf16) {
         (true, Some(x16)) => (
             gemm_wgmma::DENSE_X16_ENTRY.to_string(),
             WGMMA_DENSE_X16,
@@ -225,13 +274,17 @@ pub fn gemm(
         (true, None) => (gemm_wgmma::DENSE_ENTRY.to_string(), WGMMA_DENSE, x.f32),
         (false, _) => (format!("gemm_b{}", w.bits), MMA_DENSE, x.f32),
     };
-    ensure!(x != 0, "a GEMM on f32 rows was given only their bf16 copy");
+    ensure!(
+        ws.len() == 1 || name == gemm_wgmma::DENSE_X16_ENTRY,
+        "only the wgmma launch with bf16 X takes a stack of weights"
+    );
+    ensure!(xp != 0, "a GEMM on f32 rows was given only their bf16 copy");
     let row_tiles = m.div_ceil(tiling.bm);
     ensure!(
         row_tiles <= MAX_GRID_Y,
         "{m} rows are too many for one GEMM launch"
     );
-    let (n, k) = (w.rows, w.cols);
+    let k = w.cols;
     let partials = gpu.gemm_partials.len();
     let splits = tiling.splits(gpu.sms, m, n, k, partials);
     // Whole steps per split; rounding up can leave fewer splits than asked.
@@ -242,25 +295,42 @@ pub fn gemm(
     } else {
         (ptr(&gpu.gemm_partials, &gpu.stream), n, 0)
     };
-    let grid = (
-        n.div_ceil(tiling.bn) as u32,
-        row_tiles as u32,
-        splits as u32,
-    );
-    let args = Gemm {
-        w: warg,
-        x,
-        m: m as i32,
-        y: out,
-        ldy: ld_out as i32,
-        col0: col_out as i32,
-        k_split: k_split as i32,
-    };
     let shape = Shape {
-        grid,
+        grid: (
+            n.div_ceil(tiling.bn) as u32,
+            row_tiles as u32,
+            splits as u32,
+        ),
         block: GEMM_THREADS,
     };
-    gpu.launch_shared(&name, shape, tiling.shared, &args)?;
+    let (m_arg, ld_arg, col_arg, k_arg) = (m as i32, ld_out as i32, col_out as i32, k_split as i32);
+    if name == gemm_wgmma::DENSE_X16_ENTRY {
+        let mut mats = [MatArg::default(); STACK_MAX];
+        for (slot, w) in mats.iter_mut().zip(ws) {
+            *slot = w.arg(gpu);
+        }
+        let args = GemmStack {
+            mats,
+            x: xp,
+            m: m_arg,
+            y: out,
+            ldy: ld_arg,
+            col0: col_arg,
+            k_split: k_arg,
+        };
+        gpu.launch_shared(&name, shape, tiling.shared, &args)?;
+    } else {
+        let args = Gemm {
+            w: w.arg(gpu),
+            x: xp,
+            m: m_arg,
+            y: out,
+            ldy: ld_arg,
+            col0: col_arg,
+            k_split: k_arg,
+        };
+        gpu.launch_shared(&name, shape, tiling.shared, &args)?;
+    }
     if splits > 1 {
         let outputs = m * n;
         let args = GemmReduce {

@@ -196,6 +196,8 @@ kernel_args! {
     GdnGatedNormRows { o: u64, proj: u64, ld: i32, t: i32, w: u64, y: u64, y16: u64, eps: f32 }
     /// `gemm_b*` and `gemm_wgmma_b4`.
     Gemm { w: MatArg, x: u64, m: i32, y: u64, ldy: i32, col0: i32, k_split: i32 }
+    /// `gemm_wgmma_b4_x16`: a stack of up to four weights, unused ones empty.
+    GemmStack { mats: [MatArg; 4], x: u64, m: i32, y: u64, ldy: i32, col0: i32, k_split: i32 }
     GemmReduce { part: u64, splits: i32, m: i32, n: i32, y: u64, ldy: i32, col0: i32 }
     /// `gemm_grouped*_b*` and `gemm_wgmma_grouped64_b4`.
     GemmGrouped {
@@ -209,6 +211,7 @@ kernel_args! {
     MoeSortCount { ids: u64, pairs: i32, counts: u64 }
     MoeSortOffsets { counts: u64, blocks: i32, tile_rows: i32, tiles: u64, num_tiles: u64 }
     MoeSortScatter { ids: u64, pairs: i32, offsets: u64, gather: u64, slot_of: u64 }
+    MoeDenseTiles { t: i32, tile_rows: i32, tiles: u64, num_tiles: u64 }
     MoeSwiglu { gate: u64, up: u64, n: i32, act: u64, act16: u64 }
     MoeCombine {
         down: u64, slot_of: u64, weights: u64, logits: u64, shared: u64, h: i32, out: u64,
@@ -316,8 +319,9 @@ pub fn entries() -> Vec<Entry> {
     all.extend(each::<Gemm>(
         bits("gemm")
             .into_iter()
-            .chain(["gemm_wgmma_b4", "gemm_wgmma_b4_x16"].map(String::from)),
+            .chain(["gemm_wgmma_b4"].map(String::from)),
     ));
+    all.extend(each::<GemmStack>(one("gemm_wgmma_b4_x16")));
     all.extend(each::<GemmReduce>(one("gemm_reduce")));
     all.extend(each::<GemmGrouped>(
         bits("gemm_grouped16")
@@ -330,6 +334,7 @@ pub fn entries() -> Vec<Entry> {
     all.extend(each::<MoeSortCount>(one("moe_sort_count")));
     all.extend(each::<MoeSortOffsets>(one("moe_sort_offsets")));
     all.extend(each::<MoeSortScatter>(one("moe_sort_scatter")));
+    all.extend(each::<MoeDenseTiles>(one("moe_dense_tiles")));
     all.extend(each::<MoeSwiglu>(one("moe_swiglu")));
     all.extend(each::<MoeCombine>(one("moe_combine")));
     all.extend(each::<SyntheticQuant>(one("synthetic_quant")));

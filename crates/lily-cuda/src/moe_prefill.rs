@@ -4,13 +4,13 @@
 //! height, and the combine sums each token's weighted expert rows with its gated shared expert.
 //! Buffers are raw device addresses; the caller sizes them as each launcher says.
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, ensure};
 
 use crate::gemm::GemmX;
 use crate::gemm_wgmma::GemmPath;
 use crate::gpu::Gpu;
 use crate::kernel_args::{
-    MoeCombine, MoeSortCount, MoeSortOffsets, MoeSortScatter, MoeSwiglu, MoeTopkRows,
+    MoeCombine, MoeDenseTiles, MoeSortCount, MoeSortOffsets, MoeSortScatter, MoeSwiglu, MoeTopkRows,
 };
 use crate::launch;
 
@@ -175,6 +175,33 @@ pub fn sort(
             args
         );
     }
+    Ok(())
+}
+
+/// The tiles of `t` rows that are not routed (all rows, in order, as one expert 0 with no
+/// gather) into `map`, for the grouped GEMMs: how the shared expert runs through the fused
+/// gate/up launch.
+pub fn dense_tiles(gpu: &Gpu, t: usize, map: &TileMap) -> Result<()> {
+    let rows = map.height.rows();
+    ensure!(
+        t.div_ceil(rows) <= map.max_tiles,
+        "{t} rows need more than the map's {} tiles of {rows}",
+        map.max_tiles
+    );
+    let args = MoeDenseTiles {
+        t: int(t, "rows")?,
+        tile_rows: int(rows, "tile rows")?,
+        tiles: map.tiles,
+        num_tiles: map.num_tiles,
+    };
+    let blocks = t.div_ceil(rows).div_ceil(ELEMENTWISE_BLOCK).max(1) as u32;
+    launch!(
+        gpu,
+        "moe_dense_tiles",
+        (blocks, 1, 1),
+        ELEMENTWISE_BLOCK as u32,
+        args
+    );
     Ok(())
 }
 

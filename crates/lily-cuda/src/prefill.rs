@@ -65,6 +65,10 @@ pub struct PrefillScratch {
     shared_up: CudaSlice<f32>,
     shared_down: CudaSlice<f32>,
     moe_out: CudaSlice<f32>,
+    /// The tile map of the chunk's rows as one expert (`moe_prefill::dense_tiles`): the shared
+    /// expert's gate and up run through the routed experts' fused launch.
+    shared_tiles: CudaSlice<i32>,
+    shared_num_tiles: CudaSlice<i32>,
 }
 
 /// Widths of the fused mixer input projections: GDN [qkv | z | b | a], attention [q+gate | k | v].
@@ -82,7 +86,7 @@ impl PrefillScratch {
     }
 
     /// Element counts of every buffer, in field order (all 4-byte elements).
-    fn sizes(c: &ModelConfig, chunk: usize, route: Option<GdnPrefillRoute>) -> [usize; 29] {
+    fn sizes(c: &ModelConfig, chunk: usize, route: Option<GdnPrefillRoute>) -> [usize; 31] {
         let (gdn, attn) = proj_widths(c);
         let (h, t) = (c.hidden_size, chunk);
         let pairs = t * c.experts_per_token;
@@ -123,6 +127,8 @@ impl PrefillScratch {
             t * shared,
             t * h,
             t * h,
+            3 * t.div_ceil(MoeTile::Rows64.rows()),
+            1,
         ]
     }
 
@@ -159,7 +165,19 @@ impl PrefillScratch {
             shared_up: gpu.zeros(n[26])?,
             shared_down: gpu.zeros(n[27])?,
             moe_out: gpu.zeros(n[28])?,
+            shared_tiles: gpu.zeros(n[29])?,
+            shared_num_tiles: gpu.zeros(n[30])?,
         })
+    }
+
+    /// The map of `shared_tiles` for a chunk of `t` rows.
+    fn shared_map(&self, gpu: &Gpu, t: usize) -> TileMap {
+        TileMap {
+            tiles: ptr(&self.shared_tiles, &gpu.stream),
+            num_tiles: ptr(&self.shared_num_tiles, &gpu.stream),
+            height: MoeTile::Rows64,
+            max_tiles: t.div_ceil(MoeTile::Rows64.rows()),
+        }
     }
 }
 
@@ -254,6 +272,9 @@ pub fn encode_chunk(
         out: p(&s.hidden),
     };
     launch!(gpu, &name, (rows, 1, 1), 256, args);
+    if wgmma && gpu.gate_up == GateUpRoute::Fused {
+        moe_prefill::dense_tiles(gpu, t, &s.shared_map(gpu, t))?;
+    }
     mark("embed")?;
 
     let mut delta = 0u64;
@@ -272,11 +293,7 @@ pub fn encode_chunk(
                     norm,
                     out_proj,
                 } = g.as_ref();
-                let mut col = 0;
-                for m in proj {
-                    gemm::gemm(gpu, m, x, t, p(&s.proj), gdn_w, col)?;
-                    col += m.rows;
-                }
+                gemm::gemm_stack(gpu, &proj.each_ref(), x, t, p(&s.proj), gdn_w, 0)?;
                 mark("mixer input gemm")?;
                 let fork_gdn = match &mut fork_layer {
                     Some((
@@ -481,15 +498,37 @@ fn encode_moe(
     mark("expert gemms")?;
 
     let [sg, su, sd] = &m.shared;
-    gemm::gemm(gpu, sg, x, t, p(&s.shared_gate), shared, 0)?;
-    gemm::gemm(gpu, su, x, t, p(&s.shared_up), shared, 0)?;
-    moe_prefill::swiglu(
-        gpu,
-        p(&s.shared_gate),
-        p(&s.shared_up),
-        t * shared,
-        act(p(&s.shared_gate)),
-    )?;
+    let shared_gate_up = GateUp {
+        gate: sg,
+        up: su,
+        n: shared,
+    };
+    match x.bf16 {
+        // One launch over the chunk's rows in 64-row tiles (the map encode_chunk wrote), where
+        // two split-K GEMMs, their reductions and a SwiGLU launch took ~46 µs a layer at 1K.
+        Some(x16)
+            if gpu.gate_up == GateUpRoute::Fused
+                && shared_gate_up.fusable(gpu, MoeTile::Rows64) =>
+        {
+            let act_f32 = match gemm::path_of(gpu, sd) {
+                GemmPath::Wgmma => 0,
+                GemmPath::MmaSync => p(&s.shared_gate),
+            };
+            let map = s.shared_map(gpu, t);
+            gemm::gemm_gate_up(gpu, shared_gate_up, x16, 0, &map, act_f32, act16)?;
+        }
+        _ => {
+            gemm::gemm(gpu, sg, x, t, p(&s.shared_gate), shared, 0)?;
+            gemm::gemm(gpu, su, x, t, p(&s.shared_up), shared, 0)?;
+            moe_prefill::swiglu(
+                gpu,
+                p(&s.shared_gate),
+                p(&s.shared_up),
+                t * shared,
+                act(p(&s.shared_gate)),
+            )?;
+        }
+    }
     gemm::gemm(gpu, sd, act(p(&s.shared_gate)), t, p(&s.shared_down), h, 0)?;
     mark("shared expert")?;
     moe_prefill::combine(

@@ -16,7 +16,7 @@ use lily_core::rng::{mix64, uniform_at};
 use lily_core::synthetic::synthetic_config;
 use lily_core::weights::Linear;
 use lily_cuda::KvPrecision;
-use lily_cuda::gemm::{GateUp, GemmX, gemm, gemm_gate_up, gemm_grouped};
+use lily_cuda::gemm::{GateUp, GemmX, gemm, gemm_gate_up, gemm_grouped, gemm_stack};
 use lily_cuda::gemm_wgmma::{GemmPath, takes};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::mat::DeviceMat;
@@ -349,6 +349,86 @@ fn dense_gemm_matches_bf16_products() {
             eprintln!("gemm {what}: vs bf16 operands {a:.2e}, vs exact f32 operands {b:.2e}");
             if a > TOLERANCE {
                 failures.push(format!("{what}: {a:e}"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "beyond {TOLERANCE:e}: {failures:#?}");
+}
+
+/// A mixer's input projections as one launch (`gemm_stack`): each weight's products in its own
+/// columns, after the one before it, as [`gemm`] of each alone computes them (held to the same
+/// bf16-operand reference), and no cell outside written; at ragged stacks whose parts end
+/// mid-block, a one-row part, X rows that split along K and ones that do not, and on a stack whose
+/// parts differ in format (which goes part by part).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_stack_of_weights_fills_each_weights_columns() {
+    let mut gpu = gpu();
+    let paths = gemm_paths(&gpu);
+    // (rows of each part, K, bits of each part)
+    let stacks: [(&[usize], usize, &[u32]); 5] = [
+        (&[300, 72, 32, 32], 2048, &[4, 4, 4, 4]),
+        (&[256, 32], 512, &[4, 4]),
+        (&[40, 1, 33], 1024, &[4, 4, 4]),
+        (&[512, 64, 64, 8], 768, &[4, 4, 4, 4]),
+        (&[96, 32], 512, &[4, 8]),
+    ];
+    let mut failures = Vec::new();
+    for (si, &(rows, k, bits)) in stacks.iter().enumerate() {
+        let n: usize = rows.iter().sum();
+        let parts: Vec<Linear> = rows
+            .iter()
+            .zip(bits)
+            .enumerate()
+            .map(|(i, (&r, &b))| {
+                random_linear_grouped(r, k, b, 64, mix64(si as u64 * 16 + i as u64))
+            })
+            .collect();
+        let mats: Vec<DeviceMat> = parts
+            .iter()
+            .map(|l| DeviceMat::upload(&gpu, l).unwrap())
+            .collect();
+        let wk: Vec<f32> = parts.iter().flat_map(kernel_weight).collect();
+        for m in [1usize, 7, 33, 200, 1024] {
+            let seed = mix64(si as u64) ^ m as u64;
+            let x: Vec<f32> = (0..m * k).map(|i| uniform_at(seed, i as u64)).collect();
+            let dx = gpu.upload(&x).unwrap();
+            let dx16 = upload_bf16(&gpu, &x);
+            let check = rows_to_check(m);
+            let want = reference(&check, n, k, &|r| r, &|_| 0, &bf16_round(&x), &wk);
+            let (col0, ldy) = (3, n + 8);
+            for &path in &paths {
+                gpu.set_gemm_path(path).unwrap();
+                let dy = gpu
+                    .upload(&vec![f32::from_bits(SENTINEL); (m + 1) * ldy])
+                    .unwrap();
+                let xs = GemmX {
+                    f32: ptr(&dx, &gpu.stream),
+                    bf16: Some(ptr(&dx16, &gpu.stream)),
+                };
+                let refs: Vec<&DeviceMat> = mats.iter().collect();
+                gemm_stack(&gpu, &refs, xs, m, ptr(&dy, &gpu.stream), ldy, col0).unwrap();
+                let y = gpu.download(&dy).unwrap();
+                let what = format!("{path:?} stack {rows:?} of {bits:?}-bit, K {k}, m {m}");
+                for (i, v) in y.iter().enumerate() {
+                    let (r, col) = (i / ldy, i % ldy);
+                    let inside = r < m && (col0..col0 + n).contains(&col);
+                    assert_eq!(
+                        v.to_bits() == SENTINEL,
+                        !inside,
+                        "{what}: cell ({r}, {col}) {}",
+                        if inside { "not written" } else { "overwritten" }
+                    );
+                }
+                let got: Vec<Vec<f32>> = check
+                    .iter()
+                    .map(|&r| y[r * ldy + col0..r * ldy + col0 + n].to_vec())
+                    .collect();
+                let err = rel_diff(&got, &want);
+                eprintln!("gemm_stack {what}: vs bf16 operands {err:.2e}");
+                if err > TOLERANCE {
+                    failures.push(format!("{what}: {err:e}"));
+                }
             }
         }
     }

@@ -212,14 +212,40 @@ __device__ __forceinline__ void wgmma_products_x16(const Mat& w, const WgWRow& w
 #define GEMM_WG_DENSE_AHEAD 3
 #define GEMM_WG_GROUPED_AHEAD 2
 
+// This thread's W row of a stack of weights m0..m3 (rows one after another, empty ones 0 rows;
+// the host checks they share K, the group and the format): row n0 + tid of the stack, clamped to
+// its last (whose copies are then zeros). The fields are selected one by one, so the parameters
+// stay in place (an indexed Mat array would be copied to the stack frame).
+__device__ __forceinline__ WgWRow wg_stack_row(const Mat& m0, const Mat& m1, const Mat& m2, const Mat& m3, int n0,
+                                               int n_valid) {
+    const int tid = threadIdx.x, g = n0 + min(tid, n_valid - 1);
+    const int e1 = m0.rows, e2 = e1 + m1.rows, e3 = e2 + m2.rows;
+    const int which = (g >= e1) + (g >= e2) + (g >= e3);
+    const Mat w = {which == 0 ? m0.w : which == 1 ? m1.w : which == 2 ? m2.w : m3.w,
+                   which == 0 ? m0.scales : which == 1 ? m1.scales : which == 2 ? m2.scales : m3.scales,
+                   which == 0 ? m0.biases : which == 1 ? m1.biases : which == 2 ? m2.biases : m3.biases,
+                   m0.rows, m0.cols, m0.group};
+    const int start = which == 0 ? 0 : which == 1 ? e1 : which == 2 ? e2 : e3;
+    WgWRow r = wg_w_row(w, g - start, 0, 1);
+    r.bytes = tid < n_valid ? 16 : 0;
+    return r;
+}
+
+// The dense product of a stack of up to four weights that share X (a mixer's input projections),
+// in one launch: output column j is row j of the stack (m0's rows, then m1's, ...), so the
+// launch fills whole waves where the small ones alone would not (the GDN's b and a, 32 rows
+// each, took split-K launches and reductions of their own). Grid (⌈stack rows/256⌉, ⌈m/128⌉, splits).
 extern "C" __global__ void __launch_bounds__(GEMM_WG_THREADS, 1)
-    gemm_wgmma_b4_x16(Mat w, const u16* x, int m, float* y, int ldy, int col0, int k_split) {
+    gemm_wgmma_b4_x16(Mat m0, Mat m1, Mat m2, Mat m3, const u16* x, int m, float* y, int ldy, int col0,
+                      int k_split) {
     pdl_wait();
-    const WgDense b = wg_dense(w, m, k_split);
+    Mat stack = m0;
+    stack.rows = m0.rows + m1.rows + m2.rows + m3.rows;
+    const WgDense b = wg_dense(stack, m, k_split);
     float acc[GEMM_WG_BN / 2];
     const bool live = 64 * (threadIdx.x / 128) < b.m_valid;
     wgmma_products_x16<GEMM_WG_DENSE_BM, false, GEMM_WG_DENSE_AHEAD>(
-        w, wg_w_row(w, b.n0, threadIdx.x, b.n_valid), live, x, nullptr, b.r0, b.m_valid, b.k0, b.k1, acc);
+        m0, wg_stack_row(m0, m1, m2, m3, b.n0, b.n_valid), live, x, nullptr, b.r0, b.m_valid, b.k0, b.k1, acc);
     if (live)
         wg_store_acc<GEMM_WG_DENSE_BM>(acc, y + (long)blockIdx.z * m * ldy, b.r0, ldy, (long)col0 + b.n0, b.m_valid,
                                        b.n_valid);

@@ -110,6 +110,20 @@ __device__ int sort_plan(int count, int tile_rows, int* tiles, int* num_tiles) {
 #define SORT_GRID_PER_THREAD 4
 #define SORT_GRID_PAIRS (SORT_GRID_THREADS * SORT_GRID_PER_THREAD)
 
+// The tile map of one dense "expert" over a chunk's t rows in order, for a launch of the grouped
+// GEMMs on rows that are not routed (the shared expert through the fused gate/up launch):
+// tiles[3i .. 3i+3] = {0, tile_rows·i, min(tile_rows, t − tile_rows·i)}, *num_tiles = ⌈t / tile_rows⌉.
+extern "C" __global__ void moe_dense_tiles(int t, int tile_rows, int* tiles, int* num_tiles) {
+    pdl_wait();
+    const int n = (t + tile_rows - 1) / tile_rows;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        tiles[3 * i] = 0;
+        tiles[3 * i + 1] = tile_rows * i;
+        tiles[3 * i + 2] = min(tile_rows, t - tile_rows * i);
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) *num_tiles = n;
+}
+
 extern "C" __global__ void __launch_bounds__(SORT_GRID_THREADS)
 moe_sort_count(const int* ids, int pairs, int* counts) {
     pdl_wait();
