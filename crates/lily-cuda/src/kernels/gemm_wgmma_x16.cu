@@ -112,10 +112,6 @@ __device__ __forceinline__ void wg_dequant_step(u32 raw, u32 wt, int k, bool win
     }
 }
 
-// Steps ahead of its wgmma a thread requests its W row's codes into L2 (the 1K chunk's expert
-// tiles wait on DRAM with the ring's D steps in flight). A multiple of 4: a line is four steps.
-#define GEMM_WG_L2_AHEAD 8
-
 // wgmma_tile's products with X as bf16 rows (x: K values a row, 16-byte aligned), D steps
 // ahead, into the warpgroup's accumulators (their layout: wg_store_acc). wr is this thread's W
 // row (wg_w_row): the block's W rows need not be one matrix's. live: whether this warpgroup
@@ -179,9 +175,6 @@ __device__ __forceinline__ void wgmma_products_x16(const Mat& w, const WgWRow& w
                              sraw + t * GEMM_WG_RAW_BYTES);
         wg_cp_commit();
     }
-    // The lines of the steps between the ring's first copies and the loop's first request.
-    for (int far = 4; far < GEMM_WG_L2_AHEAD && far < steps; far += 4)
-        if (wr.bytes) prefetch_l2(wr.codes + (k0 + far * GEMM_WG_BK) / 2);
     u32 scales[2] = {0u, 0u}, biases[2] = {0u, 0u};
     wg_cp_wait<D - 1>();
     wg_dequant_step(sraw, sw, k0, true, group_shift, scales, biases);
@@ -190,13 +183,6 @@ __device__ __forceinline__ void wgmma_products_x16(const Mat& w, const WgWRow& w
 
     for (int step = 0; step < steps; step++) {
         if (live) wgmma_step(acc, a_desc + (step % (D + 1)) * (X_BYTES >> 4), b_desc + (step & 1) * (W_BYTES >> 4));
-        // The codes of step + GEMM_WG_L2_AHEAD requested into L2, a 128-byte line (four steps of
-        // a row) at a time: more of the weight in flight from DRAM than the ring's D steps hold,
-        // without its shared memory.
-        {
-            const int far = step + GEMM_WG_L2_AHEAD;
-            if (far % 4 == 0 && far < steps && wr.bytes) prefetch_l2(wr.codes + (k0 + far * GEMM_WG_BK) / 2);
-        }
         // Step + D's copies go where step − 1's X tile was (its wgmma ended before the last
         // barrier) and where step's raw codes were (dequantised before it).
         const int ahead = step + D;
