@@ -42,6 +42,36 @@ impl From<u64> for GemmX {
     }
 }
 
+/// A GEMM's output as its consumer reads it: `count` arrays of the output's floats, `stride`
+/// floats apart, that the consumer adds in order from 0 as it reads them (what `gemm_reduce`
+/// would have written, to the bit). One part where K was not split.
+#[derive(Clone, Copy, Debug)]
+pub struct Parts {
+    pub at: u64,
+    pub count: usize,
+    pub stride: usize,
+}
+
+impl From<u64> for Parts {
+    fn from(at: u64) -> Self {
+        Parts {
+            at,
+            count: 1,
+            stride: 0,
+        }
+    }
+}
+
+impl Parts {
+    /// The count and stride as a kernel's two int parameters.
+    pub fn ints(&self) -> Result<(i32, i32)> {
+        let int = |v: usize| {
+            i32::try_from(v).map_err(|_| anyhow::anyhow!("{v} does not fit a kernel's int"))
+        };
+        Ok((int(self.count)?, int(self.stride)?))
+    }
+}
+
 /// The _x16 kernels copy bf16 rows in 16-byte chunks (and trap on any other address): an error
 /// here instead of a trap that would end the CUDA context.
 fn check_bf16_rows(x: GemmX) -> Result<()> {
@@ -206,6 +236,29 @@ pub fn gemm(
     gemm_stack(gpu, &[w], x, m, y, ldy, col0)
 }
 
+/// [`gemm`] into `y` (`[m, w.rows]`, nothing else in its rows) for a consumer that takes
+/// [`Parts`]: where K is split, the partial sums stay in the GPU's partials buffer for the
+/// consumer to add as it reads them, which saves `gemm_reduce`'s launch and its pass over the
+/// output (~13 µs for a 1K chunk's output projection). The consumer must run before the next
+/// GEMM, which reuses that buffer.
+pub fn gemm_parts(
+    gpu: &Gpu,
+    w: &DeviceMat,
+    x: impl Into<GemmX>,
+    m: usize,
+    y: u64,
+) -> Result<Parts> {
+    check_weight(w)?;
+    dense(gpu, &[w], x.into(), m, y, w.rows, 0, Sum::Leave)
+}
+
+/// Whether a split-K launch's partial sums are added up by `gemm_reduce` or left to the consumer.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Sum {
+    Reduce,
+    Leave,
+}
+
 /// Weights the wgmma dense launch takes at once (`gemm_wgmma_b4_x16`'s m0..m3).
 const STACK_MAX: usize = 4;
 
@@ -232,18 +285,20 @@ pub fn gemm_stack(
             && (w.cols, w.group, w.bits) == (ws[0].cols, ws[0].group, ws[0].bits)
     };
     if x.bf16.is_some() && ws.len() <= STACK_MAX && ws.iter().all(stackable) {
-        return dense(gpu, ws, x, m, y, ldy, col0);
+        return dense(gpu, ws, x, m, y, ldy, col0, Sum::Reduce).map(|_| ());
     }
     let mut col = col0;
     for w in ws {
-        dense(gpu, &[w], x, m, y, ldy, col)?;
+        dense(gpu, &[w], x, m, y, ldy, col, Sum::Reduce)?;
         col += w.rows;
     }
     Ok(())
 }
 
-/// One dense launch (and its reduction) of the stack `ws`: several weights only on the wgmma
-/// path with bf16 X ([`gemm_stack`] checks).
+/// One dense launch of the stack `ws` (several weights only on the wgmma path with bf16 X:
+/// [`gemm_stack`] checks), and with `Sum::Reduce` the reduction of its split-K parts; where the
+/// output is, as parts.
+#[allow(clippy::too_many_arguments)]
 fn dense(
     gpu: &Gpu,
     ws: &[&DeviceMat],
@@ -252,9 +307,10 @@ fn dense(
     y: u64,
     ldy: usize,
     col0: usize,
-) -> Result<()> {
+    sum: Sum,
+) -> Result<Parts> {
     if m == 0 || ws.is_empty() {
-        return Ok(());
+        return Ok(Parts::from(y));
     }
     let n: usize = ws.iter().map(|w| w.rows).sum();
     ensure!(
@@ -331,6 +387,13 @@ fn dense(
         };
         gpu.launch_shared(&name, shape, tiling.shared, &args)?;
     }
+    if splits > 1 && sum == Sum::Leave {
+        return Ok(Parts {
+            at: out,
+            count: splits,
+            stride: m * n,
+        });
+    }
     if splits > 1 {
         let outputs = m * n;
         let args = GemmReduce {
@@ -348,7 +411,7 @@ fn dense(
         };
         gpu.launch("gemm_reduce", shape, &args)?;
     }
-    Ok(())
+    Ok(Parts::from(y))
 }
 
 /// The path `w`'s dense products and its grouped 64-row tiles run on: wgmma where the GPU runs

@@ -173,7 +173,10 @@ kernel_args! {
     // ---- Prefill (prefill.rs and its stages) ----
     /// `embed_b*`: the rows of a chunk's tokens.
     Embed { table: MatArg, tokens: u64, out: u64 }
-    AddRmsNorm { hidden: u64, delta: u64, scale: u64, out: u64, out16: u64, n: i32, eps: f32 }
+    AddRmsNorm {
+        hidden: u64, delta: u64, parts: i32, part_stride: i32, scale: u64, out: u64, out16: u64,
+        n: i32, eps: f32,
+    }
     AttnPrepRows {
         qkv: u64, ld: i32, q_norm: u64, k_norm: u64, pos0: i32, q_out: u64, k_cache: u64,
         v_cache: u64, eps: f32,
@@ -214,7 +217,8 @@ kernel_args! {
     MoeDenseTiles { t: i32, tile_rows: i32, tiles: u64, num_tiles: u64 }
     MoeSwiglu { gate: u64, up: u64, n: i32, act: u64, act16: u64 }
     MoeCombine {
-        down: u64, slot_of: u64, weights: u64, logits: u64, shared: u64, h: i32, out: u64,
+        down: u64, slot_of: u64, weights: u64, logits: u64, shared: u64, shared_parts: i32,
+        shared_stride: i32, h: i32, out: u64,
     }
 
     // ---- Synthetic weights made on the device (synthetic.rs) ----

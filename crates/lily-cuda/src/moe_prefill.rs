@@ -6,7 +6,7 @@
 
 use anyhow::{Context, Result, ensure};
 
-use crate::gemm::GemmX;
+use crate::gemm::{GemmX, Parts};
 use crate::gemm_wgmma::GemmPath;
 use crate::gpu::Gpu;
 use crate::kernel_args::{
@@ -232,7 +232,8 @@ pub fn swiglu(gpu: &Gpu, gate: u64, up: u64, n: usize, act: impl Into<GemmX>) ->
 
 /// `out[t, :] = Σ_k weights[t, k] · down[slot_of[t, k], :] + σ(logits[t, NE]) · shared[t, :]`
 /// for `t` tokens of width `h`: `down` f32 [t·TOPK, h] in slot order, `slot_of` and `weights`
-/// [t, TOPK], `logits` [t, NE + 1], `shared` and `out` f32 [t, h]. No residual add.
+/// [t, TOPK], `logits` [t, NE + 1], `shared` (its down projection's parts) and `out` f32 [t, h].
+/// No residual add.
 #[allow(clippy::too_many_arguments)]
 pub fn combine(
     gpu: &Gpu,
@@ -240,7 +241,7 @@ pub fn combine(
     slot_of: u64,
     weights: u64,
     logits: u64,
-    shared: u64,
+    shared: impl Into<Parts>,
     t: usize,
     h: usize,
     out: u64,
@@ -248,13 +249,17 @@ pub fn combine(
     if t == 0 {
         return Ok(());
     }
+    let shared = shared.into();
+    let (shared_parts, shared_stride) = shared.ints()?;
     let blocks = int(t, "tokens")? as u32;
     let args = MoeCombine {
         down,
         slot_of,
         weights,
         logits,
-        shared,
+        shared: shared.at,
+        shared_parts,
+        shared_stride,
         h: int(h, "hidden width")?,
         out,
     };

@@ -11,7 +11,7 @@ use lily_core::config::ModelConfig;
 
 use crate::attention_prefill::{self, AttnChunk};
 use crate::gdn_prefill::{GdnPrefillRoute, WindowAt};
-use crate::gemm::{GateUp, GateUpRoute, GemmX};
+use crate::gemm::{GateUp, GateUpRoute, GemmX, Parts};
 use crate::gemm_wgmma::GemmPath;
 use crate::gpu::{Gpu, ptr};
 use crate::kernel_args::{AddRmsNorm, Embed};
@@ -249,20 +249,24 @@ pub fn encode_chunk(
     let attn_out = with16(p(&s.attn_out), &s.mix16);
     // out = RMSNorm(hidden += delta) · scale for `rows` rows (delta 0: none), and its bf16 copy
     // into out16 unless that is 0.
-    let add_rms_norm = |rows: u32, hidden: u64, delta: u64, scale: u64, out: GemmX| -> Result<()> {
-        let n = h as i32;
-        let args = AddRmsNorm {
-            hidden,
-            delta,
-            scale,
-            out: out.f32,
-            out16: out.bf16.unwrap_or(0),
-            n,
-            eps,
+    let add_rms_norm =
+        |rows: u32, hidden: u64, delta: Parts, scale: u64, out: GemmX| -> Result<()> {
+            let n = h as i32;
+            let (parts, part_stride) = delta.ints()?;
+            let args = AddRmsNorm {
+                hidden,
+                delta: delta.at,
+                parts,
+                part_stride,
+                scale,
+                out: out.f32,
+                out16: out.bf16.unwrap_or(0),
+                n,
+                eps,
+            };
+            launch!(gpu, "add_rms_norm", (rows, 1, 1), norm_block, args);
+            Ok(())
         };
-        launch!(gpu, "add_rms_norm", (rows, 1, 1), norm_block, args);
-        Ok(())
-    };
     let (gdn_w, attn_w) = proj_widths(c);
 
     let name = format!("embed_b{}", w.embed.bits);
@@ -281,9 +285,10 @@ pub fn encode_chunk(
     for (i, (layer, ls)) in w.layers.iter().zip(&state.layers).enumerate() {
         // This layer's part of the fork, if one is asked for.
         let mut fork_layer = fork.as_mut().map(|f| (f.at, &mut f.state.layers[i]));
-        add_rms_norm(rows, p(&s.hidden), delta, p(&layer.input_norm), x)?;
+        add_rms_norm(rows, p(&s.hidden), delta.into(), p(&layer.input_norm), x)?;
         mark("rms norm")?;
-        match (&layer.mixer, ls) {
+        // The mixer's output, in parts where its projection split K (the norm adds them).
+        let mixed = match (&layer.mixer, ls) {
             (DeviceMixer::GatedDeltaNet(g), LayerState::GatedDeltaNet { window, recurrent }) => {
                 let DeviceGdn {
                     proj,
@@ -362,8 +367,9 @@ pub fn encode_chunk(
                     eps,
                 )?;
                 mark("gated deltanet")?;
-                gemm::gemm(gpu, out_proj, gdn_y, t, p(&s.mix_out), h, 0)?;
+                let out = gemm::gemm_parts(gpu, out_proj, gdn_y, t, p(&s.mix_out))?;
                 mark("mixer output gemm")?;
+                out
             }
             (DeviceMixer::Attention(a), LayerState::Attention { k, v }) => {
                 let DeviceAttention {
@@ -406,12 +412,13 @@ pub fn encode_chunk(
                 }
                 attention_prefill::attend(gpu, c, &chunk)?;
                 mark("attention")?;
-                gemm::gemm(gpu, o_proj, attn_out, t, p(&s.mix_out), h, 0)?;
+                let out = gemm::gemm_parts(gpu, o_proj, attn_out, t, p(&s.mix_out))?;
                 mark("mixer output gemm")?;
+                out
             }
             _ => unreachable!("states are built from the same config as the weights"),
-        }
-        add_rms_norm(rows, p(&s.hidden), p(&s.mix_out), p(&layer.post_norm), x)?;
+        };
+        add_rms_norm(rows, p(&s.hidden), mixed, p(&layer.post_norm), x)?;
         mark("rms norm")?;
         encode_moe(gpu, c, layer, s, x, t, &mut mark)?;
         delta = p(&s.moe_out);
@@ -422,7 +429,7 @@ pub fn encode_chunk(
     add_rms_norm(
         n as u32,
         at(&s.hidden),
-        at(&s.moe_out),
+        at(&s.moe_out).into(),
         p(&w.final_norm),
         at(&s.x).into(),
     )?;
@@ -529,7 +536,8 @@ fn encode_moe(
             )?;
         }
     }
-    gemm::gemm(gpu, sd, act(p(&s.shared_gate)), t, p(&s.shared_down), h, 0)?;
+    // In parts where K was split: the combine adds them.
+    let shared_down = gemm::gemm_parts(gpu, sd, act(p(&s.shared_gate)), t, p(&s.shared_down))?;
     mark("shared expert")?;
     moe_prefill::combine(
         gpu,
@@ -537,7 +545,7 @@ fn encode_moe(
         pi(&s.slot_of),
         p(&s.weights),
         p(&s.router),
-        p(&s.shared_down),
+        shared_down,
         t,
         h,
         p(&s.moe_out),

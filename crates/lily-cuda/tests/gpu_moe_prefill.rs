@@ -6,7 +6,7 @@ use cudarc::driver::CudaSlice;
 use lily_core::config::{ModelConfig, QWEN36_35B_A3B_CONFIG};
 use lily_core::rng::{Rng, mix64, uniform_at};
 use lily_cuda::KvPrecision;
-use lily_cuda::gemm::GemmX;
+use lily_cuda::gemm::{GemmX, Parts};
 use lily_cuda::gpu::{Gpu, ptr};
 use lily_cuda::moe_prefill::{
     MoeTile, TileMap, combine, max_tiles, sort, sort_counts, swiglu, topk_rows,
@@ -382,7 +382,8 @@ fn combine_reference(
     out
 }
 
-/// Runs moe_combine; returns out [t, h].
+/// Runs moe_combine with the shared expert's rows in `shared.len() / (t·h)` parts one after
+/// another (a split-K output, `Parts`); returns out [t, h].
 #[allow(clippy::too_many_arguments)]
 fn gpu_combine(
     gpu: &Gpu,
@@ -404,7 +405,11 @@ fn gpu_combine(
         ptr(&ds, s),
         ptr(&dw, s),
         ptr(&dl, s),
-        ptr(&dsh, s),
+        Parts {
+            at: ptr(&dsh, s),
+            count: shared.len() / (t * h),
+            stride: t * h,
+        },
         t,
         h,
         ptr(&out, s),
@@ -436,15 +441,29 @@ fn combine_matches_the_cpu() {
                 let down = random(1, pairs * h, 1.0);
                 let weights: Vec<f32> = random(2, pairs, 0.5).iter().map(|w| w + 0.5).collect();
                 let logits = random(3, t * (ne + 1), 4.0);
-                let shared = random(4, t * h, 1.0);
-                let got = gpu_combine(&gpu, &down, &slot_of, &weights, &logits, &shared, t, h);
-                let want =
-                    combine_reference(&down, &slot_of, &weights, &logits, &shared, ne, top_k, h);
-                let d = rel_diff(&got, &want);
-                eprintln!("combine {ne} experts top {top_k}, t {t}, h {h}: max rel diff {d:e}");
-                // TOPK + 1 products summed in f32 (a few ulp) and the gate's __expf (a few 1e-7
-                // relative): 1e-6 of the largest output.
-                assert!(d <= 1e-6, "combine {ne} experts, t {t}, h {h}: {d:e}");
+                // The shared rows whole, and as three split-K parts the combine adds in order.
+                for parts in [1usize, 3] {
+                    let split: Vec<f32> = (0..parts as u64)
+                        .flat_map(|k| random(4 + k, t * h, 1.0))
+                        .collect();
+                    let shared: Vec<f32> = (0..t * h)
+                        .map(|i| (0..parts).fold(0f32, |a, k| a + split[k * t * h + i]))
+                        .collect();
+                    let got = gpu_combine(&gpu, &down, &slot_of, &weights, &logits, &split, t, h);
+                    let want = combine_reference(
+                        &down, &slot_of, &weights, &logits, &shared, ne, top_k, h,
+                    );
+                    let d = rel_diff(&got, &want);
+                    eprintln!(
+                        "combine {ne} experts top {top_k}, t {t}, h {h}, {parts} parts: max rel diff {d:e}"
+                    );
+                    // TOPK + 1 products summed in f32 (a few ulp) and the gate's __expf (a few
+                    // 1e-7 relative): 1e-6 of the largest output.
+                    assert!(
+                        d <= 1e-6,
+                        "combine {ne} experts, t {t}, h {h}, {parts} parts: {d:e}"
+                    );
+                }
             }
         }
     }

@@ -195,7 +195,8 @@ extern "C" __global__ void moe_swiglu(const float* gate, const float* up, int n,
 // shared[t, :]. One block per token t; threads stride over the h columns. The residual add is
 // the caller's (the next norm adds it).
 extern "C" __global__ void moe_combine(const float* down, const int* slot_of, const float* weights,
-                                       const float* logits, const float* shared, int h, float* out) {
+                                       const float* logits, const float* shared, int shared_parts,
+                                       int shared_stride, int h, float* out) {
     pdl_wait();
     long t = blockIdx.x;
     long row[TOPK];
@@ -210,6 +211,10 @@ extern "C" __global__ void moe_combine(const float* down, const int* slot_of, co
         float acc = 0.f;
 #pragma unroll
         for (int k = 0; k < TOPK; k++) acc += w[k] * down[row[k] + i];
-        out[t * h + i] = acc + gate * shared[t * h + i];
+        // The shared expert's row from its down projection's split-K parts, added in order
+        // from 0 as gemm_reduce adds them.
+        float sh = 0.f;
+        for (int s = 0; s < shared_parts; s++) sh += shared[(long)s * shared_stride + t * h + i];
+        out[t * h + i] = acc + gate * sh;
     }
 }
