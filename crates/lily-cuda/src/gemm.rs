@@ -280,23 +280,11 @@ pub fn gemm_stack(
     for w in ws {
         check_weight(w)?;
     }
-    let Some(first) = ws.first() else {
-        return Ok(());
+    let stackable = |w: &&DeviceMat| {
+        path_of(gpu, w) == GemmPath::Wgmma
+            && (w.cols, w.group, w.bits) == (ws[0].cols, ws[0].group, ws[0].bits)
     };
-    let path = path_of(gpu, first);
-    let alike = ws.iter().all(|w| {
-        path_of(gpu, w) == path
-            && (w.cols, w.group, w.bits) == (first.cols, first.group, first.bits)
-    });
-    // gemm.cu's blocks each take one part, so the parts before the last must end on whole blocks
-    // (the router's 256 rows before the shared gate's one do).
-    let one_launch = match path {
-        GemmPath::Wgmma => x.bf16.is_some(),
-        GemmPath::MmaSync => ws[..ws.len() - 1]
-            .iter()
-            .all(|w| w.rows.is_multiple_of(MMA_DENSE.bn)),
-    };
-    if alike && one_launch && ws.len() <= STACK_MAX {
+    if x.bf16.is_some() && ws.len() <= STACK_MAX && ws.iter().all(stackable) {
         return dense(gpu, ws, x, m, y, ldy, col0, Sum::Reduce).map(|_| ());
     }
     let mut col = col0;
@@ -342,11 +330,9 @@ fn dense(
         (true, None) => (gemm_wgmma::DENSE_ENTRY.to_string(), WGMMA_DENSE, x.f32),
         (false, _) => (format!("gemm_b{}", w.bits), MMA_DENSE, x.f32),
     };
-    // Every entry but the wgmma one with f32 X takes a stack.
-    let stacked = name != gemm_wgmma::DENSE_ENTRY;
     ensure!(
-        ws.len() == 1 || stacked,
-        "the wgmma launch with f32 X takes one weight, not a stack"
+        ws.len() == 1 || name == gemm_wgmma::DENSE_X16_ENTRY,
+        "only the wgmma launch with bf16 X takes a stack of weights"
     );
     ensure!(xp != 0, "a GEMM on f32 rows was given only their bf16 copy");
     let row_tiles = m.div_ceil(tiling.bm);
@@ -374,7 +360,7 @@ fn dense(
         block: GEMM_THREADS,
     };
     let (m_arg, ld_arg, col_arg, k_arg) = (m as i32, ld_out as i32, col_out as i32, k_split as i32);
-    if stacked {
+    if name == gemm_wgmma::DENSE_X16_ENTRY {
         let mut mats = [MatArg::default(); STACK_MAX];
         for (slot, w) in mats.iter_mut().zip(ws) {
             *slot = w.arg(gpu);

@@ -197,9 +197,9 @@ kernel_args! {
     GdnChunkPrep { prep: u64, t: i32, scratch: u64 }
     GdnChunkScan { conv: u64, prep: u64, scratch: u64, t: i32, state: u64, out: u64 }
     GdnGatedNormRows { o: u64, proj: u64, ld: i32, t: i32, w: u64, y: u64, y16: u64, eps: f32 }
-    /// `gemm_wgmma_b4`.
+    /// `gemm_b*` and `gemm_wgmma_b4`.
     Gemm { w: MatArg, x: u64, m: i32, y: u64, ldy: i32, col0: i32, k_split: i32 }
-    /// `gemm_b*` and `gemm_wgmma_b4_x16`: a stack of up to four weights, unused ones empty.
+    /// `gemm_wgmma_b4_x16`: a stack of up to four weights, unused ones empty.
     GemmStack { mats: [MatArg; 4], x: u64, m: i32, y: u64, ldy: i32, col0: i32, k_split: i32 }
     GemmReduce { part: u64, splits: i32, m: i32, n: i32, y: u64, ldy: i32, col0: i32 }
     /// `gemm_grouped*_b*` and `gemm_wgmma_grouped64_b4`.
@@ -320,10 +320,12 @@ pub fn entries() -> Vec<Entry> {
     all.extend(each::<GdnChunkPrep>(one("gdn_chunk_prep")));
     all.extend(each::<GdnChunkScan>(one("gdn_chunk_scan")));
     all.extend(each::<GdnGatedNormRows>(one("gdn_gated_norm_rows")));
-    all.extend(each::<Gemm>(one("gemm_wgmma_b4")));
-    all.extend(each::<GemmStack>(
-        bits("gemm").into_iter().chain(one("gemm_wgmma_b4_x16")),
+    all.extend(each::<Gemm>(
+        bits("gemm")
+            .into_iter()
+            .chain(["gemm_wgmma_b4"].map(String::from)),
     ));
+    all.extend(each::<GemmStack>(one("gemm_wgmma_b4_x16")));
     all.extend(each::<GemmReduce>(one("gemm_reduce")));
     all.extend(each::<GemmGrouped>(
         bits("gemm_grouped16")

@@ -456,15 +456,8 @@ fn encode_moe(
     let (h, ne) = (c.hidden_size, c.num_experts);
     let (inter, shared) = (c.moe_intermediate_size, c.shared_intermediate_size);
     let pairs = t * c.experts_per_token;
-    gemm::gemm_stack(
-        gpu,
-        &[&m.router, &m.shared_gate],
-        p(&s.x),
-        t,
-        p(&s.router),
-        ne + 1,
-        0,
-    )?;
+    gemm::gemm(gpu, &m.router, p(&s.x), t, p(&s.router), ne + 1, 0)?;
+    gemm::gemm(gpu, &m.shared_gate, p(&s.x), t, p(&s.router), ne + 1, ne)?;
     moe_prefill::topk_rows(gpu, p(&s.router), t, pi(&s.ids), p(&s.weights))?;
     let tall_path = gemm::path_of(gpu, &m.gate);
     let height = MoeTile::for_chunk(t, c.experts_per_token, ne, tall_path);

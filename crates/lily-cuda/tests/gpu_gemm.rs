@@ -355,27 +355,23 @@ fn dense_gemm_matches_bf16_products() {
     assert!(failures.is_empty(), "beyond {TOLERANCE:e}: {failures:#?}");
 }
 
-/// A mixer's input projections, or the router and the shared gate, as one launch
-/// (`gemm_stack`): each weight's products in its own columns, after the one before it, held to
-/// the bf16-operand reference, and no cell outside written; at ragged stacks whose parts end
-/// mid-block (one launch on wgmma, part by part on mma.sync), stacks whose parts end on whole
-/// mma.sync blocks (one launch there too), a one-row part, X rows that split along K and ones that
-/// do not, and a stack whose parts differ in format (part by part).
+/// A mixer's input projections as one launch (`gemm_stack`): each weight's products in its own
+/// columns, after the one before it, as [`gemm`] of each alone computes them (held to the same
+/// bf16-operand reference), and no cell outside written; at ragged stacks whose parts end
+/// mid-block, a one-row part, X rows that split along K and ones that do not, and on a stack whose
+/// parts differ in format (which goes part by part).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_stack_of_weights_fills_each_weights_columns() {
     let mut gpu = gpu();
     let paths = gemm_paths(&gpu);
     // (rows of each part, K, bits of each part)
-    let stacks: [(&[usize], usize, &[u32]); 8] = [
+    let stacks: [(&[usize], usize, &[u32]); 5] = [
         (&[300, 72, 32, 32], 2048, &[4, 4, 4, 4]),
         (&[256, 32], 512, &[4, 4]),
         (&[40, 1, 33], 1024, &[4, 4, 4]),
         (&[512, 64, 64, 8], 768, &[4, 4, 4, 4]),
         (&[96, 32], 512, &[4, 8]),
-        (&[256, 1], 2048, &[8, 8]),
-        (&[128, 256, 5], 512, &[4, 4, 4]),
-        (&[128, 7], 96, &[32, 32]),
     ];
     let mut failures = Vec::new();
     for (si, &(rows, k, bits)) in stacks.iter().enumerate() {

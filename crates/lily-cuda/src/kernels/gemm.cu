@@ -443,40 +443,20 @@ __device__ __forceinline__ void gemm_tile(const Mat& w, long w_row0, int n_valid
     }
 }
 
-// The part of a stack of weights m0..m3 (rows one after another, empty ones 0 rows) that holds
-// stack row n0, and n0's row in it (row0). The host stacks only parts that end on whole blocks of
-// GEMM_DENSE_BN rows (but the last), so a block's rows lie in one part. Fields selected one by
-// one: an indexed Mat array would be copied to the stack frame.
-__device__ __forceinline__ Mat gemm_stack_part(const Mat& m0, const Mat& m1, const Mat& m2, const Mat& m3, int n0,
-                                               int& row0) {
-    const int e1 = m0.rows, e2 = e1 + m1.rows, e3 = e2 + m2.rows;
-    const int which = (n0 >= e1) + (n0 >= e2) + (n0 >= e3);
-    row0 = n0 - (which == 0 ? 0 : which == 1 ? e1 : which == 2 ? e2 : e3);
-    return Mat{which == 0 ? m0.w : which == 1 ? m1.w : which == 2 ? m2.w : m3.w,
-               which == 0 ? m0.scales : which == 1 ? m1.scales : which == 2 ? m2.scales : m3.scales,
-               which == 0 ? m0.biases : which == 1 ? m1.biases : which == 2 ? m2.biases : m3.biases,
-               which == 0 ? m0.rows : which == 1 ? m1.rows : which == 2 ? m2.rows : m3.rows,
-               m0.cols, m0.group};
-}
-
-// Dense: Y[r, col0 + n] = Σ_k X[r, k] · W[n, k] for r < m, n < the stack's rows (m0's, then
-// m1's, ...: a mixer's or the router's projections that share X, in one launch). Grid
-// (⌈rows/128⌉, ⌈m/128⌉, splits). Split along K (splits > 1, k_split columns each, a multiple of
-// GEMM_BK), a block writes its partial sums to y as [splits, m, rows] from col0 = 0, and
-// gemm_reduce (or the consumer) adds them up: so that few output tiles (small m, narrow w) still
-// fill the GPU.
+// Dense: Y[r, col0 + n] = Σ_k X[r, k] · W[n, k] for r < m, n < w.rows. Grid (⌈w.rows/128⌉,
+// ⌈m/128⌉, splits). Split along K (splits > 1, k_split columns each, a multiple of GEMM_BK), a
+// block writes its partial sums to y as [splits, m, w.rows] from col0 = 0, and gemm_reduce adds
+// them up: so that few output tiles (small m, narrow w) still fill the GPU.
 #define GEMM_DENSE(BITS)                                                                             \
     extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)                                     \
-        gemm_b##BITS(Mat m0, Mat m1, Mat m2, Mat m3, const float* x, int m, float* y, int ldy, int col0, \
-                     int k_split) {                                                                  \
+        gemm_b##BITS(Mat w, const float* x, int m, float* y, int ldy, int col0, int k_split) {       \
         pdl_wait();                                                                                  \
-        int n0 = blockIdx.x * GEMM_DENSE_BN, row0;                                                   \
-        const Mat w = gemm_stack_part(m0, m1, m2, m3, n0, row0);                                     \
+        int n0 = blockIdx.x * GEMM_DENSE_BN;                                                         \
         long r0 = (long)blockIdx.y * GEMM_DENSE_BM;                                                  \
         int k0 = blockIdx.z * k_split;                                                               \
         float* out = y + (long)blockIdx.z * m * ldy;                                                 \
-        gemm_tile<BITS, GEMM_DENSE_BM, GEMM_DENSE_BN, false>(w, row0, min(GEMM_DENSE_BN, w.rows - row0), x, nullptr, \
-                                                      r0, (int)min((long)GEMM_DENSE_BM, m - r0), out, r0, ldy, \
+        gemm_tile<BITS, GEMM_DENSE_BM, GEMM_DENSE_BN, false>(w, n0, min(GEMM_DENSE_BN, w.rows - n0), x, nullptr, r0, \
+                                                      (int)min((long)GEMM_DENSE_BM, m - r0), out, r0, ldy,    \
                                                       (long)col0 + n0, k0, min(k0 + k_split, w.cols));        \
     }
 
