@@ -212,9 +212,12 @@ extern "C" __global__ void moe_combine(const float* down, const int* slot_of, co
 #pragma unroll
         for (int k = 0; k < TOPK; k++) acc += w[k] * down[row[k] + i];
         // The shared expert's row from its down projection's split-K parts, added in order
-        // from 0 as gemm_reduce adds them.
-        float sh = 0.f;
-        for (int s = 0; s < shared_parts; s++) sh += shared[(long)s * shared_stride + t * h + i];
+        // from 0 as gemm_reduce adds them (one part read as it is: see add_rms_norm).
+        float sh = shared[t * h + i];
+        if (shared_parts > 1) {
+            sh = 0.f;
+            for (int s = 0; s < shared_parts; s++) sh += shared[(long)s * shared_stride + t * h + i];
+        }
         out[t * h + i] = acc + gate * sh;
     }
 }
