@@ -9,7 +9,7 @@ use crate::gemm_wgmma::{
     self, GemmPath, WGMMA_DENSE, WGMMA_DENSE_X16, WGMMA_GROUPED_SHARED, WGMMA_GROUPED_X16_SHARED,
 };
 use crate::gpu::{Gpu, Shape, ptr};
-use crate::kernel_args::{Gemm, GemmGateUp, GemmGrouped, GemmReduce, GemmStack};
+use crate::kernel_args::{DenseOut, Gemm, GemmGateUp, GemmGrouped, GemmReduce, GemmStack};
 use crate::mat::{DeviceMat, MatArg};
 use crate::moe_prefill::{MoeTile, TileMap};
 
@@ -359,7 +359,14 @@ fn dense(
         ),
         block: GEMM_THREADS,
     };
-    let (m_arg, ld_arg, col_arg, k_arg) = (m as i32, ld_out as i32, col_out as i32, k_split as i32);
+    let dense_out = DenseOut {
+        x: xp,
+        m: m as i32,
+        y: out,
+        ldy: ld_out as i32,
+        col0: col_out as i32,
+        k_split: k_split as i32,
+    };
     if name == gemm_wgmma::DENSE_X16_ENTRY {
         let mut mats = [MatArg::default(); STACK_MAX];
         for (slot, w) in mats.iter_mut().zip(ws) {
@@ -367,23 +374,13 @@ fn dense(
         }
         let args = GemmStack {
             mats,
-            x: xp,
-            m: m_arg,
-            y: out,
-            ldy: ld_arg,
-            col0: col_arg,
-            k_split: k_arg,
+            out: dense_out,
         };
         gpu.launch_shared(&name, shape, tiling.shared, &args)?;
     } else {
         let args = Gemm {
             w: w.arg(gpu),
-            x: xp,
-            m: m_arg,
-            y: out,
-            ldy: ld_arg,
-            col0: col_arg,
-            k_split: k_arg,
+            out: dense_out,
         };
         gpu.launch_shared(&name, shape, tiling.shared, &args)?;
     }

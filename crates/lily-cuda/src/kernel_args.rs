@@ -61,6 +61,44 @@ impl ArgType for [MatArg; 4] {
     }
 }
 
+/// What every dense GEMM entry takes after its weight or weights (`gemm_b*`, `gemm_wgmma_b4` and
+/// its _x16 stack): X, its rows, the output and where in it, and the K columns a split takes.
+#[derive(Clone, Copy)]
+pub struct DenseOut {
+    pub x: u64,
+    pub m: i32,
+    pub y: u64,
+    pub ldy: i32,
+    pub col0: i32,
+    pub k_split: i32,
+}
+
+impl ArgType for DenseOut {
+    fn kinds(out: &mut Vec<ArgKind>) {
+        out.extend([
+            ArgKind::U64,
+            ArgKind::I32,
+            ArgKind::U64,
+            ArgKind::I32,
+            ArgKind::I32,
+            ArgKind::I32,
+        ]);
+    }
+    fn push(self, out: &mut Vec<KArg>) {
+        out.extend([
+            KArg::Ptr(self.x),
+            KArg::I32(self.m),
+            KArg::Ptr(self.y),
+            KArg::I32(self.ldy),
+            KArg::I32(self.col0),
+            KArg::I32(self.k_split),
+        ]);
+    }
+    fn names(_: &str, out: &mut Vec<String>) {
+        out.extend(["x", "m", "y", "ldy", "col0", "k_split"].map(String::from));
+    }
+}
+
 /// A kernel's arguments.
 pub trait KernelArgs {
     /// The parameter kinds in order.
@@ -198,9 +236,9 @@ kernel_args! {
     GdnChunkScan { conv: u64, prep: u64, scratch: u64, t: i32, state: u64, out: u64 }
     GdnGatedNormRows { o: u64, proj: u64, ld: i32, t: i32, w: u64, y: u64, y16: u64, eps: f32 }
     /// `gemm_b*` and `gemm_wgmma_b4`.
-    Gemm { w: MatArg, x: u64, m: i32, y: u64, ldy: i32, col0: i32, k_split: i32 }
+    Gemm { w: MatArg, out: DenseOut }
     /// `gemm_wgmma_b4_x16`: a stack of up to four weights, unused ones empty.
-    GemmStack { mats: [MatArg; 4], x: u64, m: i32, y: u64, ldy: i32, col0: i32, k_split: i32 }
+    GemmStack { mats: [MatArg; 4], out: DenseOut }
     GemmReduce { part: u64, splits: i32, m: i32, n: i32, y: u64, ldy: i32, col0: i32 }
     /// `gemm_grouped*_b*` and `gemm_wgmma_grouped64_b4`.
     GemmGrouped {

@@ -50,6 +50,27 @@ fn assert_same_bits(f32_x: &[f32], bf16_x: &[f32], what: &str) {
 /// A quiet NaN with a payload no arithmetic produces: a cell holding it was never written.
 const SENTINEL: u32 = 0x7fc0_dead;
 
+/// Every cell of `y` (rows of `ldy`) in rows `< m` and `columns` written, every other one still
+/// holding the sentinel.
+fn assert_written_only(
+    y: &[f32],
+    m: usize,
+    ldy: usize,
+    columns: std::ops::Range<usize>,
+    what: &str,
+) {
+    for (i, v) in y.iter().enumerate() {
+        let (r, col) = (i / ldy, i % ldy);
+        let inside = r < m && columns.contains(&col);
+        assert_eq!(
+            v.to_bits() == SENTINEL,
+            !inside,
+            "{what}: cell ({r}, {col}) {}",
+            if inside { "not written" } else { "overwritten" }
+        );
+    }
+}
+
 /// The summation-order tolerance of reference (a), as a fraction of max |y|. Products of bf16
 /// values are exact in f32, so kernel and reference differ only by the rounding of the f32
 /// partial sums, which the tensor cores truncate rather than round: one ulp (2⁻²³) of a partial
@@ -237,17 +258,8 @@ fn check_dense(
             assert_same_bits(&y, &y16, &what);
         }
         let y = &y[c.offset..];
-        for (i, v) in y.iter().enumerate() {
-            let (r, col) = (i / ldy, i % ldy);
-            let inside = r < m && (col0..col0 + n).contains(&col);
-            assert_eq!(
-                v.to_bits() == SENTINEL,
-                !inside,
-                "{path:?} {}-bit m {m} n {n} k {k}: cell ({r}, {col}) {}",
-                c.bits,
-                if inside { "not written" } else { "overwritten" }
-            );
-        }
+        let what = format!("{path:?} {}-bit m {m} n {n} k {k}", c.bits);
+        assert_written_only(y, m, ldy, col0..col0 + n, &what);
         let got: Vec<Vec<f32>> = rows
             .iter()
             .map(|&r| y[r * ldy + col0..r * ldy + col0 + n].to_vec())
@@ -410,16 +422,7 @@ fn a_stack_of_weights_fills_each_weights_columns() {
                 gemm_stack(&gpu, &refs, xs, m, ptr(&dy, &gpu.stream), ldy, col0).unwrap();
                 let y = gpu.download(&dy).unwrap();
                 let what = format!("{path:?} stack {rows:?} of {bits:?}-bit, K {k}, m {m}");
-                for (i, v) in y.iter().enumerate() {
-                    let (r, col) = (i / ldy, i % ldy);
-                    let inside = r < m && (col0..col0 + n).contains(&col);
-                    assert_eq!(
-                        v.to_bits() == SENTINEL,
-                        !inside,
-                        "{what}: cell ({r}, {col}) {}",
-                        if inside { "not written" } else { "overwritten" }
-                    );
-                }
+                assert_written_only(&y, m, ldy, col0..col0 + n, &what);
                 let got: Vec<Vec<f32>> = check
                     .iter()
                     .map(|&r| y[r * ldy + col0..r * ldy + col0 + n].to_vec())
