@@ -1,6 +1,7 @@
 //! Tokenising a long prompt on one thread (the tokenizers crate directly) against
-//! `TextTokenizer::encode`, which cuts it over threads (src/cuts.rs): medians of 15, and the
-//! same ids asserted. `cargo run --release -p lily-chat --example tokenize_speed`.
+//! `TextTokenizer::encode`, which cuts it over threads (src/cuts.rs), and a conversation's next
+//! turn, which starts from the last turn's ids (src/recent.rs): medians of 15, and the same ids
+//! asserted. `cargo run --release -p lily-chat --example tokenize_speed`.
 
 use std::time::Instant;
 
@@ -42,6 +43,18 @@ fn main() -> anyhow::Result<()> {
         println!(
             "{} tokens: one thread {one:.2} ms, cut {cut:.2} ms",
             want.len()
+        );
+        let next = format!(
+            "{text}<|im_start|>assistant\nSure.<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n"
+        );
+        let (fresh, want) = median_ms(|| {
+            let encoding = plain.encode_fast(next.as_str(), false).expect("tokenizing");
+            encoding.get_ids().to_vec()
+        });
+        let (reused, got) = median_ms(|| ours.encode(&next).expect("tokenizing"));
+        assert_eq!(got, want);
+        println!(
+            "  the next turn: one thread {fresh:.2} ms, from the last turn's ids {reused:.2} ms"
         );
     }
     Ok(())

@@ -5,6 +5,7 @@ pub mod assets;
 mod cuts;
 pub mod detok;
 pub mod output;
+mod recent;
 pub mod stop;
 pub mod template;
 pub mod text_stream;

@@ -9,6 +9,7 @@ use tokenizers::Tokenizer;
 use tokenizers::decoders::DecoderWrapper;
 
 use crate::cuts::{cut_points, cuts_keep_tokens};
+use crate::recent::RecentTexts;
 
 /// Qwen3.6's `tokenizer.json`, gzip-compressed (20 MB → 3.8 MB), so that `synthetic:*` models
 /// have the real tokenizer from any directory. Provenance: assets/qwen3.6/README.md.
@@ -23,6 +24,9 @@ pub struct TextTokenizer {
     /// Whether a long text may be cut and its pieces tokenised on threads of their own
     /// (`cuts`: exact for Qwen's pipeline only).
     cuttable: bool,
+    /// The last long texts' ids, for a text that extends one before a control token (a chat's
+    /// next turn); `None` where that is not exact for this tokenizer (`recent`).
+    recent: Option<RecentTexts>,
 }
 
 impl TextTokenizer {
@@ -70,20 +74,44 @@ impl TextTokenizer {
             pieces.push(piece);
         }
         let cuttable = cuts_keep_tokens(&inner);
+        let recent = if cuttable {
+            RecentTexts::for_tokenizer(&inner)
+        } else {
+            None
+        };
         Ok(TextTokenizer {
             inner,
             pieces,
             special,
             cuttable,
+            recent,
         })
     }
 
     /// Text to ids. Control tokens written in the text (`<|im_start|>`) become their ids, as the
     /// chat template needs; no BOS is added (Qwen has none).
     ///
-    /// A long text is cut where its pieces tokenise to the same ids ([`cut_points`]) and the
-    /// pieces go on threads of their own (up to 8).
+    /// A text that extends one of the last long texts tokenised, a control token right after it
+    /// (a chat's next turn), starts from that one's ids (`recent`). A long text is cut where its
+    /// pieces tokenise to the same ids ([`cut_points`]) and the pieces go on threads of their own
+    /// (up to 8).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let Some(recent) = &self.recent else {
+            return self.encode_fresh(text);
+        };
+        let ids = match recent.longest_prefix(text) {
+            Some((len, mut ids)) => {
+                ids.extend(self.encode_fresh(&text[len..])?);
+                ids
+            }
+            None => self.encode_fresh(text)?,
+        };
+        recent.keep(text, &ids);
+        Ok(ids)
+    }
+
+    /// [`TextTokenizer::encode`] without the kept texts.
+    fn encode_fresh(&self, text: &str) -> Result<Vec<u32>> {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
         let cuts = if self.cuttable {
             cut_points(text, threads)
@@ -287,5 +315,68 @@ mod tests {
             }
         }
         assert!(cut_texts >= 30, "only {cut_texts} of 40 texts were cut");
+    }
+
+    /// A conversation growing turn by turn, each turn's text starting from the last one's ids,
+    /// gives the ids of the whole text tokenised at once; so does a text that extends a kept one
+    /// without a control token next (not reused), and one that a later kept text also begins.
+    #[test]
+    fn a_text_extending_a_kept_one_tokenises_as_the_whole() {
+        let tokenizer = TextTokenizer::embedded().unwrap();
+        assert!(tokenizer.recent.is_some());
+        let whole = |t: &str| tokenizer.encode_fresh(t).unwrap();
+        let reply = "The answer, it's 42 — «café» and 日本語 too.\n\n".repeat(60);
+        let mut text = String::new();
+        for turn in 0..6 {
+            text.push_str("<|im_start|>user\nWhat is it, again? Tell me ");
+            text.push_str(&"word ".repeat(200 + 37 * turn));
+            text.push_str("<|im_end|>\n<|im_start|>assistant\n<think>\n");
+            text.push_str(&reply[..reply.len() / (turn + 1)].replace('—', "-"));
+            text.push_str("</think>\n\nDone.<|im_end|>\n");
+            let reused = tokenizer
+                .recent
+                .as_ref()
+                .unwrap()
+                .longest_prefix(&text)
+                .is_some();
+            assert_eq!(reused, turn > 0, "turn {turn}");
+            assert_eq!(
+                tokenizer.encode(&text).unwrap(),
+                whole(&text),
+                "turn {turn}"
+            );
+        }
+        // The kept text's last word continued: no control token at the cut, so no reuse.
+        let mut longer = text.clone();
+        longer.push_str("more");
+        let kept = text.trim_end_matches('\n');
+        assert_eq!(tokenizer.encode(kept).unwrap(), whole(kept));
+        let joined = format!("{kept}ed on");
+        assert_eq!(tokenizer.encode(&joined).unwrap(), whole(&joined));
+        assert_eq!(tokenizer.encode(&longer).unwrap(), whole(&longer));
+        // A control token right after the kept text, then more: reused.
+        let next = format!("{text}<|im_start|>user\nAnd then?<|im_end|>\n");
+        let recent = tokenizer.recent.as_ref().unwrap();
+        assert_eq!(
+            recent.longest_prefix(&next).map(|(len, _)| len),
+            Some(text.len())
+        );
+        assert_eq!(tokenizer.encode(&next).unwrap(), whole(&next));
+    }
+
+    /// An added token that could match across the end of a kept text turns the reuse off.
+    #[test]
+    fn a_vocabulary_with_a_token_across_a_control_tokens_start_keeps_no_texts() {
+        let json = embedded_json().unwrap();
+        let mut qwen: serde_json::Value = serde_json::from_slice(&json).unwrap();
+        let added = qwen["added_tokens"].as_array_mut().unwrap();
+        let mut straddling = added[0].clone();
+        straddling["id"] = 248_400.into();
+        straddling["content"] = "\n<|im".into();
+        straddling["special"] = false.into();
+        added.push(straddling);
+        let edited = TextTokenizer::from_json(&serde_json::to_vec(&qwen).unwrap()).unwrap();
+        assert!(edited.recent.is_none());
+        assert!(TextTokenizer::embedded().unwrap().recent.is_some());
     }
 }
