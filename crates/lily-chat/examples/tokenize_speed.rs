@@ -29,30 +29,27 @@ fn main() -> anyhow::Result<()> {
     };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!("{threads} threads available");
+    // The text tokenised on this thread by the tokenizers crate, and by ours: medians and ids.
+    let both = |text: &str| {
+        let plain = median_ms(|| {
+            let encoding = plain.encode_fast(text, false).expect("tokenizing");
+            encoding.get_ids().to_vec()
+        });
+        let ours = median_ms(|| ours.encode(text).expect("tokenizing"));
+        assert_eq!(ours.1, plain.1);
+        (plain.0, ours.0, plain.1.len())
+    };
     for repeats in [100, 3200] {
         let text = format!(
             "<|im_start|>user\n{}<|im_end|>\n",
             "The quick brown fox jumps over the lazy dog. ".repeat(repeats)
         );
-        let (one, want) = median_ms(|| {
-            let encoding = plain.encode_fast(text.as_str(), false).expect("tokenizing");
-            encoding.get_ids().to_vec()
-        });
-        let (cut, got) = median_ms(|| ours.encode(&text).expect("tokenizing"));
-        assert_eq!(got, want);
-        println!(
-            "{} tokens: one thread {one:.2} ms, cut {cut:.2} ms",
-            want.len()
-        );
+        let (one, cut, tokens) = both(&text);
+        println!("{tokens} tokens: one thread {one:.2} ms, cut {cut:.2} ms");
         let next = format!(
             "{text}<|im_start|>assistant\nSure.<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n"
         );
-        let (fresh, want) = median_ms(|| {
-            let encoding = plain.encode_fast(next.as_str(), false).expect("tokenizing");
-            encoding.get_ids().to_vec()
-        });
-        let (reused, got) = median_ms(|| ours.encode(&next).expect("tokenizing"));
-        assert_eq!(got, want);
+        let (fresh, reused, _) = both(&next);
         println!(
             "  the next turn: one thread {fresh:.2} ms, from the last turn's ids {reused:.2} ms"
         );
