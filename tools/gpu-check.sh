@@ -127,7 +127,7 @@ fi
 if [ "$step" = all ] || [ "$step" = profile ]; then
   # Every kernel of the first decode steps, timed by Nsight Compute (clocks left alone); the
   # synthetic model's writing and the prefill launch other kernels, which the names leave out.
-  decode='regex:^(embed_rows|gemv_mma|gemv_q4|gemv_b|gemv_norm|gemv_add|gemv_rows|gdn_conv$|gdn_step$|gdn_gated_norm$|attn_prep$|attn_split$|attn_combine$|moe_route|moe_gate_up|moe_down|argmax)'
+  decode='regex:^(embed_rows|gemv_mma|gemv_q4|gemv_b|gemv_norm|gemv_add|gemv_rows|gdn_decode_step$|gdn_step$|attn_prep$|attn_split$|attn_combine$|moe_route|moe_gate_up|moe_down|argmax)'
   ncu --clock-control none --graph-profiling node --kernel-name "$decode" --launch-count 972 --csv \
     --metrics gpu__time_duration.sum .gpu/lily generate --model synthetic:qwen3.6-35b-a3b \
     --device cuda --tokens 1 --max-tokens 4 --temperature 0 --ignore-eos > "$out/ncu.csv" 2>"$out/ncu.err"
@@ -146,7 +146,7 @@ if [ "$step" = ncu-detail ]; then
     long_scoreboard barrier membar wait short_scoreboard math_pipe_throttle lg_throttle branch_resolving)
   stalls=${stalls%,}
   ncu --clock-control none --graph-profiling node \
-    --kernel-name "regex:^(${KERNELS:-gemv_mma_norm_b4_t1|gemv_mma_add_b4_t1|moe_route_gate_up_b4_r8|moe_down_b4_r1|gdn_conv|gdn_step})$" \
+    --kernel-name "regex:^(${KERNELS:-gemv_mma_norm_b4_t1|gemv_mma_add_b4_t1|moe_route_gate_up_b4_r8|moe_down_b4_r1|gdn_decode_step})$" \
     --launch-skip "${SKIP:-30}" --launch-count "${COUNT:-5}" --section SpeedOfLight --section Occupancy \
     --section WarpStateStats --section SchedulerStats --section InstructionStats --section LaunchStats \
     --section MemoryWorkloadAnalysis --metrics "$stalls" .gpu/lily generate --model synthetic:qwen3.6-35b-a3b --device cuda \

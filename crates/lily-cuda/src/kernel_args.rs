@@ -165,9 +165,11 @@ kernel_args! {
     GemvQ4Gated {
         m: MatArg, nx: i32, o: u64, proj: u64, norm_w: u64, eps: f32, y: u64, split: i32,
     }
-    GdnConv { proj: u64, conv_w: u64, window: RowPtrs, out: u64 }
     GdnStep { conv: u64, proj: u64, a_log: u64, dt_bias: u64, state: RowPtrs, out: u64 }
-    GdnGatedNorm { o: u64, proj: u64, w: u64, y: u64, eps: f32 }
+    GdnDecodeStep {
+        proj: u64, conv_w: u64, windows: RowPtrs, a_log: u64, dt_bias: u64, states: RowPtrs,
+        norm_w: u64, arrivals: u64, y: u64, eps: f32,
+    }
     AttnPrep {
         qkv: u64, q_norm: u64, k_norm: u64, pos: RowPtrs, q_out: u64, k_cache: RowPtrs,
         v_cache: RowPtrs, eps: f32,
@@ -319,9 +321,8 @@ pub fn entries() -> Vec<Entry> {
     all.extend(each::<GemvQ4Add>(q4("add")));
     all.extend(each::<GemvQ4Gated>(q4("gated")));
     all.extend(each::<GemvQ4Gdn>(q4("gdn")));
-    all.extend(each::<GdnConv>(one("gdn_conv")));
     all.extend(each::<GdnStep>(one("gdn_step")));
-    all.extend(each::<GdnGatedNorm>(one("gdn_gated_norm")));
+    all.extend(each::<GdnDecodeStep>(one("gdn_decode_step")));
     all.extend(each::<AttnPrep>(one("attn_prep")));
     all.extend(each::<AttnSplit>(one("attn_split")));
     all.extend(each::<AttnCombine>(one("attn_combine")));
@@ -466,7 +467,7 @@ mod tests {
         ));
         assert!(!instance(&p("gemv_b##BITS"), "gemv_norm_b4"));
         assert!(!instance(&p("gemm_b##BITS"), "gemm_wgmma_b4"));
-        assert!(instance(&p("gdn_conv"), "gdn_conv"));
-        assert!(!instance(&p("gdn_conv"), "gdn_conv_rows"));
+        assert!(instance(&p("gdn_scan"), "gdn_scan"));
+        assert!(!instance(&p("gdn_scan"), "gdn_scan_prep"));
     }
 }

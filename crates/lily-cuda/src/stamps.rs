@@ -49,7 +49,7 @@ pub struct LaunchStamps {
 /// What point k of a kernel marks (kernels/*.cu, `STAMP_AT(k)` and `STAMP_END(k)`), by the
 /// kernel's name; None for a point no kernel of that name stamps.
 pub fn point_name(kernel: &str, point: u8) -> Option<&'static str> {
-    const POINTS: [(&str, &[&str]); 5] = [
+    const POINTS: [(&str, &[&str]); 6] = [
         (
             "moe_route_gate_up_",
             &[
@@ -63,6 +63,7 @@ pub fn point_name(kernel: &str, point: u8) -> Option<&'static str> {
         ("moe_down_", &["act staged", "end"]),
         ("gemv_mma_", &["x staged", "end"]),
         ("gdn_step", &["end"]),
+        ("gdn_decode_step", &["end"]),
         ("attn_split", &["end"]),
     ];
     let (_, names) = POINTS
@@ -342,7 +343,7 @@ mod tests {
         );
         assert_eq!(point_name("gemv_mma_add_b4_t1", 2), Some("end"));
         assert_eq!(point_name("gemv_mma_add_b4_t1", 3), None);
-        assert_eq!(point_name("gdn_conv", 1), None);
+        assert_eq!(point_name("gdn_scan", 1), None);
         assert_eq!(point_name("moe_down_b4_r1", 0), None);
     }
 

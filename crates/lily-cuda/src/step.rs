@@ -19,7 +19,7 @@ use crate::gemv::{GemvForm, GemvRoute, gemv, mat_route};
 use crate::gemv_imma::{ConvOutput, GatedInput, IMMA_SLAB, gemv_gated, gemv_gdn_in};
 use crate::gpu::{Gpu, MAX_ROWS, RowInts, RowPtrs, ptr};
 use crate::kernel_args::{
-    ArgmaxFinal, ArgmaxPartial, AttnCombine, AttnPrep, AttnSplit, EmbedRows, GdnConv, GdnGatedNorm,
+    ArgmaxFinal, ArgmaxPartial, AttnCombine, AttnPrep, AttnSplit, EmbedRows, GdnDecodeStep,
     GdnStep, MoeDown, MoeRouteGateUp,
 };
 use crate::launch;
@@ -50,6 +50,9 @@ pub struct Scratch {
     /// A word a row: the router barrier's arrivals, back to zero after each launch (kernels/moe.cu,
     /// route_arrive); the integer path's router counts its finished blocks in it.
     pub route_sync: CudaSlice<u32>,
+    /// A word a (row, GDN key head): the value heads' arrivals once they have read the key head's
+    /// conv window, back to zero after each launch (kernels/gdn.cu, gdn_arrive).
+    pub gdn_arrivals: CudaSlice<u32>,
     pub logits: CudaSlice<f32>,
     pub arg_v: CudaSlice<f32>,
     pub arg_i: CudaSlice<i32>,
@@ -65,7 +68,7 @@ const DOWN_ROWS: usize = 2;
 const ARGMAX_BLOCKS: u32 = 128;
 
 /// Floats of each buffer of [`Scratch`] for one row, in field order.
-fn row_floats(c: &ModelConfig) -> [usize; 18] {
+fn row_floats(c: &ModelConfig) -> [usize; 19] {
     let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
     let gdn_proj = c.gdn_conv_dim() + c.gdn_value_dim() + 2 * c.linear_num_value_heads;
     let attn_proj = nh * 2 * hd + 2 * nkv * hd;
@@ -86,6 +89,7 @@ fn row_floats(c: &ModelConfig) -> [usize; 18] {
         c.experts_per_token,
         c.experts_per_token * c.moe_intermediate_size + c.shared_intermediate_size,
         1,
+        c.linear_num_key_heads,
         c.vocab_size,
         ARGMAX_BLOCKS as usize,
         ARGMAX_BLOCKS as usize,
@@ -110,6 +114,7 @@ impl Scratch {
             weights,
             act,
             route_sync,
+            gdn_arrivals,
             logits,
             arg_v,
             arg_i,
@@ -130,6 +135,7 @@ impl Scratch {
             weights: gpu.zeros(weights)?,
             act: gpu.zeros(act)?,
             route_sync: gpu.zeros(route_sync)?,
+            gdn_arrivals: gpu.zeros(gdn_arrivals)?,
             logits: gpu.zeros(logits)?,
             arg_v: gpu.zeros(arg_v)?,
             arg_i: gpu.zeros(arg_i)?,
@@ -145,6 +151,13 @@ impl Scratch {
 
 fn round_up_warp(n: usize) -> u32 {
     (n.div_ceil(32) * 32).min(1024) as u32
+}
+
+/// Row groups of `gdn_decode_step`'s block (kernels/gdn.cu, GDN_GROUPS): a value head's `dv`
+/// columns each held by that many threads, each with a slice of the state's rows, in at most
+/// 1,024 threads (lib.rs refuses `dv` above that).
+pub(crate) fn gdn_row_groups(dv: usize) -> usize {
+    (1024 / dv.max(1)).clamp(1, 4)
 }
 
 /// One sequence's row in a decode step: its state, and the tokens its greedy choice ranges
@@ -333,8 +346,13 @@ pub fn encode_step(
                 } = g.as_ref();
                 let (window, recurrent) = gdn_rows(step_rows, l, st)?;
                 let mats = [&proj[0], &proj[1], &proj[2], &proj[3]];
-                let conv_dim = c.gdn_conv_dim();
-                if mat_route(gpu, &proj[0]) == GemvRoute::Imma {
+                let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
+                let imma = mat_route(gpu, &proj[0]) == GemvRoute::Imma
+                    && mat_route(gpu, out_proj) == GemvRoute::Imma
+                    && dv.is_multiple_of(IMMA_SLAB);
+                if imma {
+                    // The integer route: the conv in the input projection, the gated norm in
+                    // the output projection's staging.
                     let out = ConvOutput {
                         conv_w: p(conv),
                         window,
@@ -342,65 +360,46 @@ pub fn encode_step(
                     };
                     let input = (p(&s.hidden), p(&layer.input_norm), eps);
                     gemv_gdn_in(gpu, &mats, n, input, p(&s.proj), out)?;
-                } else {
-                    gemv(gpu, input_norm, &mats, n, p(&s.hidden), p(&s.proj))?;
-                    let args = GdnConv {
+                    let cols = dv.min(32);
+                    let args = GdnStep {
+                        conv: p(&s.conv_out),
                         proj: p(&s.proj),
-                        conv_w: p(conv),
-                        window,
-                        out: p(&s.conv_out),
+                        a_log: p(a_log),
+                        dt_bias: p(dt_bias),
+                        state: recurrent,
+                        out: p(&s.gdn_o),
                     };
                     launch!(
                         gpu,
-                        "gdn_conv",
-                        (conv_dim.div_ceil(256) as u32, b, 1),
-                        256,
+                        "gdn_step",
+                        (nv as u32, dv.div_ceil(cols) as u32, b),
+                        (cols * 4) as u32,
                         args
                     );
-                }
-                let (nv, dv) = (c.linear_num_value_heads, c.linear_value_head_dim);
-                let cols = dv.min(32);
-                let args = GdnStep {
-                    conv: p(&s.conv_out),
-                    proj: p(&s.proj),
-                    a_log: p(a_log),
-                    dt_bias: p(dt_bias),
-                    state: recurrent,
-                    out: p(&s.gdn_o),
-                };
-                launch!(
-                    gpu,
-                    "gdn_step",
-                    (nv as u32, dv.div_ceil(cols) as u32, b),
-                    (cols * 4) as u32,
-                    args
-                );
-                let (o, norm_w) = (p(&s.gdn_o), p(norm));
-                if mat_route(gpu, out_proj) == GemvRoute::Imma && dv.is_multiple_of(IMMA_SLAB) {
                     mark("gated deltanet")?;
-                    let proj = p(&s.proj);
                     let input = GatedInput {
-                        o,
-                        proj,
-                        norm_w,
+                        o: p(&s.gdn_o),
+                        proj: p(&s.proj),
+                        norm_w: p(norm),
                         eps,
                     };
                     gemv_gated(gpu, out_proj, n, input, p(&s.hidden))?;
                 } else {
-                    let args = GdnGatedNorm {
-                        o,
+                    gemv(gpu, input_norm, &mats, n, p(&s.hidden), p(&s.proj))?;
+                    let args = GdnDecodeStep {
                         proj: p(&s.proj),
-                        w: norm_w,
+                        conv_w: p(conv),
+                        windows: window,
+                        a_log: p(a_log),
+                        dt_bias: p(dt_bias),
+                        states: recurrent,
+                        norm_w: p(norm),
+                        arrivals: ptr(&s.gdn_arrivals, st),
                         y: p(&s.gdn_y),
                         eps,
                     };
-                    launch!(
-                        gpu,
-                        "gdn_gated_norm",
-                        (nv as u32, b, 1),
-                        round_up_warp(dv),
-                        args
-                    );
+                    let threads = round_up_warp(dv * gdn_row_groups(dv));
+                    launch!(gpu, "gdn_decode_step", (nv as u32, b, 1), threads, args);
                     mark("gated deltanet")?;
                     gemv(
                         gpu,
