@@ -11,6 +11,7 @@ pub mod compile;
 pub mod decode;
 mod decoding;
 pub mod gdn_chunked;
+pub mod gdn_decode;
 pub mod gdn_prefill;
 pub mod gemm;
 pub mod gemm_wgmma;

@@ -15,6 +15,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use lily_core::config::ModelConfig;
 
 use crate::compile::{ATTN_COMBINE_THREADS, MAX_ATTN_SPLITS};
+use crate::gdn_decode::{arrival_words, gdn_decode_step};
 use crate::gemv::{GemvForm, GemvRoute, gemv, mat_route};
 use crate::gemv_imma::{ConvOutput, GatedInput, IMMA_SLAB, gemv_gated, gemv_gdn_in};
 use crate::gpu::{Gpu, MAX_ROWS, RowInts, RowPtrs, ptr};
@@ -89,7 +90,7 @@ fn row_floats(c: &ModelConfig) -> [usize; 19] {
         c.experts_per_token,
         c.experts_per_token * c.moe_intermediate_size + c.shared_intermediate_size,
         1,
-        c.linear_num_key_heads,
+        arrival_words(c, 1),
         c.vocab_size,
         ARGMAX_BLOCKS as usize,
         ARGMAX_BLOCKS as usize,
@@ -147,17 +148,6 @@ impl Scratch {
     pub fn bytes(c: &ModelConfig) -> usize {
         row_floats(c).iter().sum::<usize>() * MAX_ROWS * 4
     }
-}
-
-fn round_up_warp(n: usize) -> u32 {
-    (n.div_ceil(32) * 32).min(1024) as u32
-}
-
-/// Row groups of `gdn_decode_step`'s block (kernels/gdn.cu, GDN_GROUPS): a value head's `dv`
-/// columns each held by that many threads, each with a slice of the state's rows, in at most
-/// 1,024 threads (lib.rs refuses `dv` above that).
-pub(crate) fn gdn_row_groups(dv: usize) -> usize {
-    (1024 / dv.max(1)).clamp(1, 4)
 }
 
 /// One sequence's row in a decode step: its state, and the tokens its greedy choice ranges
@@ -398,8 +388,7 @@ pub fn encode_step(
                         y: p(&s.gdn_y),
                         eps,
                     };
-                    let threads = round_up_warp(dv * gdn_row_groups(dv));
-                    launch!(gpu, "gdn_decode_step", (nv as u32, b, 1), threads, args);
+                    gdn_decode_step(gpu, c, n, args)?;
                     mark("gated deltanet")?;
                     gemv(
                         gpu,
