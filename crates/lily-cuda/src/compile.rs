@@ -370,6 +370,10 @@ pub fn model_defines(c: &ModelConfig, kv: KvPrecision) -> Vec<(String, String)> 
         d("DK", c.linear_key_head_dim.to_string()),
         d("DV", c.linear_value_head_dim.to_string()),
         d("CONV_K", c.conv_kernel.to_string()),
+        d(
+            "GDN_GROUPS",
+            crate::gdn_decode::gdn_row_groups(c.linear_value_head_dim).to_string(),
+        ),
         d("HIDDEN", c.hidden_size.to_string()),
         d("MOE_INTER", c.moe_intermediate_size.to_string()),
         d("SHARED_INTER", c.shared_intermediate_size.to_string()),
