@@ -25,7 +25,9 @@ extern "C" __global__ void gdn_step(const float* conv, const float* proj, const 
 // block (GDN_GROUPS row groups of DV columns). As three launches (conv, step, norm) the two small
 // ones cost the chain ~3.3 and ~2.2 µs a layer for work that takes a fraction of that here: the
 // conv's taps and weights are read before the wait like the state, and the norm's sum is one more
-// reduction in a block that already holds the head's whole output.
+// reduction in a block that already holds the head's whole output. Measured on the H100: +3.2 %
+// at B = 1 where +6 % was predicted (64 KB of state in and out of each of only 32 SMs), nothing
+// at B = 8 (256 blocks of 512 threads, two waves); docs/BENCHMARKS.md, twentieth session.
 #define GDN_THREADS ((DV * GDN_GROUPS + WARP - 1) / WARP * WARP)
 #define GDN_ROWS ((DK + GDN_GROUPS - 1) / GDN_GROUPS)   // state rows a thread holds
 #define GDN_QK_ITEMS ((2 * DK + GDN_THREADS - 1) / GDN_THREADS)   // q|k channels a thread convolves
