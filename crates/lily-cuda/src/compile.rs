@@ -481,7 +481,7 @@ mod tests {
     /// Kernels are launched allowed to start before their predecessor ends (gpu.rs), so every
     /// entry point must reach `pdl_wait()` before it touches another kernel's output: directly, or
     /// through one of the shared bodies that call it after requesting only weights, or handing it
-    /// to a body that first reads only the kernel's own state (`gdn_step_cols`).
+    /// to a body that first reads only the kernel's own state (`gdn_step_cols`, `gdn_decode_head`).
     #[test]
     fn every_kernel_waits_for_its_predecessor() {
         const WAITING_BODIES: [&str; 12] = [

@@ -85,10 +85,13 @@ __device__ __forceinline__ u32 gdn_arrive(u32* word) {
     return before;
 }
 
-extern "C" __global__ void __launch_bounds__(GDN_THREADS)
-    gdn_decode_step(const float* proj, const float* conv_w, RowPtrs windows, const float* a_log, const float* dt_bias,
-                    RowPtrs states, const float* norm_w, u32* arrivals, float* y, float eps) {
-    __shared__ GdnDecodeSmem sm;
+// gdn_decode_step's body for the row's value head j; it waits through `wait` once it has
+// requested what no kernel before it in the step writes.
+template <class Wait>
+__device__ __forceinline__ void gdn_decode_head(const float* proj, const float* conv_w, RowPtrs windows,
+                                                const float* a_log, const float* dt_bias, RowPtrs states,
+                                                const float* norm_w, u32* arrivals, float* y, float eps,
+                                                GdnDecodeSmem& sm, Wait wait) {
     const int j = blockIdx.x, row = blockIdx.y, kh = j / (NV / NK), t = threadIdx.x;
     const int c = t % DV, rg = t / DV;
     const bool active = rg < GDN_GROUPS;
@@ -121,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS)
     for (int k = 0; k < CONV_K - 1; k++) v_tap[k] = active ? window[k * CONV_DIM + vch] : 0.f;
     const float a_log_j = a_log[j], dt_bias_j = dt_bias[j], w_c = active ? norm_w[c] : 0.f;
 
-    pdl_wait();
+    wait();
     const float b = load_act(proj + CONV_DIM + NV * DV + j);
     const float a = load_act(proj + CONV_DIM + NV * DV + NV + j);
     const float z = active ? load_act(proj + CONV_DIM + j * DV + c) : 0.f;
@@ -204,5 +207,15 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS)
         }
         if (t == 0) arrivals[row * NK + kh] = 0;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(GDN_THREADS)
+    gdn_decode_step(const float* proj, const float* conv_w, RowPtrs windows, const float* a_log, const float* dt_bias,
+                    RowPtrs states, const float* norm_w, u32* arrivals, float* y, float eps) {
+    __shared__ GdnDecodeSmem sm;
+    // The state, the conv window and the weights are read before the wait: the first two only
+    // this layer's step of the previous token wrote.
+    gdn_decode_head(proj, conv_w, windows, a_log, dt_bias, states, norm_w, arrivals, y, eps, sm,
+                    [] { pdl_wait(); });
     STAMP_END(1)
 }
