@@ -198,6 +198,19 @@ __device__ float block_sum(float v, float* scratch) {
     return total;
 }
 
+// Two sums over the whole block with one pair of barriers; scratch holds two floats per warp.
+__device__ float2 block_sum_pair(float a, float b, float (*scratch)[WARP]) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = (blockDim.x + WARP - 1) / WARP;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    __syncthreads();
+    if (lane == 0) scratch[0][warp] = a, scratch[1][warp] = b;
+    __syncthreads();
+    float2 total = make_float2(0.f, 0.f);
+    for (int i = 0; i < warps; i++) total.x += scratch[0][i], total.y += scratch[1][i];
+    return total;
+}
+
 __device__ float block_max(float v, float* scratch) {
     int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = (blockDim.x + WARP - 1) / WARP;
     v = warp_max(v);

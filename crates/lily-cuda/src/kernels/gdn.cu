@@ -20,7 +20,6 @@ extern "C" __global__ void gdn_step(const float* conv, const float* proj, const 
     STAMP_END(1)
 }
 
-
 // gdn_decode_step: the conv, the delta rule and the gated norm of one value head of one row, a
 // block (GDN_GROUPS row groups of DV columns). As three launches (conv, step, norm) the two small
 // ones cost the chain ~3.3 and ~2.2 µs a layer for work that takes a fraction of that here: the
@@ -38,19 +37,6 @@ struct GdnDecodeSmem {
     float scratch[2][WARP];
     int last;
 };
-
-// Two sums over the whole block with one pair of barriers.
-__device__ float2 block_sum_pair(float a, float b, float (*scratch)[WARP]) {
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP, warps = (blockDim.x + WARP - 1) / WARP;
-    a = warp_sum(a);
-    b = warp_sum(b);
-    __syncthreads();
-    if (lane == 0) scratch[0][warp] = a, scratch[1][warp] = b;
-    __syncthreads();
-    float2 total = make_float2(0.f, 0.f);
-    for (int i = 0; i < warps; i++) total.x += scratch[0][i], total.y += scratch[1][i];
-    return total;
-}
 
 // The conv of one channel from its taps (the window's CONV_K-1 inputs, oldest first) and its
 // new input, then SiLU: gdn_conv_channel's arithmetic, in its order.
