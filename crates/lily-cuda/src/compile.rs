@@ -370,10 +370,6 @@ pub fn model_defines(c: &ModelConfig, kv: KvPrecision) -> Vec<(String, String)> 
         d("DK", c.linear_key_head_dim.to_string()),
         d("DV", c.linear_value_head_dim.to_string()),
         d("CONV_K", c.conv_kernel.to_string()),
-        d(
-            "GDN_GROUPS",
-            crate::gdn_decode::gdn_row_groups(c.linear_value_head_dim).to_string(),
-        ),
         d("HIDDEN", c.hidden_size.to_string()),
         d("MOE_INTER", c.moe_intermediate_size.to_string()),
         d("SHARED_INTER", c.shared_intermediate_size.to_string()),
@@ -481,7 +477,7 @@ mod tests {
     /// Kernels are launched allowed to start before their predecessor ends (gpu.rs), so every
     /// entry point must reach `pdl_wait()` before it touches another kernel's output: directly, or
     /// through one of the shared bodies that call it after requesting only weights, or handing it
-    /// to a body that first reads only the kernel's own state (`gdn_step_cols`, `gdn_decode_head`).
+    /// to a body that first reads only the kernel's own state (`gdn_step_cols`, `gdn_decode_cols`).
     #[test]
     fn every_kernel_waits_for_its_predecessor() {
         const WAITING_BODIES: [&str; 12] = [

@@ -168,7 +168,7 @@ kernel_args! {
     GdnStep { conv: u64, proj: u64, a_log: u64, dt_bias: u64, state: RowPtrs, out: u64 }
     GdnDecodeStep {
         proj: u64, conv_w: u64, windows: RowPtrs, a_log: u64, dt_bias: u64, states: RowPtrs,
-        norm_w: u64, arrivals: u64, y: u64, eps: f32,
+        norm_w: u64, arrivals: u64, o: u64, sumsq: u64, y: u64, eps: f32,
     }
     AttnPrep {
         qkv: u64, q_norm: u64, k_norm: u64, pos: RowPtrs, q_out: u64, k_cache: RowPtrs,

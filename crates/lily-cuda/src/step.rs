@@ -15,7 +15,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use lily_core::config::ModelConfig;
 
 use crate::compile::{ATTN_COMBINE_THREADS, MAX_ATTN_SPLITS};
-use crate::gdn_decode::{arrival_words, gdn_decode_step};
+use crate::gdn_decode::{arrival_words, gdn_decode_step, sumsq_floats};
 use crate::gemv::{GemvForm, GemvRoute, gemv, mat_route};
 use crate::gemv_imma::{ConvOutput, GatedInput, IMMA_SLAB, gemv_gated, gemv_gdn_in};
 use crate::gpu::{Gpu, MAX_ROWS, RowInts, RowPtrs, ptr};
@@ -51,9 +51,12 @@ pub struct Scratch {
     /// A word a row: the router barrier's arrivals, back to zero after each launch (kernels/moe.cu,
     /// route_arrive); the integer path's router counts its finished blocks in it.
     pub route_sync: CudaSlice<u32>,
-    /// A word a (row, GDN key head): the value heads' arrivals once they have read the key head's
-    /// conv window, back to zero after each launch (kernels/gdn.cu, gdn_arrive).
+    /// A word a (row, GDN key head), then a (row, value head): the blocks' arrivals once they
+    /// have read the key head's conv window or left their part of the head's norm, back to zero
+    /// after each launch (kernels/gdn.cu, gdn_arrive).
     pub gdn_arrivals: CudaSlice<u32>,
+    /// The GDN norm's partial sums of squares, one a column block of a value head.
+    pub gdn_sumsq: CudaSlice<f32>,
     pub logits: CudaSlice<f32>,
     pub arg_v: CudaSlice<f32>,
     pub arg_i: CudaSlice<i32>,
@@ -69,7 +72,7 @@ const DOWN_ROWS: usize = 2;
 const ARGMAX_BLOCKS: u32 = 128;
 
 /// Floats of each buffer of [`Scratch`] for one row, in field order.
-fn row_floats(c: &ModelConfig) -> [usize; 19] {
+fn row_floats(c: &ModelConfig) -> [usize; 20] {
     let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
     let gdn_proj = c.gdn_conv_dim() + c.gdn_value_dim() + 2 * c.linear_num_value_heads;
     let attn_proj = nh * 2 * hd + 2 * nkv * hd;
@@ -91,6 +94,7 @@ fn row_floats(c: &ModelConfig) -> [usize; 19] {
         c.experts_per_token * c.moe_intermediate_size + c.shared_intermediate_size,
         1,
         arrival_words(c, 1),
+        sumsq_floats(c, 1),
         c.vocab_size,
         ARGMAX_BLOCKS as usize,
         ARGMAX_BLOCKS as usize,
@@ -116,6 +120,7 @@ impl Scratch {
             act,
             route_sync,
             gdn_arrivals,
+            gdn_sumsq,
             logits,
             arg_v,
             arg_i,
@@ -137,6 +142,7 @@ impl Scratch {
             act: gpu.zeros(act)?,
             route_sync: gpu.zeros(route_sync)?,
             gdn_arrivals: gpu.zeros(gdn_arrivals)?,
+            gdn_sumsq: gpu.zeros(gdn_sumsq)?,
             logits: gpu.zeros(logits)?,
             arg_v: gpu.zeros(arg_v)?,
             arg_i: gpu.zeros(arg_i)?,
@@ -385,6 +391,8 @@ pub fn encode_step(
                         states: recurrent,
                         norm_w: p(norm),
                         arrivals: ptr(&s.gdn_arrivals, st),
+                        o: p(&s.gdn_o),
+                        sumsq: p(&s.gdn_sumsq),
                         y: p(&s.gdn_y),
                         eps,
                     };
