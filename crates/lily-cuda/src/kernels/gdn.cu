@@ -82,9 +82,6 @@ __device__ __forceinline__ bool gdn_was_last(u32 before, u32* word, u32 arrivals
     return last;
 }
 
-// arrivals: NK words a row (the key head's q|k window: every column block of its value heads
-// convolves it, none may slide it before all have read it), then NV (the value head's norm).
-// o and sumsq: a row's NV·DV columns of o and NV·GDN_CG partial sums of squares.
 // gdn_decode_step's body for column block cg of the row's value head j; it waits through `wait`
 // once it has requested what no kernel before it in the step writes.
 template <class Wait>
@@ -249,12 +246,15 @@ __device__ __forceinline__ void gdn_decode_cols(const float* proj, const float* 
 
 extern "C" __global__ void __launch_bounds__(GDN_THREADS)
     gdn_decode_step(const float* proj, const float* conv_w, RowPtrs windows, const float* a_log, const float* dt_bias,
-                    RowPtrs states, const float* norm_w, u32* arrivals, float* o_rows, float* sumsq, float* y,
+                    RowPtrs states, const float* norm_w, u32* arrivals, float* o, float* sumsq, float* y,
                     float eps) {
     __shared__ GdnDecodeSmem sm;
     // The state, the conv window and the weights are read before the wait: the first two only
     // this layer's step of the previous token wrote.
-    gdn_decode_cols(proj, conv_w, windows, a_log, dt_bias, states, norm_w, arrivals, o_rows, sumsq, y, eps, sm,
+    // arrivals: NK words a row (the key head's q|k window: every column block of its value heads
+    // convolves it, none may slide it before all have read it), then NV (the value head's norm).
+    // o and sumsq: a row's NV·DV columns of o and NV·GDN_CG partial sums of squares.
+    gdn_decode_cols(proj, conv_w, windows, a_log, dt_bias, states, norm_w, arrivals, o, sumsq, y, eps, sm,
                     [] { pdl_wait(); });
     STAMP_END(1)
 }
