@@ -23,6 +23,7 @@ use crate::kernel_args::{
     ArgmaxFinal, ArgmaxPartial, AttnCombine, AttnPrep, AttnSplit, EmbedRows, GdnDecodeStep,
     GdnStep, MoeDown, MoeRouteGateUp,
 };
+use crate::l2_ahead::{AheadArgs, AheadSite};
 use crate::launch;
 use crate::mat::{XS_COLS, wave_shape};
 use crate::moe_imma::{experts_imma, moe_imma_fits};
@@ -196,6 +197,7 @@ fn experts(
     post_norm: u64,
     s: &Scratch,
     rows: usize,
+    ahead: AheadArgs,
 ) -> Result<()> {
     if moe_imma_fits(gpu, c, m) {
         return experts_imma(gpu, c, m, post_norm, s, rows);
@@ -264,6 +266,8 @@ fn experts(
         weights: p(&s.weights),
         sync: ptr(&s.route_sync, &gpu.stream),
         act: p(&s.act),
+        ahead: ahead.spans,
+        ahead_spans: ahead.count,
     };
     // Output rows per warp and unit, eight warps a block: one for one sequence, which would fill
     // half the GPU with two (kernels/moe_decode.cuh, DOWN_ROWS).
@@ -330,6 +334,7 @@ pub fn encode_step(
     // and the mixer output and expert down projections add into it.
     for (l, layer) in w.layers.iter().enumerate() {
         let input_norm = GemvForm::Norm(p(&layer.input_norm), eps);
+        let out_ahead = w.ahead.at(gpu, l, AheadSite::MixerOut);
         match &layer.mixer {
             DeviceMixer::GatedDeltaNet(g) => {
                 let DeviceGdn {
@@ -395,6 +400,8 @@ pub fn encode_step(
                         sumsq: p(&s.gdn_sumsq),
                         y: p(&s.gdn_y),
                         eps,
+                        ahead: out_ahead.spans,
+                        ahead_spans: out_ahead.count,
                     };
                     gdn_decode_step(gpu, c, n, args)?;
                     mark("gated deltanet")?;
@@ -437,6 +444,8 @@ pub fn encode_step(
                     k_cache: k,
                     v_cache: v,
                     eps,
+                    ahead: out_ahead.spans,
+                    ahead_spans: out_ahead.count,
                 };
                 launch!(gpu, "attn_prep", ((nh + nkv) as u32, b, 1), 32, args);
                 let splits = step_rows
@@ -482,7 +491,8 @@ pub fn encode_step(
                 mark("mixer output gemv")?;
             }
         }
-        experts(gpu, c, &layer.moe, p(&layer.post_norm), s, n)?;
+        let ahead = w.ahead.at(gpu, l, AheadSite::Route);
+        experts(gpu, c, &layer.moe, p(&layer.post_norm), s, n, ahead)?;
         mark("experts")?;
     }
     gemv(

@@ -54,6 +54,13 @@ fn decode_tokens_match_the_cpu_reference() {
             for (r, d) in dev.iter().enumerate() {
                 (windows.p[r], states.p[r]) = (p(&d.window), p(&d.state));
             }
+            // The rows' states requested into L2 as a later kernel's weights would be: a hint,
+            // which must change nothing, a span a row over the launch's blocks.
+            let spans: Vec<u64> = dev
+                .iter()
+                .flat_map(|d| [p(&d.state), (4 * d.state.len()) as u64 & !15])
+                .collect();
+            let spans = gpu.upload(&spans).unwrap();
             let arrivals = gpu.zeros::<u32>(arrival_words(&c, rows)).unwrap();
             let o = gpu.zeros::<f32>(rows * c.gdn_value_dim()).unwrap();
             let sumsq = gpu.zeros::<f32>(sumsq_floats(&c, rows)).unwrap();
@@ -79,6 +86,8 @@ fn decode_tokens_match_the_cpu_reference() {
                     sumsq: p(&sumsq),
                     y: p(&y),
                     eps: c.rms_norm_eps,
+                    ahead: ptr(&spans, &gpu.stream),
+                    ahead_spans: rows as i32,
                 };
                 gdn_decode_step(&gpu, &c, rows, args).unwrap();
                 gpu.sync().unwrap();

@@ -247,14 +247,20 @@ __device__ __forceinline__ void gdn_decode_cols(const float* proj, const float* 
 extern "C" __global__ void __launch_bounds__(GDN_THREADS)
     gdn_decode_step(const float* proj, const float* conv_w, RowPtrs windows, const float* a_log, const float* dt_bias,
                     RowPtrs states, const float* norm_w, u32* arrivals, float* o, float* sumsq, float* y,
-                    float eps) {
+                    float eps, const L2Span* ahead, int ahead_spans) {
     __shared__ GdnDecodeSmem sm;
     // The state, the conv window and the weights are read before the wait: the first two only
     // this layer's step of the previous token wrote.
     // arrivals: NK words a row (the key head's q|k window: every column block of its value heads
     // convolves it, none may slide it before all have read it), then NV (the value head's norm).
     // o and sumsq: a row's NV·DV columns of o and NV·GDN_CG partial sums of squares.
-    gdn_decode_cols(proj, conv_w, windows, a_log, dt_bias, states, norm_w, arrivals, o, sumsq, y, eps, sm,
-                    [] { pdl_wait(); });
+    // Past the wait the DRAM has only the states to move: the output projection's weights
+    // (`ahead`) are requested into L2 then.
+    const L2Span ahead_span = l2_span_of(ahead, ahead_spans);
+    gdn_decode_cols(proj, conv_w, windows, a_log, dt_bias, states, norm_w, arrivals, o, sumsq, y, eps, sm, [&] {
+        pdl_wait();
+        l2_ahead(ahead_span, (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x,
+                 gridDim.x * gridDim.y * gridDim.z);
+    });
     STAMP_END(1)
 }
