@@ -370,6 +370,10 @@ pub fn model_defines(c: &ModelConfig, kv: KvPrecision) -> Vec<(String, String)> 
         d("DK", c.linear_key_head_dim.to_string()),
         d("DV", c.linear_value_head_dim.to_string()),
         d("CONV_K", c.conv_kernel.to_string()),
+        d(
+            "GDN_GROUPS",
+            crate::gdn_decode::gdn_row_groups(c.linear_value_head_dim).to_string(),
+        ),
         d("HIDDEN", c.hidden_size.to_string()),
         d("MOE_INTER", c.moe_intermediate_size.to_string()),
         d("SHARED_INTER", c.shared_intermediate_size.to_string()),
@@ -477,9 +481,7 @@ mod tests {
     /// Kernels are launched allowed to start before their predecessor ends (gpu.rs), so every
     /// entry point must reach `pdl_wait()` before it touches another kernel's output: directly, or
     /// through one of the shared bodies that call it after requesting only weights, or handing it
-    /// to a body that first reads only the kernel's own state (`gdn_step_cols`, `gdn_decode_cols`).
-    /// A launch's slice of the L2 requests' table (`l2_span_of`, written with the weights) may be
-    /// read before.
+    /// to a body that first reads only the kernel's own state (`gdn_step_cols`, `gdn_decode_head`).
     #[test]
     fn every_kernel_waits_for_its_predecessor() {
         const WAITING_BODIES: [&str; 12] = [
@@ -501,14 +503,12 @@ mod tests {
             assert!(!pieces.is_empty(), "{}.cu has no kernels", file.name);
             for piece in pieces {
                 let body = &piece[piece.find('{').expect("a kernel body")..];
-                // The first statement after the block's shared-memory declarations and its
-                // reads of the requests' table.
+                // The first statement after the block's shared-memory declarations.
                 let first = body
                     .split(';')
                     .find(|s| {
                         !s.trim_start_matches(['{', ' ', '\n', '\\'])
                             .starts_with("__shared__")
-                            && !s.contains("l2_span_of(")
                     })
                     .unwrap_or_default();
                 let waits = first.contains("pdl_wait()")

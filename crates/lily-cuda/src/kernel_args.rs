@@ -168,12 +168,11 @@ kernel_args! {
     GdnStep { conv: u64, proj: u64, a_log: u64, dt_bias: u64, state: RowPtrs, out: u64 }
     GdnDecodeStep {
         proj: u64, conv_w: u64, windows: RowPtrs, a_log: u64, dt_bias: u64, states: RowPtrs,
-        norm_w: u64, arrivals: u64, o: u64, sumsq: u64, y: u64, eps: f32, ahead: u64,
-        ahead_spans: i32,
+        norm_w: u64, arrivals: u64, y: u64, eps: f32,
     }
     AttnPrep {
         qkv: u64, q_norm: u64, k_norm: u64, pos: RowPtrs, q_out: u64, k_cache: RowPtrs,
-        v_cache: RowPtrs, eps: f32, ahead: u64, ahead_spans: i32,
+        v_cache: RowPtrs, eps: f32,
     }
     AttnSplit {
         q: u64, k_cache: RowPtrs, v_cache: RowPtrs, pos: RowPtrs, nsplit: RowInts, part_ml: u64,
@@ -184,7 +183,7 @@ kernel_args! {
     MoeRouteGateUp {
         router: MatArg, shared_logit: MatArg, gate: MatArg, up: MatArg, shared_gate: MatArg,
         shared_up: MatArg, hidden: u64, norm_w: u64, eps: f32, logits: u64, ids: u64,
-        weights: u64, sync: u64, act: u64, ahead: u64, ahead_spans: i32,
+        weights: u64, sync: u64, act: u64,
     }
     /// `moe_route_imma_t*`.
     MoeRouteImma {

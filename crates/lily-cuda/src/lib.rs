@@ -19,7 +19,6 @@ pub mod gemv;
 pub mod gemv_imma;
 pub mod gpu;
 pub mod kernel_args;
-pub mod l2_ahead;
 pub mod mat;
 mod measure;
 pub mod moe_imma;

@@ -144,20 +144,6 @@ impl DeviceMat {
         ])
     }
 
-    /// Where its codes, scales and biases lie in device memory, and their bytes (a dense
-    /// weight's scales and biases are empty).
-    pub fn spans(&self, gpu: &Gpu) -> [(u64, usize); 3] {
-        let halves = |s: &Option<CudaSlice<u16>>| {
-            s.as_ref()
-                .map_or((0, 0), |s| (ptr(s, &gpu.stream), 2 * s.len()))
-        };
-        [
-            (ptr(&self.w, &gpu.stream), self.w.len()),
-            halves(&self.scales),
-            halves(&self.biases),
-        ]
-    }
-
     pub fn arg(&self, gpu: &Gpu) -> MatArg {
         MatArg {
             w: ptr(&self.w, &gpu.stream),

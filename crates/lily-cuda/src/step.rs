@@ -15,7 +15,7 @@ use cudarc::driver::{CudaSlice, CudaStream};
 use lily_core::config::ModelConfig;
 
 use crate::compile::{ATTN_COMBINE_THREADS, MAX_ATTN_SPLITS};
-use crate::gdn_decode::{arrival_words, gdn_decode_step, sumsq_floats};
+use crate::gdn_decode::{arrival_words, gdn_decode_step};
 use crate::gemv::{GemvForm, GemvRoute, gemv, mat_route};
 use crate::gemv_imma::{ConvOutput, GatedInput, IMMA_SLAB, gemv_gated, gemv_gdn_in};
 use crate::gpu::{Gpu, MAX_ROWS, RowInts, RowPtrs, ptr};
@@ -23,7 +23,6 @@ use crate::kernel_args::{
     ArgmaxFinal, ArgmaxPartial, AttnCombine, AttnPrep, AttnSplit, EmbedRows, GdnDecodeStep,
     GdnStep, MoeDown, MoeRouteGateUp,
 };
-use crate::l2_ahead::{AheadArgs, AheadSite};
 use crate::launch;
 use crate::mat::{XS_COLS, wave_shape};
 use crate::moe_imma::{experts_imma, moe_imma_fits};
@@ -52,12 +51,9 @@ pub struct Scratch {
     /// A word a row: the router barrier's arrivals, back to zero after each launch (kernels/moe.cu,
     /// route_arrive); the integer path's router counts its finished blocks in it.
     pub route_sync: CudaSlice<u32>,
-    /// A word a (row, GDN key head), then a (row, value head): the blocks' arrivals once they
-    /// have read the key head's conv window or left their part of the head's norm, back to zero
-    /// after each launch (kernels/gdn.cu, gdn_arrive).
+    /// A word a (row, GDN key head): the value heads' arrivals once they have read the key head's
+    /// conv window, back to zero after each launch (kernels/gdn.cu, gdn_arrive).
     pub gdn_arrivals: CudaSlice<u32>,
-    /// The GDN norm's partial sums of squares, one a column block of a value head.
-    pub gdn_sumsq: CudaSlice<f32>,
     pub logits: CudaSlice<f32>,
     pub arg_v: CudaSlice<f32>,
     pub arg_i: CudaSlice<i32>,
@@ -73,7 +69,7 @@ const DOWN_ROWS: usize = 2;
 const ARGMAX_BLOCKS: u32 = 128;
 
 /// Floats of each buffer of [`Scratch`] for one row, in field order.
-fn row_floats(c: &ModelConfig) -> [usize; 20] {
+fn row_floats(c: &ModelConfig) -> [usize; 19] {
     let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
     let gdn_proj = c.gdn_conv_dim() + c.gdn_value_dim() + 2 * c.linear_num_value_heads;
     let attn_proj = nh * 2 * hd + 2 * nkv * hd;
@@ -95,7 +91,6 @@ fn row_floats(c: &ModelConfig) -> [usize; 20] {
         c.experts_per_token * c.moe_intermediate_size + c.shared_intermediate_size,
         1,
         arrival_words(c, 1),
-        sumsq_floats(c, 1),
         c.vocab_size,
         ARGMAX_BLOCKS as usize,
         ARGMAX_BLOCKS as usize,
@@ -121,7 +116,6 @@ impl Scratch {
             act,
             route_sync,
             gdn_arrivals,
-            gdn_sumsq,
             logits,
             arg_v,
             arg_i,
@@ -143,7 +137,6 @@ impl Scratch {
             act: gpu.zeros(act)?,
             route_sync: gpu.zeros(route_sync)?,
             gdn_arrivals: gpu.zeros(gdn_arrivals)?,
-            gdn_sumsq: gpu.zeros(gdn_sumsq)?,
             logits: gpu.zeros(logits)?,
             arg_v: gpu.zeros(arg_v)?,
             arg_i: gpu.zeros(arg_i)?,
@@ -197,7 +190,6 @@ fn experts(
     post_norm: u64,
     s: &Scratch,
     rows: usize,
-    ahead: AheadArgs,
 ) -> Result<()> {
     if moe_imma_fits(gpu, c, m) {
         return experts_imma(gpu, c, m, post_norm, s, rows);
@@ -266,8 +258,6 @@ fn experts(
         weights: p(&s.weights),
         sync: ptr(&s.route_sync, &gpu.stream),
         act: p(&s.act),
-        ahead: ahead.spans,
-        ahead_spans: ahead.count,
     };
     // Output rows per warp and unit, eight warps a block: one for one sequence, which would fill
     // half the GPU with two (kernels/moe_decode.cuh, DOWN_ROWS).
@@ -334,7 +324,6 @@ pub fn encode_step(
     // and the mixer output and expert down projections add into it.
     for (l, layer) in w.layers.iter().enumerate() {
         let input_norm = GemvForm::Norm(p(&layer.input_norm), eps);
-        let out_ahead = w.ahead.at(gpu, l, AheadSite::MixerOut);
         match &layer.mixer {
             DeviceMixer::GatedDeltaNet(g) => {
                 let DeviceGdn {
@@ -396,12 +385,8 @@ pub fn encode_step(
                         states: recurrent,
                         norm_w: p(norm),
                         arrivals: ptr(&s.gdn_arrivals, st),
-                        o: p(&s.gdn_o),
-                        sumsq: p(&s.gdn_sumsq),
                         y: p(&s.gdn_y),
                         eps,
-                        ahead: out_ahead.spans,
-                        ahead_spans: out_ahead.count,
                     };
                     gdn_decode_step(gpu, c, n, args)?;
                     mark("gated deltanet")?;
@@ -444,8 +429,6 @@ pub fn encode_step(
                     k_cache: k,
                     v_cache: v,
                     eps,
-                    ahead: out_ahead.spans,
-                    ahead_spans: out_ahead.count,
                 };
                 launch!(gpu, "attn_prep", ((nh + nkv) as u32, b, 1), 32, args);
                 let splits = step_rows
@@ -491,8 +474,7 @@ pub fn encode_step(
                 mark("mixer output gemv")?;
             }
         }
-        let ahead = w.ahead.at(gpu, l, AheadSite::Route);
-        experts(gpu, c, &layer.moe, p(&layer.post_norm), s, n, ahead)?;
+        experts(gpu, c, &layer.moe, p(&layer.post_norm), s, n)?;
         mark("experts")?;
     }
     gemv(

@@ -12,7 +12,6 @@ use lily_core::config::{LayerKind, ModelConfig};
 use lily_core::weights::{Expert, LayerWeights, Linear, Mixer, ModelWeights};
 
 use crate::gpu::Gpu;
-use crate::l2_ahead::L2Ahead;
 use crate::mat::DeviceMat;
 
 /// Where the device weights come from; [`DeviceWeights::build`] asks for every tensor once.
@@ -43,8 +42,6 @@ pub struct DeviceWeights {
     pub layers: Vec<DeviceLayer>,
     pub final_norm: CudaSlice<f32>,
     pub lm_head: DeviceMat,
-    /// The spans each layer's decode launches request into L2 ahead of their readers.
-    pub ahead: L2Ahead,
 }
 
 pub struct DeviceLayer {
@@ -179,7 +176,6 @@ impl DeviceWeights {
         at.prefix.clear();
         Ok(DeviceWeights {
             embed,
-            ahead: L2Ahead::build(gpu, &layers)?,
             layers,
             final_norm: at.norm("norm.weight", h)?,
             lm_head: at.mat("lm_head", vocab, h)?,

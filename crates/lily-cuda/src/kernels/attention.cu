@@ -11,14 +11,10 @@
 
 // Per head (one warp a block): RMSNorm and RoPE (head_norm_rope); queries go to `q_out`, keys
 // and values into the cache at the current position. Blocks 0..NH-1 are query heads,
-// NH..NH+NKV-1 KV heads. The output projection's weights (`ahead`) are requested into L2 here,
-// three launches before the projection.
+// NH..NH+NKV-1 KV heads.
 extern "C" __global__ void attn_prep(const float* qkv, const float* q_norm, const float* k_norm, RowPtrs pos,
-                                     float* q_out, RowPtrs k_cache, RowPtrs v_cache, float eps,
-                                     const L2Span* ahead, int ahead_spans) {
-    const L2Span ahead_span = l2_span_of(ahead, ahead_spans);
+                                     float* q_out, RowPtrs k_cache, RowPtrs v_cache, float eps) {
     pdl_wait();
-    l2_ahead(ahead_span, blockIdx.y * gridDim.x + blockIdx.x, gridDim.x * gridDim.y);
     __shared__ float tmp[HD];
     int head = blockIdx.x, lane = threadIdx.x, row = blockIdx.y;
     qkv += row * ATTN_PROJ;

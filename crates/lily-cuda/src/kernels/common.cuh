@@ -176,38 +176,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// A byte range of a later kernel's weights (l2_ahead.rs): on a 16-byte boundary, a multiple of
-// 16 bytes. A launch that requests weights ahead takes a table of them, written with the weights.
-struct L2Span {
-    const char* p;
-    unsigned long long bytes;
-};
-// Bytes one block requests at a time: a production span (0.1-4.7 MB) comes to about one piece a
-// block of a launch.
-#define AHEAD_PIECE 16384u
-
-// Thread t < n's span of the table (read before the launch's wait: no kernel writes it), an
-// empty one for every other thread.
-__device__ __forceinline__ L2Span l2_span_of(const L2Span* spans, int n) {
-    return (int)threadIdx.x < n ? spans[threadIdx.x] : L2Span{nullptr, 0};
-}
-
-// Block blk of nblk requests its pieces of the thread's span into L2 and goes on: nothing waits
-// for the requests, and the kernel that reads the weights later finds them in L2 or, where they
-// did not come in time or were evicted, reads them from DRAM as before. A piece is one bulk
-// prefetch on sm_90, a line a request before it.
-__device__ __forceinline__ void l2_ahead(const L2Span& s, int blk, int nblk) {
-    for (unsigned long long off = (unsigned long long)blk * AHEAD_PIECE; off < s.bytes;
-         off += (unsigned long long)nblk * AHEAD_PIECE) {
-        const u32 n = (u32)min((unsigned long long)AHEAD_PIECE, s.bytes - off);
-#if __CUDA_ARCH__ >= 900
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(s.p + off), "r"(n) : "memory");
-#else
-        for (u32 line = 0; line < n; line += 128) prefetch_l2(s.p + off + line);
-#endif
-    }
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

@@ -20,25 +20,22 @@ extern "C" __global__ void gdn_step(const float* conv, const float* proj, const 
     STAMP_END(1)
 }
 
-// gdn_decode_step: the conv, the delta rule and the gated norm of one row's value head j,
-// GDN_COLS columns of it a block (4 row groups, as gdn_step). As three launches (conv, step,
-// norm) the two small ones cost the chain ~3.3 and ~2.2 µs a layer on the H100 for a fraction of
-// that in work: here the conv's taps and weights are read before the wait like the state. The
-// first form, a block a whole value head (the norm's sum inside it), put 64 KB of state in and
-// out of each of 32 SMs at B = 1 and needed two waves at B = 8: +3.2 % where this was to be +6 %.
-// A head's column blocks meet at the norm instead: each leaves its columns' o and sum of squares,
-// and the last to arrive normalises the head.
-#define GDN_CG ((DV + GDN_COLS - 1) / GDN_COLS)                          // column blocks a value head
-#define GDN_THREADS ((GDN_COLS * 4 + WARP - 1) / WARP * WARP)
-#define GDN_ROWS (DK / 4 + (DK % 4 != 0))                                // state rows a thread holds
-#define GDN_QK_ITEMS ((2 * DK + GDN_THREADS - 1) / GDN_THREADS)          // q|k channels a thread convolves
-#define GDN_HEAD_ITEMS ((DV + GDN_THREADS - 1) / GDN_THREADS)            // head columns a thread normalises
+// gdn_decode_step: the conv, the delta rule and the gated norm of one value head of one row, a
+// block (GDN_GROUPS row groups of DV columns). As three launches (conv, step, norm) the two small
+// ones cost the chain ~3.3 and ~2.2 µs a layer for work that takes a fraction of that here: the
+// conv's taps and weights are read before the wait like the state, and the norm's sum is one more
+// reduction in a block that already holds the head's whole output. Measured on the H100: +3.2 %
+// at B = 1 where +6 % was predicted (64 KB of state in and out of each of only 32 SMs), nothing
+// at B = 8 (256 blocks of 512 threads, two waves); docs/BENCHMARKS.md, twentieth session.
+#define GDN_THREADS ((DV * GDN_GROUPS + WARP - 1) / WARP * WARP)
+#define GDN_ROWS ((DK + GDN_GROUPS - 1) / GDN_GROUPS)   // state rows a thread holds
+#define GDN_QK_ITEMS ((2 * DK + GDN_THREADS - 1) / GDN_THREADS)   // q|k channels a thread convolves
 
 struct GdnDecodeSmem {
     float qn[DK], kn[DK];
-    float part[4][GDN_COLS];
+    float part[GDN_GROUPS][DV];
     float scratch[2][WARP];
-    int last_key, last_head;
+    int last;
 };
 
 // The conv of one channel from its taps (the window's CONV_K-1 inputs, oldest first) and its
@@ -62,36 +59,28 @@ __device__ __forceinline__ int gdn_qk_channel(int kh, int m) {
     return m < DK ? kh * DK + m : KEY_DIM + kh * DK + (m - DK);
 }
 
-// Blocks of one launch run in no set order, so where several share something, each arrives on
-// a word once its part is done (gdn_arrive) and the last to arrive (gdn_was_last) does what needs
-// them all, then puts the word back to zero for the next launch. A release add: an acquire would
-// hold the thread for the add's round trip to L2 where it is issued, and the key head's arrival
-// is only looked at at the block's end; the last takes its acquire with a fence.
+// The NV / NK value heads of a key head all convolve its q and k channels, so none may slide
+// that window before the others have read it, and the blocks of one launch run in no set order.
+// Each block arrives on its (row, key head) word once its taps are used; the last to arrive
+// slides the window and puts the word back to zero for the next launch. A release add: an
+// acquire would hold thread 0, and the block behind it, for the add's round trip to L2; the last
+// block takes its acquire with a fence once it knows it is last.
 __device__ __forceinline__ u32 gdn_arrive(u32* word) {
     u32 before;
     asm volatile("atom.release.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(word) : "memory");
     return before;
 }
 
-__device__ __forceinline__ bool gdn_was_last(u32 before, u32* word, u32 arrivals) {
-    const bool last = before == arrivals - 1;
-    if (last) {
-        asm volatile("fence.acq_rel.gpu;" ::: "memory");
-        *word = 0;
-    }
-    return last;
-}
-
-// gdn_decode_step's body for column block cg of the row's value head j; it waits through `wait`
-// once it has requested what no kernel before it in the step writes.
+// gdn_decode_step's body for the row's value head j; it waits through `wait` once it has
+// requested what no kernel before it in the step writes.
 template <class Wait>
-__device__ __forceinline__ void gdn_decode_cols(const float* proj, const float* conv_w, RowPtrs windows,
+__device__ __forceinline__ void gdn_decode_head(const float* proj, const float* conv_w, RowPtrs windows,
                                                 const float* a_log, const float* dt_bias, RowPtrs states,
-                                                const float* norm_w, u32* arrivals, float* o_rows, float* sumsq,
-                                                float* y, float eps, GdnDecodeSmem& sm, Wait wait) {
-    const int j = blockIdx.x, cg = blockIdx.y, row = blockIdx.z, kh = j / (NV / NK), t = threadIdx.x;
-    const int c = t % GDN_COLS, rg = t / GDN_COLS, col = cg * GDN_COLS + c;
-    const bool active = rg < 4 && col < DV;
+                                                const float* norm_w, u32* arrivals, float* y, float eps,
+                                                GdnDecodeSmem& sm, Wait wait) {
+    const int j = blockIdx.x, row = blockIdx.y, kh = j / (NV / NK), t = threadIdx.x;
+    const int c = t % DV, rg = t / DV;
+    const bool active = rg < GDN_GROUPS;
     proj += row * GDN_PROJ;
     float* window = (float*)windows.at(row);
     float* S = (float*)states.at(row) + (long)j * DK * DV;
@@ -101,8 +90,8 @@ __device__ __forceinline__ void gdn_decode_cols(const float* proj, const float* 
     float s[GDN_ROWS];
 #pragma unroll
     for (int e = 0; e < GDN_ROWS; e++) {
-        const int i = rg + e * 4;
-        s[e] = (active && i < DK) ? S[i * DV + col] : 0.f;
+        const int i = rg + e * GDN_GROUPS;
+        s[e] = (active && i < DK) ? S[i * DV + c] : 0.f;
     }
     float qk_w[GDN_QK_ITEMS][CONV_K], qk_tap[GDN_QK_ITEMS][CONV_K - 1];
 #pragma unroll
@@ -113,32 +102,19 @@ __device__ __forceinline__ void gdn_decode_cols(const float* proj, const float* 
 #pragma unroll
         for (int k = 0; k < CONV_K - 1; k++) qk_tap[it][k] = m < 2 * DK ? window[k * CONV_DIM + ch] : 0.f;
     }
-    const int vch = 2 * KEY_DIM + j * DV + col;
+    const int vch = 2 * KEY_DIM + j * DV + c;
     float v_w[CONV_K], v_tap[CONV_K - 1];
 #pragma unroll
     for (int k = 0; k < CONV_K; k++) v_w[k] = active ? conv_w[vch * CONV_K + k] : 0.f;
 #pragma unroll
     for (int k = 0; k < CONV_K - 1; k++) v_tap[k] = active ? window[k * CONV_DIM + vch] : 0.f;
-    float head_w[GDN_HEAD_ITEMS];
-#pragma unroll
-    for (int it = 0; it < GDN_HEAD_ITEMS; it++) {
-        const int d = t + it * GDN_THREADS;
-        head_w[it] = d < DV ? norm_w[d] : 0.f;
-    }
-    const float a_log_j = a_log[j], dt_bias_j = dt_bias[j];
+    const float a_log_j = a_log[j], dt_bias_j = dt_bias[j], w_c = active ? norm_w[c] : 0.f;
 
     wait();
-    // Every input of the block requested at once: each asked for where it is used is one more
-    // round trip to L2 on the chain. z of the whole head, for whichever block normalises it.
     const float b = load_act(proj + CONV_DIM + NV * DV + j);
     const float a = load_act(proj + CONV_DIM + NV * DV + NV + j);
+    const float z = active ? load_act(proj + CONV_DIM + j * DV + c) : 0.f;
     const float v_cur = active ? load_act(proj + vch) : 0.f;
-    float z[GDN_HEAD_ITEMS];
-#pragma unroll
-    for (int it = 0; it < GDN_HEAD_ITEMS; it++) {
-        const int d = t + it * GDN_THREADS;
-        z[it] = d < DV ? load_act(proj + CONV_DIM + j * DV + d) : 0.f;
-    }
     float qk_cur[GDN_QK_ITEMS], qk[GDN_QK_ITEMS];
     float q_ss = 0.f, k_ss = 0.f;
 #pragma unroll
@@ -153,9 +129,8 @@ __device__ __forceinline__ void gdn_decode_cols(const float* proj, const float* 
     // L2 norms of q and k (eps inside the root), q also scaled by 1/sqrt(DK). The taps feed
     // these sums, so past the pair's barriers every thread has read its window.
     const float2 ss = block_sum_pair(q_ss, k_ss, sm.scratch);
-    u32* key_word = arrivals + row * (NK + NV) + kh;
-    u32 key_before = 0;
-    if (t == 0) key_before = gdn_arrive(key_word);
+    u32 arrived = 0;
+    if (t == 0) arrived = gdn_arrive(arrivals + row * NK + kh);
     const float q_inv = rsqrtf(ss.x + 1e-6f) * rsqrtf((float)DK), k_inv = rsqrtf(ss.y + 1e-6f);
 #pragma unroll
     for (int it = 0; it < GDN_QK_ITEMS; it++) {
@@ -174,93 +149,59 @@ __device__ __forceinline__ void gdn_decode_cols(const float* proj, const float* 
     float r = 0.f;
 #pragma unroll
     for (int e = 0; e < GDN_ROWS; e++) {
-        const int i = rg + e * 4;
+        const int i = rg + e * GDN_GROUPS;
         if (i < DK) r += s[e] * sm.kn[i];
     }
-    if (rg < 4) sm.part[rg][c] = r;
+    if (active) sm.part[rg][c] = r;
     __syncthreads();
     float pred = 0.f;
-    if (rg < 4) {
+    if (active) {
 #pragma unroll
-        for (int g = 0; g < 4; g++) pred += sm.part[g][c];
+        for (int g = 0; g < GDN_GROUPS; g++) pred += sm.part[g][c];
     }
     const float delta = beta * (v - alpha * pred);
     float o = 0.f;
 #pragma unroll
     for (int e = 0; e < GDN_ROWS; e++) {
-        const int i = rg + e * 4;
+        const int i = rg + e * GDN_GROUPS;
         if (i < DK) {
             s[e] = alpha * s[e] + sm.kn[i] * delta;
             o += s[e] * sm.qn[i];
-            if (active) S[i * DV + col] = s[e];
+            if (active) S[i * DV + c] = s[e];
         }
     }
     __syncthreads();   // every column has read its pred from part
-    if (rg < 4) sm.part[rg][c] = o;
-    if (t == 0) sm.last_key = gdn_was_last(key_before, key_word, (NV / NK) * GDN_CG);
-    __syncthreads();
-    float oc = 0.f;
-    if (rg == 0) {
-#pragma unroll
-        for (int g = 0; g < 4; g++) oc += sm.part[g][c];
+    if (active) sm.part[rg][c] = o;
+    if (t == 0) {
+        sm.last = arrived == NV / NK - 1;
+        if (sm.last) asm volatile("fence.acq_rel.gpu;" ::: "memory");
     }
+    __syncthreads();
     // Gated RMSNorm of the head: normalise, scale by the plain weight, gate with silu(z).
-    y += row * NV * DV + j * DV;
-#if GDN_CG == 1
-    const float inv = rsqrtf(block_sum(active && rg == 0 ? oc * oc : 0.f, sm.scratch[0]) / DV + eps);
-    if (active && rg == 0) y[col] = oc * inv * head_w[0] * siluf(z[0]);
-#else
-    // GDN_COLS is a whole warp here (DV > 32): warp 0 holds the block's columns.
-    o_rows += row * NV * DV + j * DV;
-    if (rg == 0) {
-        const float part_ss = warp_sum(active ? oc * oc : 0.f);
-        if (active) o_rows[col] = oc;
-        if (c == 0) sumsq[(row * NV + j) * GDN_CG + cg] = part_ss;
-        __threadfence();
-        __syncwarp();
-        if (c == 0) {
-            u32* head_word = arrivals + row * (NK + NV) + NK + j;
-            sm.last_head = gdn_was_last(gdn_arrive(head_word), head_word, GDN_CG);
-        }
-    }
-    __syncthreads();
-    if (sm.last_head) {
-        float total = 0.f;
-        for (int g = 0; g < GDN_CG; g++) total += load_act(sumsq + (row * NV + j) * GDN_CG + g);
-        const float inv = rsqrtf(total / DV + eps);
+    float oc = 0.f;
+    if (active && rg == 0) {
 #pragma unroll
-        for (int it = 0; it < GDN_HEAD_ITEMS; it++) {
-            const int d = t + it * GDN_THREADS;
-            if (d < DV) y[d] = load_act(o_rows + d) * inv * head_w[it] * siluf(z[it]);
-        }
+        for (int g = 0; g < GDN_GROUPS; g++) oc += sm.part[g][c];
     }
-#endif
-    if (sm.last_key) {
+    const float inv = rsqrtf(block_sum(oc * oc, sm.scratch[0]) / DV + eps);
+    if (active && rg == 0) y[row * NV * DV + j * DV + c] = oc * inv * w_c * siluf(z);
+    if (sm.last) {
 #pragma unroll
         for (int it = 0; it < GDN_QK_ITEMS; it++) {
             const int m = t + it * GDN_THREADS;
             if (m < 2 * DK) gdn_slide(window, gdn_qk_channel(kh, m), qk_tap[it], qk_cur[it]);
         }
+        if (t == 0) arrivals[row * NK + kh] = 0;
     }
 }
 
 extern "C" __global__ void __launch_bounds__(GDN_THREADS)
     gdn_decode_step(const float* proj, const float* conv_w, RowPtrs windows, const float* a_log, const float* dt_bias,
-                    RowPtrs states, const float* norm_w, u32* arrivals, float* o, float* sumsq, float* y,
-                    float eps, const L2Span* ahead, int ahead_spans) {
+                    RowPtrs states, const float* norm_w, u32* arrivals, float* y, float eps) {
     __shared__ GdnDecodeSmem sm;
     // The state, the conv window and the weights are read before the wait: the first two only
     // this layer's step of the previous token wrote.
-    // arrivals: NK words a row (the key head's q|k window: every column block of its value heads
-    // convolves it, none may slide it before all have read it), then NV (the value head's norm).
-    // o and sumsq: a row's NV·DV columns of o and NV·GDN_CG partial sums of squares.
-    // Past the wait the DRAM has only the states to move: the output projection's weights
-    // (`ahead`) are requested into L2 then.
-    const L2Span ahead_span = l2_span_of(ahead, ahead_spans);
-    gdn_decode_cols(proj, conv_w, windows, a_log, dt_bias, states, norm_w, arrivals, o, sumsq, y, eps, sm, [&] {
-        pdl_wait();
-        l2_ahead(ahead_span, (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x,
-                 gridDim.x * gridDim.y * gridDim.z);
-    });
+    gdn_decode_head(proj, conv_w, windows, a_log, dt_bias, states, norm_w, arrivals, y, eps, sm,
+                    [] { pdl_wait(); });
     STAMP_END(1)
 }

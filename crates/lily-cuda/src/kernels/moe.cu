@@ -58,14 +58,10 @@ __device__ __forceinline__ void route_wait(const u32* sync, u32 blocks) {
 // then warp_sum), so every block sees the same logits and routes alike. Block 0 publishes the
 // choice (ids, weights) for moe_down, which reads it before its pdl_wait: so no block lets the
 // next kernel start until that is written (pdl_wait_holding_next, then gate/up's pdl_wait).
-//
-// From the router's rows to top-k's first gate/up loads (~5 µs at B = 1 on the H100) the DRAM
-// has nothing to do, so between its arrival and its wait each block requests its share of
-// `ahead` (the shared expert's weights, the next layer's mixer input projections) into L2.
 template <int BITS, int RBITS>
 __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Mat shared_gate, Mat shared_up,
                               const float* hidden, const float* norm_w, float eps, float* logits, int* ids,
-                              float* weights, u32* sync, float* act, const L2Span* ahead, int ahead_spans) {
+                              float* weights, u32* sync, float* act) {
     constexpr bool OWN = RBITS != BITS;
     router = fixed_shape(router, NE, HIDDEN);
     shared_logit = fixed_shape(shared_logit, 1, HIDDEN);
@@ -102,7 +98,6 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     }
     float4 nw[STAGE_UNROLL];
     norm_w_first(cols, norm_w, nw);
-    const L2Span ahead_span = l2_span_of(ahead, ahead_spans);
     pdl_wait_holding_next();
     const float inv = block_inv_rms(hidden, cols, eps, scratch);
     if constexpr (OWN)
@@ -134,7 +129,6 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     // the chain from the last router row to top-k.
     STAMP_AT(2)
     route_arrive(sync);
-    l2_ahead(ahead_span, blockIdx.y * gridDim.x + blockIdx.x, gridDim.x * gridDim.y);
     if constexpr (OWN) stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
     route_wait(sync, gridDim.x);
     STAMP_AT(3)
@@ -175,12 +169,12 @@ __device__ void down_row(Mat down, Mat sh_down, const int* ids, const float* wei
     extern "C" __global__ void __launch_bounds__(256, 3) moe_route_gate_up_b##BITS##_r##RBITS(    \
         Mat router, Mat shared_logit, Mat gate, Mat up, Mat shared_gate, Mat shared_up,           \
         const float* hidden, const float* norm_w, float eps, float* logits, int* ids, float* weights, \
-        u32* sync, float* act, const L2Span* ahead, int ahead_spans) {                            \
+        u32* sync, float* act) {                                                                  \
         route_gate_up<BITS, RBITS>(router, shared_logit, gate, up, shared_gate, shared_up,        \
                                    hidden + (long)blockIdx.y * HIDDEN, norm_w, eps,               \
                                    logits + blockIdx.y * (NE + 1), ids + blockIdx.y * TOPK,       \
-                                   weights + blockIdx.y * TOPK, sync + blockIdx.y,                \
-                                   act + (long)blockIdx.y * MOE_ACT, ahead, ahead_spans);         \
+                                   weights + blockIdx.y * TOPK, sync + blockIdx.y,            \
+                                   act + (long)blockIdx.y * MOE_ACT);                             \
     }
 #define MOE(BITS)                                                                                 \
     MOE_ROUTE_GATE_UP(BITS, 4)                                                                    \
