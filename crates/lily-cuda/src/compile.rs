@@ -99,7 +99,7 @@ pub const KERNEL_FILES: [KernelFile; 17] = [
         name: "attention",
         headers: &[HEADS, ATTN_DECODE],
         source: include_str!("kernels/attention.cu"),
-        entries: &["attn_split", "attn_combine"],
+        entries: &["attn_prep", "attn_split", "attn_combine"],
         only_for: None,
         decode_kernels: None,
     },

@@ -170,9 +170,13 @@ kernel_args! {
         proj: u64, conv_w: u64, windows: RowPtrs, a_log: u64, dt_bias: u64, states: RowPtrs,
         norm_w: u64, arrivals: u64, y: u64, eps: f32,
     }
+    AttnPrep {
+        qkv: u64, q_norm: u64, k_norm: u64, pos: RowPtrs, q_out: u64, k_cache: RowPtrs,
+        v_cache: RowPtrs, eps: f32,
+    }
     AttnSplit {
-        qkv: u64, q_norm: u64, k_norm: u64, eps: f32, k_cache: RowPtrs, v_cache: RowPtrs,
-        pos: RowPtrs, nsplit: RowInts, part_ml: u64, part_acc: u64,
+        q: u64, k_cache: RowPtrs, v_cache: RowPtrs, pos: RowPtrs, nsplit: RowInts, part_ml: u64,
+        part_acc: u64,
     }
     AttnCombine { part_ml: u64, part_acc: u64, pos: RowPtrs, nsplit: RowInts, qkv: u64, out: u64 }
     /// `moe_route_gate_up_b*_r*`.
@@ -319,6 +323,7 @@ pub fn entries() -> Vec<Entry> {
     all.extend(each::<GemvQ4Gdn>(q4("gdn")));
     all.extend(each::<GdnStep>(one("gdn_step")));
     all.extend(each::<GdnDecodeStep>(one("gdn_decode_step")));
+    all.extend(each::<AttnPrep>(one("attn_prep")));
     all.extend(each::<AttnSplit>(one("attn_split")));
     all.extend(each::<AttnCombine>(one("attn_combine")));
     all.extend(each::<MoeRouteGateUp>(

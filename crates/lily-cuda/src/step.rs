@@ -20,8 +20,8 @@ use crate::gemv::{GemvForm, GemvRoute, gemv, mat_route};
 use crate::gemv_imma::{ConvOutput, GatedInput, IMMA_SLAB, gemv_gated, gemv_gdn_in};
 use crate::gpu::{Gpu, MAX_ROWS, RowInts, RowPtrs, ptr};
 use crate::kernel_args::{
-    ArgmaxFinal, ArgmaxPartial, AttnCombine, AttnSplit, EmbedRows, GdnDecodeStep, GdnStep, MoeDown,
-    MoeRouteGateUp,
+    ArgmaxFinal, ArgmaxPartial, AttnCombine, AttnPrep, AttnSplit, EmbedRows, GdnDecodeStep,
+    GdnStep, MoeDown, MoeRouteGateUp,
 };
 use crate::launch;
 use crate::mat::{XS_COLS, wave_shape};
@@ -40,6 +40,7 @@ pub struct Scratch {
     pub conv_out: CudaSlice<f32>,
     pub gdn_o: CudaSlice<f32>,
     pub gdn_y: CudaSlice<f32>,
+    pub q: CudaSlice<f32>,
     pub part_ml: CudaSlice<f32>,
     pub part_acc: CudaSlice<f32>,
     pub attn_out: CudaSlice<f32>,
@@ -68,7 +69,7 @@ const DOWN_ROWS: usize = 2;
 const ARGMAX_BLOCKS: u32 = 128;
 
 /// Floats of each buffer of [`Scratch`] for one row, in field order.
-fn row_floats(c: &ModelConfig) -> [usize; 18] {
+fn row_floats(c: &ModelConfig) -> [usize; 19] {
     let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
     let gdn_proj = c.gdn_conv_dim() + c.gdn_value_dim() + 2 * c.linear_num_value_heads;
     let attn_proj = nh * 2 * hd + 2 * nkv * hd;
@@ -80,6 +81,7 @@ fn row_floats(c: &ModelConfig) -> [usize; 18] {
         c.gdn_conv_dim(),
         c.gdn_value_dim(),
         c.gdn_value_dim(),
+        nh * hd,
         parts * 2,
         parts * hd,
         nh * hd,
@@ -104,6 +106,7 @@ impl Scratch {
             conv_out,
             gdn_o,
             gdn_y,
+            q,
             part_ml,
             part_acc,
             attn_out,
@@ -124,6 +127,7 @@ impl Scratch {
             conv_out: gpu.zeros(conv_out)?,
             gdn_o: gpu.zeros(gdn_o)?,
             gdn_y: gpu.zeros(gdn_y)?,
+            q: gpu.zeros(q)?,
             part_ml: gpu.zeros(part_ml)?,
             part_acc: gpu.zeros(part_acc)?,
             attn_out: gpu.zeros(attn_out)?,
@@ -415,6 +419,18 @@ pub fn encode_step(
                 )?;
                 mark("mixer input gemv")?;
                 let (nh, nkv) = (c.num_attention_heads, c.num_kv_heads);
+                // One warp per head (head_norm_rope).
+                let args = AttnPrep {
+                    qkv: p(&s.proj),
+                    q_norm: p(q_norm),
+                    k_norm: p(k_norm),
+                    pos: rows.pos,
+                    q_out: p(&s.q),
+                    k_cache: k,
+                    v_cache: v,
+                    eps,
+                };
+                launch!(gpu, "attn_prep", ((nh + nkv) as u32, b, 1), 32, args);
                 let splits = step_rows
                     .iter()
                     .map(|r| r.state.attn_splits)
@@ -422,10 +438,7 @@ pub fn encode_step(
                     .unwrap_or(1);
                 // 128 threads: attn_split is written for four warps (AS_WARPS).
                 let args = AttnSplit {
-                    qkv: p(&s.proj),
-                    q_norm: p(q_norm),
-                    k_norm: p(k_norm),
-                    eps,
+                    q: p(&s.q),
                     k_cache: k,
                     v_cache: v,
                     pos: rows.pos,

@@ -9,28 +9,41 @@
 // Partial results a row's splits can leave (heads × splits), the row stride of part_ml / part_acc.
 #define ATTN_PARTS ((long)NKV * MAX_ATTN_SPLITS * GROUP)
 
+// Per head (one warp a block): RMSNorm and RoPE (head_norm_rope); queries go to `q_out`, keys
+// and values into the cache at the current position. Blocks 0..NH-1 are query heads,
+// NH..NH+NKV-1 KV heads.
+extern "C" __global__ void attn_prep(const float* qkv, const float* q_norm, const float* k_norm, RowPtrs pos,
+                                     float* q_out, RowPtrs k_cache, RowPtrs v_cache, float eps) {
+    pdl_wait();
+    __shared__ float tmp[HD];
+    int head = blockIdx.x, lane = threadIdx.x, row = blockIdx.y;
+    qkv += row * ATTN_PROJ;
+    bool is_q = head < NH;
+    int kv = head - NH;
+    const float* src = is_q ? qkv + head * 2 * HD : qkv + NH * 2 * HD + kv * HD;
+    int p = *(const int*)pos.at(row);
+    const HeadValue value = load_head_value(is_q, qkv + NH * 2 * HD + NKV * HD + kv * HD, lane);
+    float y[HEAD_PER_LANE];
+    head_norm_rope(src, is_q ? q_norm : k_norm, eps, p, tmp, lane, y);
+    store_head(is_q, y, lane, q_out + (row * NH + head) * HD, (kv_t*)k_cache.at(row), (kv_t*)v_cache.at(row), p, kv,
+               value);
+}
+
 // One block per (KV head, split of the context); a row's split count (chosen per sequence from
 // its longest context) is at most the grid's y size, the splits its current length keeps live
-// (attn_live_splits) fewer still, and the blocks past them have nothing to do. Each live split
-// normalises and rotates its group's queries itself, and the one holding the current position
-// writes the new key and value into the cache first (attn_group_heads): as a launch of its own
-// (attn_prep) that cost the chain ~4.7 µs a layer on the H100 at B = 1. Bounded to three blocks
-// an SM (168 registers, no spill; unbounded, 190 fit two): a 128K context's 1,026 blocks then run
-// in three waves instead of four.
+// (attn_live_splits) fewer still, and the blocks past them have nothing to do. Bounded to three
+// blocks an SM (168 registers, no spill; unbounded, 190 fit two): a 128K context's 1,026 blocks
+// then run in three waves instead of four.
 extern "C" __global__ void __launch_bounds__(4 * WARP, 3)
-attn_split(const float* qkv, const float* q_norm, const float* k_norm, float eps, RowPtrs k_cache, RowPtrs v_cache,
-           RowPtrs pos, RowInts nsplit, float* part_ml, float* part_acc) {
-    __shared__ __align__(16) float q[GROUP + 1][HD];
-    __shared__ AsSmem<4> sm;
+attn_split(const float* q, RowPtrs k_cache, RowPtrs v_cache, RowPtrs pos, RowInts nsplit, float* part_ml,
+           float* part_acc) {
     pdl_wait();
-    const int row = blockIdx.z, p = *(const int*)pos.at(row), splits = attn_live_splits(p + 1, nsplit.at(row));
+    __shared__ AsSmem<4> sm;
+    const int row = blockIdx.z, len = *(const int*)pos.at(row) + 1, splits = attn_live_splits(len, nsplit.at(row));
     if ((int)blockIdx.y >= splits) return;
-    kv_t* k = (kv_t*)k_cache.at(row);
-    kv_t* v = (kv_t*)v_cache.at(row);
-    attn_group_heads<4>(qkv + row * ATTN_PROJ, q_norm, k_norm, eps, p, blockIdx.x, (int)blockIdx.y == splits - 1, k,
-                        v, q);
-    attn_split_block<4>(&q[0][0], k, v, p + 1, blockIdx.x, blockIdx.y, splits, part_ml + row * ATTN_PARTS * 2,
-                        part_acc + row * ATTN_PARTS * HD, sm);
+    attn_split_block<4>(q + (row * NH + blockIdx.x * GROUP) * HD, (const kv_t*)k_cache.at(row),
+                        (const kv_t*)v_cache.at(row), len, blockIdx.x, blockIdx.y, splits,
+                        part_ml + row * ATTN_PARTS * 2, part_acc + row * ATTN_PARTS * HD, sm);
     STAMP_END(1)
 }
 

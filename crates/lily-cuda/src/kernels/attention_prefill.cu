@@ -5,7 +5,7 @@
 #define GROUP (NH / NKV)
 
 // Per (head, token), one warp a block: RMSNorm and RoPE at position pos0 + token
-// (head_norm_rope, as attn_group_heads does for one token). Blocks x 0..NH-1 are query heads,
+// (head_norm_rope, as attn_prep does for one token). Blocks x 0..NH-1 are query heads,
 // NH..NH+NKV-1 KV heads; block y is the token. qkv rows (stride ld) are
 // [q|gate per head (NH·2·HD) | k (NKV·HD) | v (NKV·HD)]; queries go to q_out [T, NH·HD].
 extern "C" __global__ void attn_prep_rows(const float* qkv, int ld, const float* q_norm,

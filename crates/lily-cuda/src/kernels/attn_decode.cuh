@@ -254,29 +254,6 @@ __device__ void attn_split_block(const float* q, const kv_t* k_cache, const kv_t
     }
 }
 
-// The queries of KV head kv's group normalised and rotated (head_norm_rope) into q[0 .. GROUP)
-// (shared memory: GROUP + 1 rows of HD, the last the key's scratch), a head a warp of W in turn,
-// and by the split holding `pos` (`last`) the new key and value written into the cache there.
-// Every split of the group does the queries (a few KB from L2 each) so that no launch of its own
-// precedes the splits on the chain. Ends with the block's barrier: the key reaches the split's
-// cp.async reads, the queries its loads. proj: the row's [q|gate per head | k | v].
-template <int W>
-__device__ void attn_group_heads(const float* proj, const float* q_norm, const float* k_norm, float eps, int pos,
-                                 int kv, bool last, kv_t* k_cache, kv_t* v_cache, float (*q)[HD]) {
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    for (int h = warp; h <= GROUP; h += W) {
-        if (h == GROUP && !last) continue;
-        const bool is_q = h < GROUP;
-        const float* src = is_q ? proj + (kv * GROUP + h) * 2 * HD : proj + NH * 2 * HD + kv * HD;
-        const HeadValue value = load_head_value(is_q, proj + NH * 2 * HD + NKV * HD + kv * HD, lane);
-        float y[HEAD_PER_LANE];
-        head_norm_rope(src, is_q ? q_norm : k_norm, eps, pos, q[h], lane, y);
-        store_head(is_q, y, lane, q[h], k_cache, v_cache, pos, kv, value);
-    }
-    __threadfence();
-    __syncthreads();
-}
-
 // Positions a split takes at least (16 a warp of four): at short contexts a split's fixed cost
 // (its queries, the ring's first requests) outweighs its positions, and every split more is one
 // more partial for the combine to read (at 256 positions 64 splits of 4 made the combine 10 µs).

@@ -288,15 +288,28 @@ __device__ void gemv_any(const DecArgs& A, const GemvOp& op, int bits, GemvSmem&
 // Splits a KV head's `len` positions take: one block each, at most every block.
 __device__ __forceinline__ int attn_nsplit(int len, int nblk) { return attn_live_splits(len, max(nblk / NKV, 1)); }
 
-// One (KV head, split) item a block: the group's queries and the new key (attn_group_heads), then
-// the split itself.
+// One (KV head, split) item a block: the group's queries normalised and rotated into shared
+// memory by every item of the group (a few KB from L2), the new key and value written into the
+// cache at `pos` by the last split (the one whose positions end there), then the split itself.
 __device__ void attn_split_op(const DecArgs& A, const DecLayer& L, const DecLayerState& S, SplitSmem& sm,
                               int pos, int blk, int nblk) {
     const int nsplit = attn_nsplit(pos + 1, nblk);
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     for (int item = blk; item < NKV * nsplit; item += nblk) {
         const int kv = item / nsplit, split = item % nsplit;
-        attn_group_heads<DEC_WARPS>(A.proj, L.a.q_norm, L.a.k_norm, A.eps, pos, kv, split == nsplit - 1, S.k, S.v,
-                                    sm.q);
+        const bool last = split == nsplit - 1;
+        for (int h = warp; h <= GROUP; h += DEC_WARPS) {
+            if (h == GROUP && !last) continue;
+            const bool is_q = h < GROUP;
+            const float* src = is_q ? A.proj + (kv * GROUP + h) * 2 * HD : A.proj + NH * 2 * HD + kv * HD;
+            const HeadValue value = load_head_value(is_q, A.proj + NH * 2 * HD + NKV * HD + kv * HD, lane);
+            float y[HEAD_PER_LANE];
+            head_norm_rope(src, is_q ? L.a.q_norm : L.a.k_norm, A.eps, pos, sm.q[h], lane, y);
+            store_head(is_q, y, lane, sm.q[h], S.k, S.v, pos, kv, value);
+        }
+        // The new key and value reach the split's cp.async reads below, the queries its loads.
+        __threadfence();
+        __syncthreads();
         attn_split_block<DEC_WARPS>(&sm.q[0][0], S.k, S.v, (long)pos + 1, kv, split, nsplit, A.part_ml, A.part_acc,
                                     sm.as);
         __syncthreads();
