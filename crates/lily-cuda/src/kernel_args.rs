@@ -182,8 +182,7 @@ kernel_args! {
     /// `moe_route_gate_up_b*_r*`.
     MoeRouteGateUp {
         router: MatArg, shared_logit: MatArg, gate: MatArg, up: MatArg, shared_gate: MatArg,
-        shared_up: MatArg, shared_down: MatArg, hidden: u64, norm_w: u64, eps: f32, logits: u64,
-        ids: u64,
+        shared_up: MatArg, hidden: u64, norm_w: u64, eps: f32, logits: u64, ids: u64,
         weights: u64, sync: u64, act: u64,
     }
     /// `moe_route_imma_t*`.

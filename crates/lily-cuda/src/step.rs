@@ -250,7 +250,6 @@ fn experts(
         up: m.up.arg(gpu),
         shared_gate: m.shared[0].arg(gpu),
         shared_up: m.shared[1].arg(gpu),
-        shared_down: m.shared[2].arg(gpu),
         hidden: p(&s.hidden),
         norm_w: post_norm,
         eps,

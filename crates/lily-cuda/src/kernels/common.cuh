@@ -176,22 +176,6 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
-// Block blk of nblk requests its share of `bytes` at p into L2 for a later kernel and goes on:
-// nothing waits for it, and a reader that finds the lines gone reads DRAM as before. One bulk
-// prefetch on sm_90 (a share of whole 16-byte pieces; a ragged tail is left out), a line a
-// request before it.
-__device__ __forceinline__ void l2_request_share(const void* p, u32 bytes, int blk, int nblk) {
-    const u32 share = ((bytes + nblk - 1) / nblk + 127) & ~127u, start = blk * share;
-    if (start >= bytes) return;
-    const char* at = (const char*)p + start;
-    const u32 n = min(share, bytes - start) & ~15u;
-#if __CUDA_ARCH__ >= 900
-    if (n > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(n) : "memory");
-#else
-    for (u32 line = 0; line < n; line += 128) prefetch_l2(at + line);
-#endif
-}
-
 __device__ __forceinline__ float warp_sum(float v) {
     for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;

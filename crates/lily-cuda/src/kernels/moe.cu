@@ -60,7 +60,6 @@ __device__ __forceinline__ void route_wait(const u32* sync, u32 blocks) {
 // next kernel start until that is written (pdl_wait_holding_next, then gate/up's pdl_wait).
 template <int BITS, int RBITS>
 __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Mat shared_gate, Mat shared_up,
-                              Mat shared_down,
                               const float* hidden, const float* norm_w, float eps, float* logits, int* ids,
                               float* weights, u32* sync, float* act) {
     constexpr bool OWN = RBITS != BITS;
@@ -70,7 +69,6 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     up = fixed_shape(up, NE * MOE_INTER, HIDDEN);
     shared_gate = fixed_shape(shared_gate, SHARED_INTER, HIDDEN);
     shared_up = fixed_shape(shared_up, SHARED_INTER, HIDDEN);
-    shared_down = fixed_shape(shared_down, HIDDEN, SHARED_INTER);
     __shared__ __align__(16) float xs[XS_FLOATS_OF(BITS, HIDDEN)];
     __shared__ float xsum[XSUM_FLOATS_OF(BITS, HIDDEN)];
     __shared__ __align__(16) float rxs_own[OWN ? XS_FLOATS_OF(RBITS, HIDDEN) : 1];
@@ -131,16 +129,6 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     // the chain from the last router row to top-k.
     STAMP_AT(2)
     route_arrive(sync);
-    // moe_down reads the shared expert's down rows after this launch; the DRAM is idle from the
-    // router's rows to gate/up's first loads, so each block asks for its share of them now
-    // (thread s its array s: codes, scales, biases).
-    if (threadIdx.x < (BITS == 32 ? 1 : 3)) {
-        const u32 cells = (u32)HIDDEN * SHARED_INTER, groups = (u32)HIDDEN * (SHARED_INTER / shared_down.group);
-        const void* p = threadIdx.x == 0 ? shared_down.w : threadIdx.x == 1 ? (const void*)shared_down.scales
-                                                                            : (const void*)shared_down.biases;
-        l2_request_share(p, threadIdx.x == 0 ? cells / 8 * BITS : groups * 2, blockIdx.y * gridDim.x + blockIdx.x,
-                         gridDim.x * gridDim.y);
-    }
     if constexpr (OWN) stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
     route_wait(sync, gridDim.x);
     STAMP_AT(3)
@@ -180,10 +168,9 @@ __device__ void down_row(Mat down, Mat sh_down, const int* ids, const float* wei
 #define MOE_ROUTE_GATE_UP(BITS, RBITS)                                                            \
     extern "C" __global__ void __launch_bounds__(256, 3) moe_route_gate_up_b##BITS##_r##RBITS(    \
         Mat router, Mat shared_logit, Mat gate, Mat up, Mat shared_gate, Mat shared_up,           \
-        Mat shared_down, const float* hidden, const float* norm_w, float eps, float* logits,       \
-        int* ids, float* weights, u32* sync, float* act) {                                        \
+        const float* hidden, const float* norm_w, float eps, float* logits, int* ids, float* weights, \
+        u32* sync, float* act) {                                                                  \
         route_gate_up<BITS, RBITS>(router, shared_logit, gate, up, shared_gate, shared_up,        \
-                                   shared_down,                                                   \
                                    hidden + (long)blockIdx.y * HIDDEN, norm_w, eps,               \
                                    logits + blockIdx.y * (NE + 1), ids + blockIdx.y * TOPK,       \
                                    weights + blockIdx.y * TOPK, sync + blockIdx.y,            \
