@@ -262,7 +262,10 @@ impl Gpu {
     pub fn resident_blocks(&self, name: &str, warps: usize) -> Result<u32> {
         let per_sm_256 = self.resident_blocks_256(name)? / self.sms;
         let per_sm = per_sm_256 * 8 / warps as u32;
-        ensure!(per_sm > 0, "kernel {name}: no block of {warps} warps fits an SM");
+        ensure!(
+            per_sm > 0,
+            "kernel {name}: no block of {warps} warps fits an SM"
+        );
         Ok(per_sm * self.sms)
     }
 
