@@ -182,8 +182,8 @@ kernel_args! {
     /// `moe_route_gate_up_b*_r*`.
     MoeRouteGateUp {
         router: MatArg, shared_logit: MatArg, gate: MatArg, up: MatArg, shared_gate: MatArg,
-        shared_up: MatArg, hidden: u64, norm_w: u64, eps: f32, logits: u64, tagged: u64,
-        ids: u64, weights: u64, epoch: u64, act: u64,
+        shared_up: MatArg, hidden: u64, norm_w: u64, eps: f32, logits: u64, ids: u64,
+        weights: u64, sync: u64, act: u64,
     }
     /// `moe_route_imma_t*`.
     MoeRouteImma {
@@ -203,7 +203,7 @@ kernel_args! {
     /// `moe_down_b*`.
     MoeDown {
         down: MatArg, sh_down: MatArg, ids: u64, weights: u64, logits: u64, act: u64,
-        residual: u64, epoch: u64,
+        residual: u64, sync: u64,
     }
     ArgmaxPartial { logits: u64, stride: i32, choices: RowInts, part_v: u64, part_i: u64 }
     ArgmaxFinal {

@@ -52,7 +52,13 @@ pub fn point_name(kernel: &str, point: u8) -> Option<&'static str> {
     const POINTS: [(&str, &[&str]); 6] = [
         (
             "moe_route_gate_up_",
-            &["x staged", "router rows done", "top-k done", "end"],
+            &[
+                "x staged",
+                "router rows done",
+                "barrier passed",
+                "top-k done",
+                "end",
+            ],
         ),
         ("moe_down_", &["act staged", "end"]),
         ("gemv_mma_", &["x staged", "end"]),
@@ -331,7 +337,10 @@ mod tests {
             (p2.1 - 3.0).abs() < 1e-9 && (p2.2 - 7.0).abs() < 1e-9,
             "{p2:?}"
         );
-        assert_eq!(point_name("moe_route_gate_up_b4_r8", 3), Some("top-k done"));
+        assert_eq!(
+            point_name("moe_route_gate_up_b4_r8", 3),
+            Some("barrier passed")
+        );
         assert_eq!(point_name("gemv_mma_add_b4_t1", 2), Some("end"));
         assert_eq!(point_name("gemv_mma_add_b4_t1", 3), None);
         assert_eq!(point_name("gdn_scan", 1), None);

@@ -44,18 +44,12 @@ pub struct Scratch {
     pub part_ml: CudaSlice<f32>,
     pub part_acc: CudaSlice<f32>,
     pub attn_out: CudaSlice<f32>,
-    /// The shared gate's logit of each row at its NE (moe_down reads it); the integer path's and
-    /// the persistent step's router logits.
     pub router_logits: CudaSlice<f32>,
-    /// Each row's router logits with the launch's epoch, a word of 8 bytes each (kernels/moe.cu,
-    /// tagged_store).
-    pub router_tagged: CudaSlice<u64>,
     pub ids: CudaSlice<i32>,
     pub weights: CudaSlice<f32>,
     pub act: CudaSlice<f32>,
-    /// A word a row: the epoch of the router's tagged logits, advanced by moe_down after each
-    /// launch (kernels/moe.cu, tagged_store); the integer path's router counts its finished
-    /// blocks in it.
+    /// A word a row: the router barrier's arrivals, back to zero after each launch (kernels/moe.cu,
+    /// route_arrive); the integer path's router counts its finished blocks in it.
     pub route_sync: CudaSlice<u32>,
     /// A word a (row, GDN key head): the value heads' arrivals once they have read the key head's
     /// conv window, back to zero after each launch (kernels/gdn.cu, gdn_arrive).
@@ -70,14 +64,12 @@ pub struct Scratch {
 /// Output rows one warp of `moe_down_b*` computes at a time (kernels/moe_decode.cuh, DOWN_ROWS);
 /// `moe_down_b*_r1`, for one sequence, computes one.
 const DOWN_ROWS: usize = 2;
-/// Warps of `moe_route_gate_up`'s block, one block an SM (kernels/moe.cu, ROUTE_THREADS).
-const ROUTE_WARPS: usize = 24;
 
 /// Blocks of the first argmax stage (kernels/sample.cu, ARGMAX_BLOCKS).
 const ARGMAX_BLOCKS: u32 = 128;
 
 /// Floats of each buffer of [`Scratch`] for one row, in field order.
-fn row_floats(c: &ModelConfig) -> [usize; 20] {
+fn row_floats(c: &ModelConfig) -> [usize; 19] {
     let (nh, nkv, hd) = (c.num_attention_heads, c.num_kv_heads, c.head_dim);
     let gdn_proj = c.gdn_conv_dim() + c.gdn_value_dim() + 2 * c.linear_num_value_heads;
     let attn_proj = nh * 2 * hd + 2 * nkv * hd;
@@ -94,7 +86,6 @@ fn row_floats(c: &ModelConfig) -> [usize; 20] {
         parts * hd,
         nh * hd,
         c.num_experts + 1,
-        2 * (c.num_experts + 1),
         c.experts_per_token,
         c.experts_per_token,
         c.experts_per_token * c.moe_intermediate_size + c.shared_intermediate_size,
@@ -120,7 +111,6 @@ impl Scratch {
             part_acc,
             attn_out,
             router_logits,
-            router_tagged,
             ids,
             weights,
             act,
@@ -142,8 +132,6 @@ impl Scratch {
             part_acc: gpu.zeros(part_acc)?,
             attn_out: gpu.zeros(attn_out)?,
             router_logits: gpu.zeros(router_logits)?,
-            // Words of 8 bytes, counted as two floats each.
-            router_tagged: gpu.zeros(router_tagged / 2)?,
             ids: gpu.zeros(ids)?,
             weights: gpu.zeros(weights)?,
             act: gpu.zeros(act)?,
@@ -156,7 +144,7 @@ impl Scratch {
         })
     }
 
-    /// Device bytes [`Scratch::new`] allocates (every buffer counted in 4-byte elements).
+    /// Device bytes [`Scratch::new`] allocates (every buffer holds 4-byte elements).
     pub fn bytes(c: &ModelConfig) -> usize {
         row_floats(c).iter().sum::<usize>() * MAX_ROWS * 4
     }
@@ -246,14 +234,14 @@ fn experts(
             .all(|x| x.bits == bits),
         "routed and shared experts must share a format"
     );
-    // One (gate, up) row pair per warp and unit (moe_decode.cuh, PAIRS). Every block of a row waits
-    // for the router's logits that the others write (kernels/moe.cu, tagged_store), so every block
-    // of the launch must be resident at once: at most one wave, shared by the rows.
+    // One (gate, up) row pair per warp and unit (moe_decode.cuh, PAIRS), eight warps a block. The
+    // blocks of a row meet at a barrier after the router (kernels/moe.cu, route_arrive), so every
+    // block of the launch must be resident at once: at most one wave, shared by the rows.
     let pairs = c.experts_per_token * inter + shared;
     let name = format!("moe_route_gate_up_b{bits}_r{}", m.router.bits);
-    let wave = gpu.resident_blocks(&name, ROUTE_WARPS)? / b;
+    let wave = gpu.resident_blocks_256(&name)? / b;
     ensure!(wave > 0, "{name}: {rows} rows do not fit one wave");
-    let mut shape = wave_shape(pairs, ROUTE_WARPS, wave);
+    let mut shape = wave_shape(pairs, 8, wave);
     shape.grid.1 = b;
     let route_gate_up = MoeRouteGateUp {
         router: m.router.arg(gpu),
@@ -266,10 +254,9 @@ fn experts(
         norm_w: post_norm,
         eps,
         logits: p(&s.router_logits),
-        tagged: ptr(&s.router_tagged, &gpu.stream),
         ids,
         weights: p(&s.weights),
-        epoch: ptr(&s.route_sync, &gpu.stream),
+        sync: ptr(&s.route_sync, &gpu.stream),
         act: p(&s.act),
     };
     // Output rows per warp and unit, eight warps a block: one for one sequence, which would fill
@@ -290,10 +277,10 @@ fn experts(
         logits: p(&s.router_logits),
         act: p(&s.act),
         residual: p(&s.hidden),
-        epoch: ptr(&s.route_sync, &gpu.stream),
+        sync: ptr(&s.route_sync, &gpu.stream),
     };
-    // What can refuse is checked above, before either launch: the router's epoch moves on only in
-    // moe_down.
+    // What can refuse is checked above, before either launch: the router barrier's count goes
+    // back to zero only in moe_down.
     gpu.launch(&name, shape, &route_gate_up)?;
     gpu.launch(&down_name, down_shape, &down)
 }

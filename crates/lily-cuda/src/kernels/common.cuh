@@ -4,7 +4,6 @@
 
 typedef unsigned int u32;
 typedef unsigned short u16;
-typedef unsigned long long u64;
 
 #define WARP 32
 #define INFINITY __int_as_float(0x7f800000)
@@ -37,6 +36,7 @@ __device__ __forceinline__ kv_t kv_store(float f) { return f32_to_bf16(f); }
 // reached the wait (its weights already requested), when the wait returned (the kernel before
 // it done), and the block's index and SM. Without the define the waits are as they were.
 #ifdef LILY_STAMPS
+typedef unsigned long long u64;
 #define STAMP_WORDS 4
 __device__ u64* lily_stamps;
 __device__ __forceinline__ u64 global_ns() {

@@ -20,68 +20,48 @@ __device__ __forceinline__ Mat fixed_shape(Mat m, int rows, int cols) {
     return m;
 }
 
-// The router's logits go from its rows to every block's top-k as words of 8 bytes, the logit in
-// the low half and the launch's epoch in the high: a 64-bit store reaches L2 whole, so a reader
-// that sees the epoch sees the logit. No barrier, no fence: the barrier this replaced (an
-// arrival's release, an add, a poll, then the logits' read) was four trips to L2 in a row
-// after the last router row (docs/BENCHMARKS.md, 2026-12-07, twenty-second session); now a
-// block's reader polls the logits themselves. The epoch is the row's word `epoch` plus one,
-// which moe_down advances once every block of this launch has finished, so a word left by an
-// earlier launch (this layer's buffer is every layer's) never carries the current epoch. Every
-// block of the launch must be resident at once (the host launches at most one wave).
-__device__ __forceinline__ void tagged_store(u64* at, float v, u32 epoch) {
-    const u64 w = (u64)epoch << 32 | __float_as_uint(v);
-    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(at), "l"(w) : "memory");
+// A barrier over the blocks of one launch's row (grid y), once a launch, in two halves so that a
+// block can work between its arrival and its wait. *sync counts the blocks that have arrived and
+// starts every launch at zero: moe_down sets it back, and moe_down ends only after every block of
+// this launch has passed (its pdl_wait waits for this grid to finish). So the count to wait for
+// is known, and an arrival needs no answer: a fire-and-forget add, after which the last block to
+// arrive waits one round trip to L2 (its first poll), where an atomic whose return it waited for
+// and then a generation that it moved on cost it two. The arrival's release and the waits'
+// acquire order every block's writes before its arrival (its logits) before every read after the
+// wait. Every block of the launch must be resident at once (the host launches at most one wave).
+__device__ __forceinline__ void route_arrive(u32* sync) {
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(sync) : "memory");
 }
-__device__ __forceinline__ u64 tagged_load(const u64* at) {
-    u64 w;
-    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(at) : "memory");
-    return w;
-}
-__device__ __forceinline__ bool tag_is(u64 w, u32 epoch) { return (u32)(w >> 32) == epoch; }
 
-// Waits for the launch's NE logits, then routes (route_choose): one warp.
-__device__ void route_topk_tagged(const u64* tagged, u32 epoch, int lane, int* ids, float* weights) {
-    u64 w[ROUTE_PER_LANE];
-#pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; i++) {
-        const int e = lane + i * WARP;
-        w[i] = e < NE ? tagged_load(tagged + e) : (u64)epoch << 32 | __float_as_uint(-INFINITY);
+// The wait for all `blocks` blocks to have arrived (thread 0 polls).
+__device__ __forceinline__ void route_wait(const u32* sync, u32 blocks) {
+    if (threadIdx.x == 0) {
+        u32 seen;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(sync) : "memory");
+        } while (seen < blocks);
     }
-    for (;;) {
-        bool ready = true;
-#pragma unroll
-        for (int i = 0; i < ROUTE_PER_LANE; i++) ready &= tag_is(w[i], epoch);
-        if (__all_sync(0xffffffffu, ready)) break;
-#pragma unroll
-        for (int i = 0; i < ROUTE_PER_LANE; i++)
-            if (!tag_is(w[i], epoch)) w[i] = tagged_load(tagged + lane + i * WARP);
-    }
-    float p[ROUTE_PER_LANE];
-#pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; i++) p[i] = __uint_as_float((u32)w[i]);
-    route_choose(p, lane, ids, weights);
+    __syncthreads();
 }
 
 // The router, top-k and the experts' gate/up of one row, in one launch. Why one: routed as a
 // launch of its own, the router (0.56 MB) cost a step ~9.8 µs a layer (docs/BENCHMARKS.md,
 // 2026-12-03), a chain of its own end, gate/up's start, and a read of the choice back; here the
 // blocks that run gate/up compute the router's rows first (a row a warp), meet at a barrier, and
-// each routes for itself from the logits (tagged with the launch's epoch, above).
+// each routes for itself from the logits.
 //
 // x = RMSNorm(hidden) · norm_w is staged once a block for both (twice where the router's format
 // differs from the experts': a code's prescale and a chunk's width depend on its bits; the
-// experts' copy is staged after the router's rows while the block's last warp waits for the
-// logits: at HIDDEN 2,048 the staging takes 16 of 24 warps). Each router row is the same
-// expression as in a staged GEMV of its own (one lane's chunks in order, then warp_sum), so every
-// block sees the same logits and routes alike. Block 0 publishes the choice (ids, weights, and
-// the shared gate's logit, logits[NE]) for moe_down, which reads it before its pdl_wait: so no
-// block lets the next kernel start until that is written (pdl_wait_holding_next, then gate/up's
-// pdl_wait).
+// experts' copy is then staged between the block's arrival at the barrier and its wait). Each
+// router row is the same expression as in a staged GEMV of its own (one lane's chunks in order,
+// then warp_sum), so every block sees the same logits and routes alike. Block 0 publishes the
+// choice (ids, weights) for moe_down, which reads it before its pdl_wait: so no block lets the
+// next kernel start until that is written (pdl_wait_holding_next, then gate/up's pdl_wait).
 template <int BITS, int RBITS>
 __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Mat shared_gate, Mat shared_up,
-                              const float* hidden, const float* norm_w, float eps, float* logits, u64* tagged,
-                              int* ids, float* weights, const u32* epoch_word, float* act) {
+                              const float* hidden, const float* norm_w, float eps, float* logits, int* ids,
+                              float* weights, u32* sync, float* act) {
     constexpr bool OWN = RBITS != BITS;
     router = fixed_shape(router, NE, HIDDEN);
     shared_logit = fixed_shape(shared_logit, 1, HIDDEN);
@@ -119,7 +99,6 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     float4 nw[STAGE_UNROLL];
     norm_w_first(cols, norm_w, nw);
     pdl_wait_holding_next();
-    const u32 epoch = (u32)ldcg_int((const int*)epoch_word) + 1u;
     const float inv = block_inv_rms(hidden, cols, eps, scratch);
     if constexpr (OWN)
         stage_x_values<RBITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0, nw);
@@ -144,69 +123,58 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
             }
         }
         const float v = warp_sum(acc[0]);
-        if (lane == 0) tagged_store(tagged + (u < router.rows ? u : NE + (u - router.rows)), v, epoch);
+        if (lane == 0) logits[u < router.rows ? u : NE + (u - router.rows)] = v;
     }
+    // The experts' x in their own format is staged between the block's arrival and its wait, off
+    // the chain from the last router row to top-k.
     STAMP_AT(2)
-    // The last warp routes while the others stage; it stages its own part (if any) after.
-    const bool routing = threadIdx.x / WARP == blockDim.x / WARP - 1;
-    if (routing) {
-        route_topk_tagged(tagged, epoch, lane, sid, sw);
-        if (blockIdx.x == 0) {
-            if (lane < TOPK) {
-                ids[lane] = sid[lane];
-                weights[lane] = sw[lane];
-            }
-            if (lane == 0) {
-                u64 w;
-                do w = tagged_load(tagged + NE); while (!tag_is(w, epoch));
-                logits[NE] = __uint_as_float((u32)w);
-            }
-            __threadfence();
-        }
-    }
+    route_arrive(sync);
     if constexpr (OWN) stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
-    __syncthreads();
+    route_wait(sync, gridDim.x);
     STAMP_AT(3)
+    if (threadIdx.x < WARP) route_topk(logits, lane, sid, sw);
+    __syncthreads();
+    if (blockIdx.x == 0 && threadIdx.x < TOPK) {
+        ids[threadIdx.x] = sid[threadIdx.x];
+        weights[threadIdx.x] = sw[threadIdx.x];
+        __threadfence();
+    }
+    __syncthreads();
+    STAMP_AT(4)
     gate_up_staged<BITS>(gate, up, shared_gate, shared_up, MOE_INTER, sid, act, [] {}, xs, xsum, blockIdx.x,
                          gridDim.x);
-    STAMP_END(4)
+    STAMP_END(5)
 }
 
 // The down projection of the step's row blockIdx.y, R output rows a warp. Past down_combine's
-// pdl_wait, moe_route_gate_up has finished, so the row's epoch moves on for the next launch
-// (tagged_store).
+// pdl_wait, moe_route_gate_up has finished, so its barrier's count goes back to zero for the next
+// launch (route_arrive).
 template <int BITS, int R>
 __device__ void down_row(Mat down, Mat sh_down, const int* ids, const float* weights, const float* logits,
-                         const float* act, float* residual, u32* epoch) {
+                         const float* act, float* residual, u32* sync) {
     __shared__ DownSmem<BITS> s;
     down_combine<BITS, R>(fixed_shape(down, NE * HIDDEN, MOE_INTER), fixed_shape(sh_down, HIDDEN, SHARED_INTER),
                           MOE_INTER, HIDDEN, ids + blockIdx.y * TOPK, weights + blockIdx.y * TOPK,
                           logits + blockIdx.y * (NE + 1), act + (long)blockIdx.y * MOE_ACT,
                           residual + (long)blockIdx.y * HIDDEN, s, blockIdx.x, gridDim.x);
-    if (blockIdx.x == 0 && threadIdx.x == 0) epoch[blockIdx.y] += 1;
+    if (blockIdx.x == 0 && threadIdx.x == 0) sync[blockIdx.y] = 0;
     STAMP_END(2)
 }
 
 // Each launch runs every row of the step: the grid's y is the row, whose hidden state, router
-// logits (NE + 1 a row: the shared gate's last; as f32 only the shared gate's, for moe_down; all
-// of them tagged, NE + 1 words of 8 bytes), choice (TOPK ids and weights), epoch (a word) and act
-// (MOE_ACT) lie at its row of the step's buffers. The router's bits (RBITS) and the experts' may
-// differ.
-//
-// moe_route_gate_up's block: one an SM (step.rs, ROUTE_WARPS). As three blocks of 8 warps, an SM
-// staged x three times, and every step of the route's chain (the barrier's arrivals and polls, each
-// block's read of the logits for its top-k) went three times over to the same L2 lines.
-#define ROUTE_THREADS (24 * WARP)
+// logits (NE + 1 a row: the shared gate's last), choice (TOPK ids and weights), barrier count
+// (a word) and act (MOE_ACT) lie at its row of the step's buffers. The router's bits (RBITS) and
+// the experts' may differ.
 #define MOE_ROUTE_GATE_UP(BITS, RBITS)                                                            \
-    extern "C" __global__ void __launch_bounds__(ROUTE_THREADS, 1) moe_route_gate_up_b##BITS##_r##RBITS( \
+    extern "C" __global__ void __launch_bounds__(256, 3) moe_route_gate_up_b##BITS##_r##RBITS(    \
         Mat router, Mat shared_logit, Mat gate, Mat up, Mat shared_gate, Mat shared_up,           \
-        const float* hidden, const float* norm_w, float eps, float* logits, u64* tagged, int* ids, \
-        float* weights, const u32* epoch, float* act) {                                           \
+        const float* hidden, const float* norm_w, float eps, float* logits, int* ids, float* weights, \
+        u32* sync, float* act) {                                                                  \
         route_gate_up<BITS, RBITS>(router, shared_logit, gate, up, shared_gate, shared_up,        \
                                    hidden + (long)blockIdx.y * HIDDEN, norm_w, eps,               \
-                                   logits + blockIdx.y * (NE + 1), tagged + blockIdx.y * (NE + 1), \
-                                   ids + blockIdx.y * TOPK, weights + blockIdx.y * TOPK,          \
-                                   epoch + blockIdx.y, act + (long)blockIdx.y * MOE_ACT);         \
+                                   logits + blockIdx.y * (NE + 1), ids + blockIdx.y * TOPK,       \
+                                   weights + blockIdx.y * TOPK, sync + blockIdx.y,            \
+                                   act + (long)blockIdx.y * MOE_ACT);                             \
     }
 #define MOE(BITS)                                                                                 \
     MOE_ROUTE_GATE_UP(BITS, 4)                                                                    \
@@ -214,15 +182,15 @@ __device__ void down_row(Mat down, Mat sh_down, const int* ids, const float* wei
     MOE_ROUTE_GATE_UP(BITS, 32)                                                                   \
     extern "C" __global__ void __launch_bounds__(256) moe_down_b##BITS(                           \
         Mat down, Mat sh_down, const int* ids, const float* weights, const float* logits,         \
-        const float* act, float* residual, u32* epoch) {                                          \
-        down_row<BITS, DOWN_ROWS>(down, sh_down, ids, weights, logits, act, residual, epoch);     \
+        const float* act, float* residual, u32* sync) {                                           \
+        down_row<BITS, DOWN_ROWS>(down, sh_down, ids, weights, logits, act, residual, sync);      \
     }
 // One sequence's down projection, a row a warp (moe_decode.cuh, DOWN_ROWS).
 #define MOE_DOWN_ONE(BITS)                                                                        \
     extern "C" __global__ void __launch_bounds__(256) moe_down_b##BITS##_r1(                      \
         Mat down, Mat sh_down, const int* ids, const float* weights, const float* logits,         \
-        const float* act, float* residual, u32* epoch) {                                          \
-        down_row<BITS, 1>(down, sh_down, ids, weights, logits, act, residual, epoch);             \
+        const float* act, float* residual, u32* sync) {                                           \
+        down_row<BITS, 1>(down, sh_down, ids, weights, logits, act, residual, sync);              \
     }
 MOE(4)
 MOE(8)

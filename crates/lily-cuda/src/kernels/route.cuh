@@ -5,11 +5,15 @@
 // id wins ties, as the CPU reference), then renormalise. Lane 0 writes the TOPK ids and weights
 // (global or shared memory). The logits (another kernel's or another SM's) are read through L2.
 #define ROUTE_PER_LANE ((NE + WARP - 1) / WARP)
-// The choice from the logits already in the lanes (expert lane + i · WARP in p[i], -inf past NE).
-__device__ void route_choose(float (&p)[ROUTE_PER_LANE], int lane, int* ids, float* weights) {
+__device__ void route_topk(const float* logits, int lane, int* ids, float* weights) {
+    float p[ROUTE_PER_LANE];
     float mx = -INFINITY;
 #pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; i++) mx = fmaxf(mx, p[i]);
+    for (int i = 0; i < ROUTE_PER_LANE; i++) {
+        int e = lane + i * WARP;
+        p[i] = e < NE ? ldcg(logits + e) : -INFINITY;
+        mx = fmaxf(mx, p[i]);
+    }
     mx = warp_max(mx);
     float sum = 0.f;
 #pragma unroll
@@ -59,14 +63,4 @@ __device__ void route_choose(float (&p)[ROUTE_PER_LANE], int lane, int* ids, flo
         ids[lane] = mine_id;
         weights[lane] = NORM_TOPK ? mine / total : mine;
     }
-}
-
-__device__ void route_topk(const float* logits, int lane, int* ids, float* weights) {
-    float p[ROUTE_PER_LANE];
-#pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; i++) {
-        int e = lane + i * WARP;
-        p[i] = e < NE ? ldcg(logits + e) : -INFINITY;
-    }
-    route_choose(p, lane, ids, weights);
 }
