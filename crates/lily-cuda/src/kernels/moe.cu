@@ -52,8 +52,8 @@ __device__ __forceinline__ void route_wait(const u32* sync, u32 blocks) {
 // each routes for itself from the logits.
 //
 // x = RMSNorm(hidden) · norm_w is staged once a block for both (twice where the router's format
-// differs from the experts': a code's prescale and a chunk's width depend on its bits; the
-// experts' copy is then staged between the block's arrival at the barrier and its wait). Each
+// differs from the experts': a code's prescale and a chunk's width depend on its bits; both
+// from the same loads, before the router's rows). Each
 // router row is the same expression as in a staged GEMV of its own (one lane's chunks in order,
 // then warp_sum), so every block sees the same logits and routes alike. Block 0 publishes the
 // choice (ids, weights) for moe_down, which reads it before its pdl_wait: so no block lets the
@@ -100,10 +100,18 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     norm_w_first(cols, norm_w, nw);
     pdl_wait_holding_next();
     const float inv = block_inv_rms(hidden, cols, eps, scratch);
-    if constexpr (OWN)
+    // Both formats from one load of x where the router's differs: staged between the block's
+    // arrival and its wait, the experts' copy put a round trip to L2 (x and norm_w again) and its
+    // arithmetic on the chain of the last block to arrive (the H100's stamps: the barrier passed
+    // 1.8 µs after the last block's router rows). f32 on either side takes a second pass.
+    if constexpr (OWN && RBITS != 32 && BITS != 32) {
+        stage_x_values<RBITS, 1, BITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0, nw, xs, xsum);
+    } else if constexpr (OWN) {
         stage_x_values<RBITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0, nw);
-    else
+        stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
+    } else {
         stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0, nw);
+    }
     __syncthreads();
     STAMP_AT(1)
     for (; u < rows; u += stride) {
@@ -125,11 +133,8 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
         const float v = warp_sum(acc[0]);
         if (lane == 0) logits[u < router.rows ? u : NE + (u - router.rows)] = v;
     }
-    // The experts' x in their own format is staged between the block's arrival and its wait, off
-    // the chain from the last router row to top-k.
     STAMP_AT(2)
     route_arrive(sync);
-    if constexpr (OWN) stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
     route_wait(sync, gridDim.x);
     STAMP_AT(3)
     if (threadIdx.x < WARP) route_topk(logits, lane, sid, sw);
