@@ -170,8 +170,12 @@ __device__ void down_row(Mat down, Mat sh_down, const int* ids, const float* wei
 // logits (NE + 1 a row: the shared gate's last), choice (TOPK ids and weights), barrier count
 // (a word) and act (MOE_ACT) lie at its row of the step's buffers. The router's bits (RBITS) and
 // the experts' may differ.
+// moe_route_gate_up's block: one an SM (step.rs, ROUTE_WARPS). As three blocks of 8 warps, an SM
+// staged x three times, and every step of the route's chain (the barrier's arrivals and polls, each
+// block's read of the logits for its top-k) went three times over to the same L2 lines.
+#define ROUTE_THREADS (24 * WARP)
 #define MOE_ROUTE_GATE_UP(BITS, RBITS)                                                            \
-    extern "C" __global__ void __launch_bounds__(256, 3) moe_route_gate_up_b##BITS##_r##RBITS(    \
+    extern "C" __global__ void __launch_bounds__(ROUTE_THREADS, 1) moe_route_gate_up_b##BITS##_r##RBITS( \
         Mat router, Mat shared_logit, Mat gate, Mat up, Mat shared_gate, Mat shared_up,           \
         const float* hidden, const float* norm_w, float eps, float* logits, int* ids, float* weights, \
         u32* sync, float* act) {                                                                  \
