@@ -96,6 +96,22 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
             load_batch<RBITS, 1, NB>(b, row, 0, chunks, router.group, lane);
         }
     }
+    // Where the launch has a warp for every router row and shared-expert pair (one sequence), the
+    // warps the router leaves idle compute the shared expert's pairs before the barrier, rows
+    // requested into L2 before the wait; gate/up after top-k then has the routed pairs alone
+    // (4,096 of 4,608). The same expression as gate_up_staged's, so a row's act has the same bits
+    // either way.
+    const bool shared_early = BITS != 32 && stride >= rows + shared_gate.rows;
+    const long sp = u - rows;
+    auto shared_pair = [&](RowRef (&pair)[2]) {
+        pair[0] = row_ref(shared_gate, sp, BITS);
+        pair[1] = row_ref(shared_up, sp, BITS);
+    };
+    if (shared_early && sp >= 0 && sp < shared_gate.rows) {
+        RowRef pair[2];
+        shared_pair(pair);
+        prefetch_rows<BITS, 2>(pair, cols, lane);
+    }
     float4 nw[STAGE_UNROLL];
     norm_w_first(cols, norm_w, nw);
     pdl_wait_holding_next();
@@ -133,6 +149,22 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
         const float v = warp_sum(acc[0]);
         if (lane == 0) logits[u < router.rows ? u : NE + (u - router.rows)] = v;
     }
+    if constexpr (BITS != 32) {
+        if (shared_early && sp >= 0 && sp < shared_gate.rows) {
+            constexpr int PER = 128 / BITS;
+            const int pchunks = cols / PER, xoff[2] = {0, 0};
+            Batch<BITS, 2, GEMV_BATCH> pb;
+            RowRef pair[2];
+            shared_pair(pair);
+            float acc[2] = {0.f, 0.f};
+            for (int base = 0; base < pchunks; base += WARP * GEMV_BATCH) {
+                load_batch<BITS, 2, GEMV_BATCH>(pb, pair, base, pchunks, shared_gate.group, lane);
+                dot_batch<BITS, 2, GEMV_BATCH, true>(pb, base, pchunks, xoff, xs, xsum, lane, acc);
+            }
+            const float g = warp_sum(acc[0]), v = warp_sum(acc[1]);
+            if (lane == 0) act[TOPK * MOE_INTER + sp] = siluf(g) * v;
+        }
+    }
     STAMP_AT(2)
     route_arrive(sync);
     route_wait(sync, gridDim.x);
@@ -146,6 +178,7 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     }
     __syncthreads();
     STAMP_AT(4)
+    if (shared_early) shared_gate.rows = 0;   // its pairs are done
     gate_up_staged<BITS>(gate, up, shared_gate, shared_up, MOE_INTER, sid, act, [] {}, xs, xsum, blockIdx.x,
                          gridDim.x);
     STAMP_END(5)
