@@ -5,7 +5,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use anyhow::{Context, Result, bail, ensure};
+use anyhow::{Context, Result, bail};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
     PushKernelArg, ValidAsZeroBits,
@@ -254,16 +254,6 @@ impl Gpu {
             .get(name)
             .with_context(|| format!("no occupancy for kernel {name} at 256 threads"))?;
         Ok((*per_sm).max(1) * self.sms)
-    }
-
-    /// Blocks of `warps` warps of kernel `name` that the GPU holds at once, from its occupancy at
-    /// 256 threads (exact where registers or threads bound it; the kernels sized so keep their
-    /// shared memory per block whatever their width).
-    pub fn resident_blocks(&self, name: &str, warps: usize) -> Result<u32> {
-        let per_sm_256 = self.resident_blocks_256(name)? / self.sms;
-        let per_sm = per_sm_256 * 8 / warps as u32;
-        ensure!(per_sm > 0, "kernel {name}: no block of {warps} warps fits an SM");
-        Ok(per_sm * self.sms)
     }
 
     /// Free and total device memory in bytes.

@@ -64,8 +64,6 @@ pub struct Scratch {
 /// Output rows one warp of `moe_down_b*` computes at a time (kernels/moe_decode.cuh, DOWN_ROWS);
 /// `moe_down_b*_r1`, for one sequence, computes one.
 const DOWN_ROWS: usize = 2;
-/// Warps of `moe_route_gate_up`'s block, one block an SM (kernels/moe.cu, ROUTE_THREADS).
-const ROUTE_WARPS: usize = 24;
 
 /// Blocks of the first argmax stage (kernels/sample.cu, ARGMAX_BLOCKS).
 const ARGMAX_BLOCKS: u32 = 128;
@@ -241,9 +239,9 @@ fn experts(
     // block of the launch must be resident at once: at most one wave, shared by the rows.
     let pairs = c.experts_per_token * inter + shared;
     let name = format!("moe_route_gate_up_b{bits}_r{}", m.router.bits);
-    let wave = gpu.resident_blocks(&name, ROUTE_WARPS)? / b;
+    let wave = gpu.resident_blocks_256(&name)? / b;
     ensure!(wave > 0, "{name}: {rows} rows do not fit one wave");
-    let mut shape = wave_shape(pairs, ROUTE_WARPS, wave);
+    let mut shape = wave_shape(pairs, 8, wave);
     shape.grid.1 = b;
     let route_gate_up = MoeRouteGateUp {
         router: m.router.arg(gpu),

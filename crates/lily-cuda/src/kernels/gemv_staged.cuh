@@ -132,14 +132,11 @@ __device__ __forceinline__ void stage_float4(float4 v, int j, int n4, float* xs,
 // of a pass in flight together). Every thread of the block must call it (whole warps take part in
 // the shuffles); no barrier (stage_x adds it). For quantised matrices cols is a multiple of
 // CHUNK_CODES(BITS), and x and norm_w are 16-byte aligned (device buffers). w_first, where given,
-// holds norm_w's float4s of the first pass (norm_w_first). BITS2 (quantised, one row) stages
-// the same values a second time in that format into xs2 and xsum2, from the same loads.
-template <int BITS, int NX = 1, int BITS2 = 0>
+// holds norm_w's float4s of the first pass (norm_w_first).
+template <int BITS, int NX = 1>
 __device__ __forceinline__ void stage_x_values(int cols, int nx, const float* x, const float* norm_w, const float* inv,
                                                float* xs, float* xsum, int xs_n, int xsum_n,
-                                               const float4* w_first = nullptr, float* xs2 = nullptr,
-                                               float* xsum2 = nullptr) {
-    static_assert(BITS2 == 0 || (BITS != 32 && BITS2 != 32 && NX == 1), "a second format: quantised, one row");
+                                               const float4* w_first = nullptr) {
     if constexpr (BITS == 32) {
 #pragma unroll
         for (int r = 0; r < NX; r++) {
@@ -183,10 +180,8 @@ __device__ __forceinline__ void stage_x_values(int cols, int nx, const float* x,
             for (int r = 0; r < NX; r++)
                 if (r < nx) {
 #pragma unroll
-                    for (int u = 0; u < STAGE_UNROLL; u++) {
+                    for (int u = 0; u < STAGE_UNROLL; u++)
                         stage_float4<BITS>(v[r][u], c + u * blockDim.x, n4, xs + r * xs_n, xsum + r * xsum_n);
-                        if constexpr (BITS2 != 0) stage_float4<BITS2>(v[r][u], c + u * blockDim.x, n4, xs2, xsum2);
-                    }
                 }
         }
     }

@@ -52,8 +52,8 @@ __device__ __forceinline__ void route_wait(const u32* sync, u32 blocks) {
 // each routes for itself from the logits.
 //
 // x = RMSNorm(hidden) · norm_w is staged once a block for both (twice where the router's format
-// differs from the experts': a code's prescale and a chunk's width depend on its bits; both
-// from the same loads, before the router's rows). Each
+// differs from the experts': a code's prescale and a chunk's width depend on its bits; the
+// experts' copy is then staged between the block's arrival at the barrier and its wait). Each
 // router row is the same expression as in a staged GEMV of its own (one lane's chunks in order,
 // then warp_sum), so every block sees the same logits and routes alike. Block 0 publishes the
 // choice (ids, weights) for moe_down, which reads it before its pdl_wait: so no block lets the
@@ -96,38 +96,14 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
             load_batch<RBITS, 1, NB>(b, row, 0, chunks, router.group, lane);
         }
     }
-    // Where the launch has a warp for every router row and shared-expert pair (one sequence), the
-    // warps the router leaves idle compute the shared expert's pairs before the barrier, rows
-    // requested into L2 before the wait; gate/up after top-k then has the routed pairs alone
-    // (4,096 of 4,608). The same expression as gate_up_staged's, so a row's act has the same bits
-    // either way.
-    const bool shared_early = BITS != 32 && stride >= rows + shared_gate.rows;
-    const long sp = u - rows;
-    auto shared_pair = [&](RowRef (&pair)[2]) {
-        pair[0] = row_ref(shared_gate, sp, BITS);
-        pair[1] = row_ref(shared_up, sp, BITS);
-    };
-    if (shared_early && sp >= 0 && sp < shared_gate.rows) {
-        RowRef pair[2];
-        shared_pair(pair);
-        prefetch_rows<BITS, 2>(pair, cols, lane);
-    }
     float4 nw[STAGE_UNROLL];
     norm_w_first(cols, norm_w, nw);
     pdl_wait_holding_next();
     const float inv = block_inv_rms(hidden, cols, eps, scratch);
-    // Both formats from one load of x where the router's differs: staged between the block's
-    // arrival and its wait, the experts' copy put a round trip to L2 (x and norm_w again) and its
-    // arithmetic on the chain of the last block to arrive (the H100's stamps: the barrier passed
-    // 1.8 µs after the last block's router rows). f32 on either side takes a second pass.
-    if constexpr (OWN && RBITS != 32 && BITS != 32) {
-        stage_x_values<RBITS, 1, BITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0, nw, xs, xsum);
-    } else if constexpr (OWN) {
+    if constexpr (OWN)
         stage_x_values<RBITS>(cols, 1, hidden, norm_w, &inv, rxs_own, rxsum_own, 0, 0, nw);
-        stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
-    } else {
+    else
         stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0, nw);
-    }
     __syncthreads();
     STAMP_AT(1)
     for (; u < rows; u += stride) {
@@ -149,24 +125,11 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
         const float v = warp_sum(acc[0]);
         if (lane == 0) logits[u < router.rows ? u : NE + (u - router.rows)] = v;
     }
-    if constexpr (BITS != 32) {
-        if (shared_early && sp >= 0 && sp < shared_gate.rows) {
-            constexpr int PER = 128 / BITS;
-            const int pchunks = cols / PER, xoff[2] = {0, 0};
-            Batch<BITS, 2, GEMV_BATCH> pb;
-            RowRef pair[2];
-            shared_pair(pair);
-            float acc[2] = {0.f, 0.f};
-            for (int base = 0; base < pchunks; base += WARP * GEMV_BATCH) {
-                load_batch<BITS, 2, GEMV_BATCH>(pb, pair, base, pchunks, shared_gate.group, lane);
-                dot_batch<BITS, 2, GEMV_BATCH, true>(pb, base, pchunks, xoff, xs, xsum, lane, acc);
-            }
-            const float g = warp_sum(acc[0]), v = warp_sum(acc[1]);
-            if (lane == 0) act[TOPK * MOE_INTER + sp] = siluf(g) * v;
-        }
-    }
+    // The experts' x in their own format is staged between the block's arrival and its wait, off
+    // the chain from the last router row to top-k.
     STAMP_AT(2)
     route_arrive(sync);
+    if constexpr (OWN) stage_x_values<BITS>(cols, 1, hidden, norm_w, &inv, xs, xsum, 0, 0);
     route_wait(sync, gridDim.x);
     STAMP_AT(3)
     if (threadIdx.x < WARP) route_topk(logits, lane, sid, sw);
@@ -178,7 +141,6 @@ __device__ void route_gate_up(Mat router, Mat shared_logit, Mat gate, Mat up, Ma
     }
     __syncthreads();
     STAMP_AT(4)
-    if (shared_early) shared_gate.rows = 0;   // its pairs are done
     gate_up_staged<BITS>(gate, up, shared_gate, shared_up, MOE_INTER, sid, act, [] {}, xs, xsum, blockIdx.x,
                          gridDim.x);
     STAMP_END(5)
@@ -203,12 +165,8 @@ __device__ void down_row(Mat down, Mat sh_down, const int* ids, const float* wei
 // logits (NE + 1 a row: the shared gate's last), choice (TOPK ids and weights), barrier count
 // (a word) and act (MOE_ACT) lie at its row of the step's buffers. The router's bits (RBITS) and
 // the experts' may differ.
-// moe_route_gate_up's block: one an SM (step.rs, ROUTE_WARPS). As three blocks of 8 warps, an SM
-// staged x three times, and every step of the route's chain (the barrier's arrivals and polls, each
-// block's read of the logits for its top-k) went three times over to the same L2 lines.
-#define ROUTE_THREADS (24 * WARP)
 #define MOE_ROUTE_GATE_UP(BITS, RBITS)                                                            \
-    extern "C" __global__ void __launch_bounds__(ROUTE_THREADS, 1) moe_route_gate_up_b##BITS##_r##RBITS( \
+    extern "C" __global__ void __launch_bounds__(256, 3) moe_route_gate_up_b##BITS##_r##RBITS(    \
         Mat router, Mat shared_logit, Mat gate, Mat up, Mat shared_gate, Mat shared_up,           \
         const float* hidden, const float* norm_w, float eps, float* logits, int* ids, float* weights, \
         u32* sync, float* act) {                                                                  \
