@@ -21,12 +21,18 @@ pub enum LogitRows {
     All,
 }
 
-/// One sequence's part in a batched decode step: the token it consumes, and how the token after
-/// it is to be chosen.
+/// One sequence's part in a batched decode step: the token it consumes, how the token after it
+/// is to be chosen, and whether the step after this one may start before that token reaches the
+/// host.
 pub struct DecodeRow<'a, S> {
     pub state: &'a mut S,
     pub token: u32,
     pub choice: Choice<'a>,
+    /// The caller will feed this step's pick back to the same state with a choice made as this
+    /// one (the same sampler, no mask), so a device backend may queue that step now, before the
+    /// pick comes back, and run it while the host handles the picks (see
+    /// [`Backend::decode_batch`]). False where the sequence may end with this pick.
+    pub queue_next: bool,
 }
 
 pub trait Backend: Send + Sync {
@@ -137,6 +143,13 @@ pub trait Backend: Send + Sync {
     /// Every row must give what the same row decoded alone gives. This default runs the rows one
     /// at a time; if it fails, rows before the failing one have advanced, so a caller ends the
     /// whole batch.
+    ///
+    /// A device backend may honour [`DecodeRow::queue_next`]: the step after this one, fed by
+    /// this step's pick where the device left it, is queued before the picks come back, so the
+    /// device never waits for the host between steps. The state has then consumed the pick too
+    /// ([`Backend::state_len`] counts it), the next call for it must feed that pick, and that
+    /// call returns what the queued step chose. A caller whose sequence ends at a pick finds
+    /// its state one token further on where the step was queued; this default queues nothing.
     fn decode_batch(&self, rows: &mut [DecodeRow<'_, Self::State>]) -> Result<Vec<Pick>> {
         rows.iter_mut()
             .map(|row| self.decode_choose(row.state, row.token, &mut row.choice))

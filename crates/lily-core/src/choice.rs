@@ -121,6 +121,13 @@ impl<'a> Choice<'a> {
         self.sampler.is_raw_greedy() && self.allowed.is_none() && self.logprobs.is_none()
     }
 
+    /// The next step's choice will be made as this one is, whatever this one picks: no mask,
+    /// no penalties counting what is picked. What a backend needs to queue that step before
+    /// the host has seen this one's pick.
+    pub fn is_memoryless(&self) -> bool {
+        self.allowed.is_none() && !self.sampler.has_penalties()
+    }
+
     /// The top log-probabilities asked for, at most [`MAX_TOP_LOGPROBS`].
     pub fn top_logprobs(&self) -> Option<usize> {
         self.logprobs.map(|k| k.min(MAX_TOP_LOGPROBS))

@@ -67,6 +67,11 @@ impl Sampler {
         self.params.is_greedy() && self.adjuster.is_none()
     }
 
+    /// Whether penalties (or `logit_bias`) change the logits, from what was chosen before.
+    pub fn has_penalties(&self) -> bool {
+        self.adjuster.is_some()
+    }
+
     /// Never choose ids at or above `limit` (e.g. lm_head rows that the tokenizer cannot decode).
     pub fn with_vocab_limit(mut self, limit: usize) -> Self {
         self.vocab_limit = Some(limit);

@@ -121,11 +121,13 @@ impl SamplingStage {
     }
 }
 
-/// One sequence's part in a batched step: its own stage and state, and the token it consumes.
+/// One sequence's part in a batched step: its own stage and state, the token it consumes, and
+/// whether it goes on after this step's pick ([`DecodeRow::queue_next`]).
 pub struct BatchEntry<'a, S> {
     pub stage: &'a mut SamplingStage,
     pub state: &'a mut S,
     pub token: u32,
+    pub queue_next: bool,
 }
 
 /// Feeds every entry's token to its state in one batched backend step and picks each one's next
@@ -142,6 +144,7 @@ pub fn decode_batch<B: Backend>(
                 state: &mut *e.state,
                 token: e.token,
                 choice: e.stage.choice()?,
+                queue_next: e.queue_next,
             });
         }
         backend.decode_batch(&mut rows)?
@@ -319,11 +322,13 @@ mod tests {
                     stage: &mut scored,
                     state: &mut a,
                     token: 3,
+                    queue_next: false,
                 },
                 BatchEntry {
                     stage: &mut plain,
                     state: &mut b,
                     token: 5,
+                    queue_next: false,
                 },
             ],
         )

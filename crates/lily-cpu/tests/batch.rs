@@ -159,6 +159,7 @@ fn each_row_gets_the_choice_its_own_request_makes_from_its_logits() {
             state,
             token,
             choice: choice.reborrow(),
+            queue_next: false,
         })
         .collect();
     let out = backend.decode_batch(&mut rows).unwrap();
@@ -191,11 +192,13 @@ fn a_batch_with_a_full_sequence_is_refused_and_changes_no_state() {
             state: &mut roomy,
             token: 7,
             choice: Choice::of(&mut s1),
+            queue_next: false,
         },
         DecodeRow {
             state: &mut full,
             token: 8,
             choice: Choice::of(&mut s2),
+            queue_next: false,
         },
     ];
     let err = backend.decode_batch(&mut rows).unwrap_err();

@@ -190,6 +190,7 @@ fn narrowed<'a, S>(
                 state: state(&mut *row.state).ok_or_else(mismatch)?,
                 token: row.token,
                 choice: row.choice.reborrow(),
+                queue_next: row.queue_next,
             })
         })
         .collect()

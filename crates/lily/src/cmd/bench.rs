@@ -339,7 +339,8 @@ struct Row {
 /// Tokens a second over `batch` sequences decoded together for `steps` steps, each prefilled to
 /// `ctx` tokens (each its own rotation of `tokens`, so that the rows differ) and stepped once
 /// untimed: a sequence's first step captures its decode graph (milliseconds on CUDA), a cost
-/// paid once per sequence or batch.
+/// paid once per sequence or batch. Each context has room for one step more, which the last one
+/// queues.
 fn decode_rate(
     backend: &AnyBackend,
     tokens: &[u32],
@@ -375,6 +376,9 @@ fn decode_rate(
                 state,
                 token,
                 choice: Choice::of(sampler),
+                // As a generation does: the device runs the next step while the host reads this
+                // one's tokens (the last one queued, with the room for it below, goes untimed).
+                queue_next: true,
             })
             .collect();
         let picks = backend.decode_batch(&mut rows)?;

@@ -478,7 +478,8 @@ impl<B: Backend> Engine<B> {
         finish: Finish,
     ) -> Result<bool> {
         if choice.ended_turn && finish == Finish::Stop {
-            self.snapshot_end_of_turn(&sequence.job.prompt, &choice.tokens, choice.state)?;
+            let reply = [&sequence.job.prompt[..], &choice.tokens].concat();
+            self.snapshot_end_of_turn(reply, choice.next, choice.state)?;
         }
         sequence.outcome.choices.push(ChoiceOutcome {
             finish,
@@ -497,6 +498,7 @@ impl<B: Backend> Engine<B> {
             .iter_mut()
             .filter_map(|s| match &mut s.phase {
                 Phase::Decode { choice, .. } => Some(BatchEntry {
+                    queue_next: choice.outlasts_next_pick(),
                     stage: &mut choice.stage,
                     state: &mut choice.state,
                     token: choice.next,
@@ -546,22 +548,30 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// After a reply that ended its turn, the state plus `<|im_end|>\n` is where the next turn
-    /// continues when the template renders the reply back as it was generated.
+    /// After a reply that ended its turn with `stop`, the state plus `<|im_end|>\n` is where
+    /// the next turn continues when the template renders the reply back as it was generated.
+    /// `fed` is the prompt and the reply's tokens before `stop`; a step queued before the host
+    /// saw `stop` has fed it too, which serves where it is the turn end's first token.
     fn snapshot_end_of_turn(
         &mut self,
-        prompt: &[u32],
-        reply: &[u32],
+        fed: Vec<u32>,
+        stop: u32,
         mut state: B::State,
     ) -> Result<()> {
-        let len = prompt.len() + reply.len() + self.turn_end.len();
+        let len = fed.len() + self.turn_end.len();
         if len > self.max_seq || !self.snapshots.fits(self.backend.state_bytes(&state), 0) {
             return Ok(());
         }
-        self.backend
-            .prefill(&mut state, &self.turn_end, LogitRows::None)?;
+        let rest = match self.backend.state_len(&state).checked_sub(fed.len()) {
+            Some(0) => &self.turn_end[..],
+            Some(1) if self.turn_end.first() == Some(&stop) => &self.turn_end[1..],
+            _ => return Ok(()),
+        };
+        if !rest.is_empty() {
+            self.backend.prefill(&mut state, rest, LogitRows::None)?;
+        }
         let bytes = self.backend.state_bytes(&state);
-        let tokens = [prompt, reply, &self.turn_end].concat();
+        let tokens = [fed, self.turn_end.clone()].concat();
         self.snapshots.insert(tokens, state, None, bytes);
         Ok(())
     }
@@ -596,5 +606,7 @@ impl<B: Backend> Engine<B> {
 
 #[cfg(test)]
 mod batch_tests;
+#[cfg(test)]
+mod queue_tests;
 #[cfg(test)]
 mod tests;

@@ -41,14 +41,17 @@ fn texts(log: &Log, id: usize, n: usize) -> Vec<String> {
     texts
 }
 
-fn jobs() -> Vec<GenerationJob> {
-    let ask = |content: &str, max_tokens, sampling| {
-        job(
-            &[json!({"role": "user", "content": content})],
-            max_tokens,
-            sampling,
-        )
-    };
+/// One user message.
+pub(super) fn ask(content: &str, max_tokens: usize, sampling: SamplingParams) -> GenerationJob {
+    job(
+        &[json!({"role": "user", "content": content})],
+        max_tokens,
+        sampling,
+    )
+}
+
+/// Greedy, sampled with log-probabilities, two choices, penalised, sampled.
+pub(super) fn jobs() -> Vec<GenerationJob> {
     let mut scored = ask("Name three rivers.", 9, sampled(5));
     scored.logprobs = Some(3);
     let mut choices = ask("Write a haiku.", 7, sampled(11));

@@ -25,7 +25,8 @@ pub(super) struct ChoiceRun<'t, S> {
     pub tokens: Vec<u32>,
     /// The most tokens this choice may add (the request's, or what the context has left).
     max_tokens: usize,
-    /// The token chosen last, which the next decode step feeds.
+    /// The token chosen last: the one the next decode step feeds, or the one that ended the
+    /// choice.
     pub next: u32,
     /// It ended with an end-of-turn token, so that the state can seed the next turn.
     pub ended_turn: bool,
@@ -93,6 +94,7 @@ impl<'t, S> ChoiceRun<'t, S> {
     /// Takes the next chosen token: emits what text it completes and says whether the choice
     /// has ended, and how. `None`: it goes on, and `next` is the token to feed.
     pub fn accept(&mut self, pick: Pick, stop_ids: &[u32], sink: &mut impl Sink) -> Option<Finish> {
+        self.next = pick.token;
         if stop_ids.contains(&pick.token) {
             self.ended_turn = true;
             return Some(self.close(Finish::Stop, sink));
@@ -112,8 +114,14 @@ impl<'t, S> ChoiceRun<'t, S> {
         if sink.cancelled() {
             return Some(Finish::Cancelled);
         }
-        self.next = pick.token;
         None
+    }
+
+    /// Whether the budget lets the choice go on after the pick of the step that feeds `next`:
+    /// then that pick will be fed in turn, and a backend may queue its step early
+    /// ([`lily_core::backend::DecodeRow::queue_next`]).
+    pub fn outlasts_next_pick(&self) -> bool {
+        self.tokens.len() + 1 < self.max_tokens
     }
 
     /// Sends the text still held back where the output ends whole (its length, or a turn's end;

@@ -14,7 +14,7 @@ use crate::backends::AnyBackend;
 use crate::device::{Device, load_with};
 use crate::serve::prompt::chat_prompt;
 
-fn text_model() -> Arc<TextModel> {
+pub(super) fn text_model() -> Arc<TextModel> {
     static TEXT: OnceLock<Arc<TextModel>> = OnceLock::new();
     TEXT.get_or_init(|| Arc::new(TextModel::embedded().unwrap()))
         .clone()
