@@ -174,31 +174,14 @@ impl CudaBackend {
         for row in rows.iter_mut() {
             self.set_token(row.state, row.token)?;
         }
-        let key: Vec<(u64, usize)> = rows
+        let step_rows: Vec<StepRow<'_>> = rows
             .iter()
-            .map(|r| {
-                (
-                    r.state.id,
-                    r.choice.sampler.choosable(self.config.vocab_size),
-                )
+            .map(|r| StepRow {
+                state: &*r.state,
+                choices: r.choice.sampler.choosable(self.config.vocab_size),
             })
             .collect();
-        if buffers.batch.as_ref().is_none_or(|b| b.rows != key) {
-            buffers.batch = None;
-            let step_rows: Vec<StepRow<'_>> = rows
-                .iter()
-                .zip(&key)
-                .map(|(r, &(_, choices))| StepRow {
-                    state: &*r.state,
-                    choices,
-                })
-                .collect();
-            let graph = self.capture_step(&buffers.decode, &step_rows, None)?;
-            buffers.batch = Some(BatchGraph { rows: key, graph });
-        }
-        if let Some(batch) = &buffers.batch {
-            batch.graph.launch()?;
-        }
+        self.replay_batch(&mut buffers, &step_rows)?;
         let chosen = self
             .gpu
             .stream
@@ -243,6 +226,21 @@ impl CudaBackend {
             picks.push(pick);
         }
         Ok(picks)
+    }
+
+    /// Launches the step of `rows` (2 to [`Self::step_rows`], each input in its token slot):
+    /// the graph of the last batch replayed, captured first where the batch differs from it.
+    pub(crate) fn replay_batch(&self, buffers: &mut Buffers, rows: &[StepRow<'_>]) -> Result<()> {
+        let key: Vec<(u64, usize)> = rows.iter().map(|r| (r.state.id, r.choices)).collect();
+        if buffers.batch.as_ref().is_none_or(|b| b.rows != key) {
+            buffers.batch = None;
+            let graph = self.capture_step(&buffers.decode, rows, None)?;
+            buffers.batch = Some(BatchGraph { rows: key, graph });
+        }
+        if let Some(batch) = &buffers.batch {
+            batch.graph.launch()?;
+        }
+        Ok(())
     }
 
     pub(crate) fn set_token(&self, state: &mut CudaState, token: u32) -> Result<()> {

@@ -26,6 +26,7 @@ pub mod moe_prefill;
 pub mod options;
 pub mod pick;
 mod prefill;
+mod queued;
 pub mod stamps;
 mod state;
 mod step;
@@ -66,6 +67,8 @@ pub struct CudaBackend {
     prefill_chunk: usize,
     /// The most sequences one decode step advances (the batched GEMVs' shared memory bounds it).
     step_rows: usize,
+    /// Whether steps are queued ahead of the host where callers allow it (queued.rs).
+    queue_steps: bool,
 }
 
 struct Buffers {
@@ -177,6 +180,7 @@ impl CudaBackend {
             scratch,
             prefill_chunk,
             step_rows,
+            queue_steps: options.queue_steps,
         })
     }
 
@@ -256,6 +260,8 @@ impl CudaBackend {
             }
         }
         state.device_token = None;
+        // A step queued for the state has fed its token already; its pick is not wanted.
+        state.queued = None;
         if let Some(f) = &mut fork {
             f.device_token = None;
             self.set_position(f)?;
@@ -466,6 +472,10 @@ impl Backend for CudaBackend {
 
     /// One graph step (the f32 GEMV path), logits read back.
     fn decode(&self, state: &mut CudaState, token: u32) -> Result<Vec<f32>> {
+        ensure!(
+            state.queued.is_none(),
+            "a step of this sequence is queued; its logits are not kept"
+        );
         self.check_room(state, &[token])?;
         let scratch = self.lock()?;
         self.set_token(state, token)?;
@@ -481,6 +491,16 @@ impl Backend for CudaBackend {
         token: u32,
         choice: &mut Choice<'_>,
     ) -> Result<Pick> {
+        if state.queued.is_some() {
+            let mut row = [DecodeRow {
+                state,
+                token,
+                choice: choice.reborrow(),
+                queue_next: false,
+            }];
+            let mut picks = self.decode_queued(&mut row)?;
+            return picks.pop().context("no pick");
+        }
         self.check_room(state, &[token])?;
         let mut buffers = self.lock()?;
         self.set_token(state, token)?;
@@ -497,6 +517,17 @@ impl Backend for CudaBackend {
     /// a larger batch runs as several steps. Every row is checked before any advances. The
     /// persistent step takes one sequence at a time.
     fn decode_batch(&self, rows: &mut [DecodeRow<'_, CudaState>]) -> Result<Vec<Pick>> {
+        if self.queues(rows) {
+            // Every row that runs a step now is checked before any advances.
+            for row in rows.iter().filter(|r| r.state.queued.is_none()) {
+                self.check_room(row.state, &[row.token])?;
+            }
+            let mut picks = Vec::with_capacity(rows.len());
+            for group in rows.chunks_mut(self.step_rows.max(1)) {
+                picks.extend(self.decode_queued(group)?);
+            }
+            return Ok(picks);
+        }
         for row in rows.iter() {
             self.check_room(row.state, &[row.token])?;
         }

@@ -51,6 +51,9 @@ pub struct CudaOptions {
     /// Kernels compiled to timestamp every block's wait, for `lily bench`'s in-graph breakdown of
     /// a decode step (stamps.rs; `LILY_STAMPS=0|1`).
     pub stamps: bool,
+    /// Graph steps queued one ahead of the host where the caller allows it
+    /// (`DecodeRow::queue_next`; queued.rs; `LILY_QUEUE_STEPS=0|1`).
+    pub queue_steps: bool,
 }
 
 impl Default for CudaOptions {
@@ -69,6 +72,9 @@ impl Default for CudaOptions {
             // Fused measured +3.5 % prefill at 4K on an H100 (docs/BENCHMARKS.md, sixteenth session).
             gate_up: GateUpRoute::Fused,
             stamps: false,
+            // Off until it has run on a GPU against the plain path (docs/BENCHMARKS.md,
+            // twenty-third session).
+            queue_steps: false,
         }
     }
 }
@@ -110,6 +116,9 @@ impl CudaOptions {
         }
         if let Some(i) = pick("LILY_STAMPS", &["0", "1"])? {
             o.stamps = i == 1;
+        }
+        if let Some(i) = pick("LILY_QUEUE_STEPS", &["0", "1"])? {
+            o.queue_steps = i == 1;
         }
         if let Some(i) = pick("LILY_GEMM", &["mma", "wgmma"])? {
             o.gemm = Some([GemmPath::MmaSync, GemmPath::Wgmma][i]);
@@ -162,6 +171,7 @@ mod tests {
             ("LILY_GDN_PREFILL", "scan"),
             ("LILY_STAMPS", "1"),
             ("LILY_GATE_UP", "split"),
+            ("LILY_QUEUE_STEPS", "1"),
         ]))
         .unwrap();
         let want = CudaOptions {
@@ -174,6 +184,7 @@ mod tests {
             gdn_prefill: Some(GdnPrefillRoute::Scan),
             gate_up: GateUpRoute::Split,
             stamps: true,
+            queue_steps: true,
         };
         assert_eq!(o, want);
     }
@@ -191,6 +202,7 @@ mod tests {
             ("LILY_GDN_PREFILL", "wy"),
             ("LILY_STAMPS", "on"),
             ("LILY_GATE_UP", "both"),
+            ("LILY_QUEUE_STEPS", "ahead"),
         ] {
             let err = CudaOptions::from_vars(vars(&[(name, value)])).unwrap_err();
             let text = format!("{err:#}");

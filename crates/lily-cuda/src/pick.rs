@@ -33,7 +33,7 @@ const PICK_TOP: usize = 64;
 /// Top log-probabilities the record holds (pick.cu PICK_LOGPROBS).
 const PICK_LOGPROBS: usize = lily_core::choice::MAX_TOP_LOGPROBS;
 /// The words of pick.cu's PickOut: status, token, logprob, count, then the top ids and values.
-const OUT_WORDS: usize = 4 + 2 * PICK_LOGPROBS;
+pub(crate) const OUT_WORDS: usize = 4 + 2 * PICK_LOGPROBS;
 /// PickOut's status when the host must finish the choice.
 const PICK_HOST: u32 = 1;
 
@@ -141,15 +141,15 @@ pub struct PickRow<'a, 'c> {
     pub choice: &'a mut Choice<'c>,
 }
 
-/// What a row's launches need besides its arguments.
+/// What a row's launches need besides its arguments, and what reading its record does.
 #[derive(Clone, Copy)]
-struct RowPlan {
+pub(crate) struct RowPlan {
     prepare: bool,
     lists: usize,
     adjustments: usize,
     raw_lists: bool,
     logprobs: Option<usize>,
-    draw: f32,
+    pub(crate) draw: f32,
 }
 
 impl PickScratch {
@@ -179,17 +179,7 @@ impl PickScratch {
     /// picks in order: every row in one launch of each kernel and one read-back, each row's pick
     /// what it would be alone.
     pub fn pick(&mut self, gpu: &Gpu, rows: &mut [PickRow<'_, '_>]) -> Result<Vec<Pick>> {
-        ensure!(
-            (1..=self.rows.len()).contains(&rows.len()),
-            "the pick buffers take 1 to {} rows, not {}",
-            self.rows.len(),
-            rows.len()
-        );
-        let vocab = self.vocab;
-        ensure!(
-            rows.iter().all(|r| r.logits.len() >= vocab),
-            "a row of logits holds {vocab} values"
-        );
+        self.check_rows(rows)?;
         if !self.fits {
             return rows
                 .iter_mut()
@@ -199,6 +189,41 @@ impl PickScratch {
                 })
                 .collect();
         }
+        let plans = self.launch(gpu, rows)?;
+        let out = gpu
+            .stream
+            .clone_dtoh(&self.out.slice(..rows.len() * OUT_WORDS))?;
+        rows.iter_mut()
+            .zip(&plans)
+            .zip(out.chunks_exact(OUT_WORDS))
+            .map(
+                |((row, plan), out)| match self.read(row.choice, plan, out) {
+                    Some(pick) => Ok(pick),
+                    None => self.finish_on_host(gpu, row, plan.draw),
+                },
+            )
+            .collect()
+    }
+
+    /// Whether the device always finishes `choice` itself, so that its token is in the slot
+    /// once the kernels have run: a greedy rule, or a top-k within the candidates kept.
+    pub(crate) fn finishes(&self, choice: &Choice<'_>) -> bool {
+        let params = choice.sampler.params();
+        self.fits && (params.is_greedy() || (1..=PICK_TOP).contains(&params.top_k))
+    }
+
+    /// Launches the choice of every row (each row's draw made now); row `i`'s record is
+    /// [`Self::record`]`(i)` once they have run. Needs the candidate lists to fit one block.
+    pub(crate) fn launch(
+        &mut self,
+        gpu: &Gpu,
+        rows: &mut [PickRow<'_, '_>],
+    ) -> Result<Vec<RowPlan>> {
+        self.check_rows(rows)?;
+        ensure!(
+            self.fits,
+            "the vocabulary's candidate lists outgrow one block"
+        );
         let mut args = PickRows::default();
         let mut plans = Vec::with_capacity(rows.len());
         for (i, row) in rows.iter_mut().enumerate() {
@@ -222,25 +247,47 @@ impl PickScratch {
             launch(gpu, "pick_top_raw", (lists, n), SORT_THREADS, &mut args)?;
         }
         launch(gpu, "pick_choose", (1, n), SORT_THREADS, &mut args)?;
-        let out = gpu
-            .stream
-            .clone_dtoh(&self.out.slice(..rows.len() * OUT_WORDS))?;
-        rows.iter_mut()
-            .zip(&plans)
-            .zip(out.chunks_exact(OUT_WORDS))
-            .map(|((row, plan), out)| {
-                if out[0] == PICK_HOST {
-                    return self.finish_on_host(gpu, row, plan.draw);
-                }
-                self.counts.on_device += 1;
-                let token = out[1];
-                row.choice.sampler.record(token);
-                Ok(Pick {
-                    token,
-                    logprobs: plan.logprobs.map(|_| read_logprobs(token, out)),
-                })
-            })
-            .collect()
+        Ok(plans)
+    }
+
+    fn check_rows(&self, rows: &[PickRow<'_, '_>]) -> Result<()> {
+        ensure!(
+            (1..=self.rows.len()).contains(&rows.len()),
+            "the pick buffers take 1 to {} rows, not {}",
+            self.rows.len(),
+            rows.len()
+        );
+        let vocab = self.vocab;
+        ensure!(
+            rows.iter().all(|r| r.logits.len() >= vocab),
+            "a row of logits holds {vocab} values"
+        );
+        Ok(())
+    }
+
+    /// Row `i`'s record (pick.cu's PickOut) on the device.
+    pub(crate) fn record(&self, i: usize) -> CudaView<'_, u32> {
+        self.out.slice(i * OUT_WORDS..(i + 1) * OUT_WORDS)
+    }
+
+    /// The pick a row's record holds, counted for `choice`'s penalties; None where the host must
+    /// finish the choice from the logits.
+    pub(crate) fn read(
+        &mut self,
+        choice: &mut Choice<'_>,
+        plan: &RowPlan,
+        out: &[u32],
+    ) -> Option<Pick> {
+        if out[0] == PICK_HOST {
+            return None;
+        }
+        self.counts.on_device += 1;
+        let token = out[1];
+        choice.sampler.record(token);
+        Some(Pick {
+            token,
+            logprobs: plan.logprobs.map(|_| read_logprobs(token, out)),
+        })
     }
 
     /// [`Self::pick`] for one row.
@@ -342,7 +389,12 @@ impl PickScratch {
     }
 
     /// The choice made on the host from the row, with the draw the device was given.
-    fn finish_on_host(&mut self, gpu: &Gpu, row: &mut PickRow<'_, '_>, draw: f32) -> Result<Pick> {
+    pub(crate) fn finish_on_host(
+        &mut self,
+        gpu: &Gpu,
+        row: &mut PickRow<'_, '_>,
+        draw: f32,
+    ) -> Result<Pick> {
         let logits = gpu.stream.clone_dtoh(&row.logits.slice(..self.vocab))?;
         let pick = row.choice.pick_drawn(&logits, draw);
         gpu.stream.memcpy_htod(&[pick.token], &mut *row.slot)?;

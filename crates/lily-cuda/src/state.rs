@@ -9,6 +9,7 @@ use lily_core::config::{LayerKind, ModelConfig};
 
 use crate::compile::{KvPrecision, attn_splits};
 use crate::gpu::Gpu;
+use crate::queued::{Queued, Records};
 
 /// The u16 elements of one layer's K (or V) cache for `max_seq` positions: one per bf16 value,
 /// two per f32 one. (It once passed the byte count as the element count: twice the plan.)
@@ -35,6 +36,11 @@ pub struct CudaState {
     pub(crate) graph: Option<(CudaGraph, usize)>,
     /// The persistent step's table of this state's buffers (decode.rs), made at its first step.
     pub(crate) step_table: Option<CudaSlice<u8>>,
+    /// A step queued before the host read the pick it feeds on (queued.rs): `len` and the
+    /// device position count it already.
+    pub(crate) queued: Option<Queued>,
+    /// Where the picks of the steps queued for it come back (queued.rs), made at the first.
+    pub(crate) records: Option<Records>,
 }
 
 pub(crate) enum LayerState {
@@ -102,6 +108,8 @@ impl CudaState {
             layers,
             graph: None,
             step_table: None,
+            queued: None,
+            records: None,
         })
     }
 
@@ -135,6 +143,8 @@ impl CudaState {
             layers,
             graph: None,
             step_table: None,
+            queued: None,
+            records: None,
         })
     }
 }

@@ -4,19 +4,20 @@
 //! positions and attention splits in one step), greedy and seeded sampled rows side by side (the
 //! sampled ones choosing together in one set of pick launches, each with its own rule),
 //! batches of 2, 3, 8 and 9 (a step of 8, then one of 1), on synthetic:tiny (4-bit, the real
-//! vocabulary) and the full-size synthetic model. Needs a CUDA GPU: ignored by a plain
-//! `cargo test`, run on the H200 with `--include-ignored`.
+//! vocabulary) and the full-size synthetic model. The same with each next step queued before
+//! the host reads the picks (`DecodeRow::queue_next`), rows joining the batch at different steps.
+//! Needs a CUDA GPU: ignored by a plain `cargo test`, run on the H200 with `--include-ignored`.
 
 mod support;
 
-use lily_core::backend::{Backend, DecodeRow};
+use lily_core::backend::{Backend, DecodeRow, LogitRows};
 use lily_core::choice::Choice;
 use lily_core::model_ref::SYNTHETIC_SEED;
 use lily_core::penalties::Penalties;
 use lily_core::sampling::{Sampler, SamplingParams};
 use lily_core::synthetic::synthetic_config;
 use lily_cuda::synthetic::SyntheticWeights;
-use lily_cuda::{CudaBackend, CudaState, KvPrecision};
+use lily_cuda::{CudaBackend, CudaOptions, CudaState, KvPrecision};
 use support::{argmax, options, tokens};
 
 const STEPS: usize = 12;
@@ -26,7 +27,12 @@ const LENGTHS: [usize; 9] = [1, 2, 7, 64, 65, 33, 300, 17, 130];
 fn backend(model: &str) -> CudaBackend {
     let config = synthetic_config(model).unwrap();
     let mut source = SyntheticWeights::new(SYNTHETIC_SEED);
-    CudaBackend::from_source(config, &mut source, &options(KvPrecision::F32, 128)).unwrap()
+    // Steps are queued only where a call asks (`queue_next`): the plain calls stay plain.
+    let options = CudaOptions {
+        queue_steps: true,
+        ..options(KvPrecision::F32, 128)
+    };
+    CudaBackend::from_source(config, &mut source, &options).unwrap()
 }
 
 /// Row i's prompt.
@@ -116,36 +122,99 @@ fn alone(b: &CudaBackend, i: usize) -> (Vec<u32>, Vec<f32>) {
     (out, logits)
 }
 
-/// Rows 0..n decoded together, every step one `decode_batch`: each row's tokens.
-fn together(b: &CudaBackend, n: usize) -> Vec<Vec<u32>> {
+/// Rows 0..n decoded together, every step one `decode_batch`: each row's tokens. `queued`:
+/// each step queues the row's next one where the row goes on after it, and row i joins the
+/// batch at step i % 3 (its prompt prefilled while the others' steps are queued), so calls mix
+/// rows whose pick a queued step made with rows stepped in the call.
+fn together(b: &CudaBackend, n: usize, queued: bool) -> Vec<Vec<u32>> {
     let vocab = b.config().vocab_size;
     let mut samplers: Vec<Sampler> = (0..n).map(|i| sampler(i, vocab)).collect();
-    let mut states = Vec::new();
-    let mut out: Vec<Vec<u32>> = Vec::new();
-    for (i, s) in samplers.iter_mut().enumerate() {
-        let (state, first) = start(b, i, s);
-        states.push(state);
-        out.push(vec![first]);
-    }
-    for _ in 1..STEPS {
-        let mut rows: Vec<DecodeRow<'_, CudaState>> = states
+    let mut states: Vec<Option<CudaState>> = (0..n).map(|_| None).collect();
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); n];
+    for step in 0.. {
+        for (i, s) in samplers.iter_mut().enumerate() {
+            if step == if queued { i % 3 } else { 0 } {
+                let (state, first) = start(b, i, s);
+                states[i] = Some(state);
+                out[i].push(first);
+            }
+        }
+        let (ids, mut rows): (Vec<usize>, Vec<DecodeRow<'_, CudaState>>) = states
             .iter_mut()
             .zip(samplers.iter_mut())
             .zip(&out)
             .enumerate()
-            .map(|(i, ((state, sampler), toks))| DecodeRow {
-                state,
-                token: *toks.last().unwrap(),
-                choice: choice(i, sampler),
+            .filter_map(|(i, ((state, sampler), toks))| {
+                let state = state.as_mut().filter(|_| toks.len() < STEPS)?;
+                let row = DecodeRow {
+                    state,
+                    token: *toks.last().unwrap(),
+                    choice: choice(i, sampler),
+                    queue_next: queued && toks.len() + 1 < STEPS,
+                };
+                Some((i, row))
             })
-            .collect();
+            .unzip();
+        if rows.is_empty() && step >= 2 {
+            break;
+        }
+        if rows.is_empty() {
+            continue;
+        }
         let picks = b.decode_batch(&mut rows).unwrap();
         drop(rows);
-        for (toks, pick) in out.iter_mut().zip(picks) {
-            toks.push(pick.token);
+        for (i, pick) in ids.into_iter().zip(picks) {
+            out[i].push(pick.token);
         }
     }
     out
+}
+
+/// A prompt's state after 4 greedy steps, the last queued (it fed its pick on the device), then a
+/// prefill: the logits equal those of a state whose step fed the pick in the plain way.
+fn prefill_after_a_queued_step(b: &CudaBackend) {
+    let vocab = b.config().vocab_size;
+    let mut greedy = Sampler::new(SamplingParams::greedy());
+    let (mut plain, mut next) = start(b, 3, &mut greedy);
+    for _ in 0..4 {
+        next = b
+            .decode_choose(&mut plain, next, &mut Choice::of(&mut greedy))
+            .unwrap()
+            .token;
+    }
+    b.decode(&mut plain, next).unwrap();
+    let (mut queued, mut token) = start(b, 3, &mut greedy);
+    for step in 0..4 {
+        let mut row = [DecodeRow {
+            state: &mut queued,
+            token,
+            choice: Choice::of(&mut greedy),
+            queue_next: true,
+        }];
+        token = b.decode_batch(&mut row).unwrap()[0].token;
+        assert_eq!(
+            queued.len(),
+            LENGTHS[3] + step + 2,
+            "the queued step counts"
+        );
+    }
+    assert_eq!(token, next);
+    let x = [(next as usize * 7 % vocab) as u32];
+    let want = b.prefill(&mut plain, &x, LogitRows::Last).unwrap();
+    let got = b.prefill(&mut queued, &x, LogitRows::Last).unwrap();
+    let same = got
+        .iter()
+        .zip(&want)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(
+        same,
+        "a prefill after a queued step differs from one after a plain step"
+    );
+    // A plain step after the prefill on each: nothing queued is left to take.
+    let t = argmax(&want) as u32;
+    let plain_next = b.decode_choose(&mut plain, t, &mut Choice::of(&mut greedy));
+    let queued_next = b.decode_choose(&mut queued, t, &mut Choice::of(&mut greedy));
+    assert_eq!(queued_next.unwrap(), plain_next.unwrap());
 }
 
 fn check_batches(model: &str, sizes: &[usize]) {
@@ -159,16 +228,23 @@ fn check_batches(model: &str, sizes: &[usize]) {
     let max = *sizes.iter().max().unwrap();
     let want: Vec<(Vec<u32>, Vec<f32>)> = (0..max).map(|i| alone(&b, i)).collect();
     for &n in sizes {
-        let got = together(&b, n);
-        for (i, toks) in got.iter().enumerate() {
-            assert_eq!(
-                toks, &want[i].0,
-                "{model}, a batch of {n}: row {i} (prompt of {}) decoded other tokens than alone",
-                LENGTHS[i]
+        for queued in [false, true] {
+            let got = together(&b, n, queued);
+            for (i, toks) in got.iter().enumerate() {
+                assert_eq!(
+                    toks, &want[i].0,
+                    "{model}, a batch of {n} (queued: {queued}): row {i} (prompt of {}) decoded \
+                     other tokens than alone",
+                    LENGTHS[i]
+                );
+            }
+            eprintln!(
+                "{model}, a batch of {n} (queued: {queued}): every row's {STEPS} tokens as alone"
             );
         }
-        eprintln!("{model}, a batch of {n}: every row's {STEPS} tokens as alone");
     }
+    prefill_after_a_queued_step(&b);
+    eprintln!("{model}: a prefill after a queued step as after a plain one");
     // The logits of a batched greedy step, row by row, to the bit, from states at the point of
     // alone's last step.
     let n = sizes
@@ -203,6 +279,7 @@ fn check_batches(model: &str, sizes: &[usize]) {
             state,
             token,
             choice: Choice::of(sampler),
+            queue_next: false,
         })
         .collect();
     let picks = b.decode_batch(&mut rows).unwrap();
