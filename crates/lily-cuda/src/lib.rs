@@ -163,10 +163,13 @@ impl CudaBackend {
             gpu.shared_optin,
             gpu.decode_kernels,
         );
+        let pick = PickScratch::new(&gpu, config.vocab_size, step_rows.max(1))?;
+        // The queued path launches the pick kernels of every sampled row it steps.
+        let queue_steps = options.queue_steps && pick.on_device();
         let scratch = Mutex::new(Buffers {
             decode: Scratch::new(&gpu, &config)?,
             prefill: PrefillScratch::new(&gpu, &config, prefill_chunk)?,
-            pick: PickScratch::new(&gpu, config.vocab_size, step_rows.max(1))?,
+            pick,
             batch: None,
         });
         // Every weight is written before the first step: kernels may read weights ahead of their
@@ -180,7 +183,7 @@ impl CudaBackend {
             scratch,
             prefill_chunk,
             step_rows,
-            queue_steps: options.queue_steps,
+            queue_steps,
         })
     }
 

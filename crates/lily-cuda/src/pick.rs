@@ -171,6 +171,11 @@ impl PickScratch {
         })
     }
 
+    /// Whether the kernels choose for this vocabulary (else every choice is the host's).
+    pub fn on_device(&self) -> bool {
+        self.fits
+    }
+
     pub fn counts(&self) -> PickCounts {
         self.counts
     }
