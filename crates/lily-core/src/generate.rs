@@ -5,9 +5,9 @@
 
 use std::ops::ControlFlow;
 
-use anyhow::{Result, ensure};
+use anyhow::{Context, Result, ensure};
 
-use crate::backend::{Backend, LogitRows};
+use crate::backend::{Backend, DecodeRow, LogitRows};
 use crate::choice::{Choice, Pick};
 use crate::sampling::Sampler;
 
@@ -71,7 +71,9 @@ pub fn prefill_choose<B: Backend>(
 }
 
 /// Prefills `prompt`, then samples up to `max_tokens` tokens. `on_token` sees each token as it is
-/// chosen and may stop generation early.
+/// chosen and may stop generation early. Each step lets the backend queue the next one before
+/// the host sees its token ([`DecodeRow::queue_next`]), so a state that ends on a stop token or
+/// a cancel may have fed that token too.
 pub fn generate<B: Backend>(
     backend: &B,
     state: &mut B::State,
@@ -110,7 +112,14 @@ pub fn generate<B: Backend>(
                 finish: Finish::Length,
             });
         }
-        next = backend.decode_choose(state, next, &mut choice)?.token;
+        let mut row = [DecodeRow {
+            state: &mut *state,
+            token: next,
+            choice: choice.reborrow(),
+            queue_next: tokens.len() + 1 < max_tokens,
+        }];
+        let picks = backend.decode_batch(&mut row)?;
+        next = picks.first().context("the backend returned no pick")?.token;
     }
 }
 
