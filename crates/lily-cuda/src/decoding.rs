@@ -15,6 +15,10 @@ use crate::step::{self, Scratch, StepRow, encode_step};
 use crate::timeline::Timeline;
 use crate::{Buffers, CudaBackend};
 
+/// Batch graphs kept at once ([`CudaBackend::replay_batch`]). A graph of states that have
+/// ended is never replayed (ids are not reused) and leaves as newer ones come.
+const BATCH_GRAPHS: usize = 4;
+
 /// A captured step of several sequences: which states (by [`CudaState::id`]) with which
 /// argmax ranges, in row order.
 pub(crate) struct BatchGraph {
@@ -229,17 +233,23 @@ impl CudaBackend {
     }
 
     /// Launches the step of `rows` (2 to [`Self::step_rows`], each input in its token slot):
-    /// the graph of the last batch replayed, captured first where the batch differs from it.
+    /// the graph of an earlier batch of the same rows replayed, else captured first. A few are
+    /// kept: a batch larger than a step alternates between its groups' graphs, and a row joining
+    /// the queued path runs a step of its own beside the batch's (queued.rs).
     pub(crate) fn replay_batch(&self, buffers: &mut Buffers, rows: &[StepRow<'_>]) -> Result<()> {
         let key: Vec<(u64, usize)> = rows.iter().map(|r| (r.state.id, r.choices)).collect();
-        if buffers.batch.as_ref().is_none_or(|b| b.rows != key) {
-            buffers.batch = None;
-            let graph = self.capture_step(&buffers.decode, rows, None)?;
-            buffers.batch = Some(BatchGraph { rows: key, graph });
-        }
-        if let Some(batch) = &buffers.batch {
-            batch.graph.launch()?;
-        }
+        let batch = match buffers.batches.iter().position(|b| b.rows == key) {
+            Some(i) => buffers.batches.remove(i),
+            None => {
+                if buffers.batches.len() == BATCH_GRAPHS {
+                    buffers.batches.remove(0);
+                }
+                let graph = self.capture_step(&buffers.decode, rows, None)?;
+                BatchGraph { rows: key, graph }
+            }
+        };
+        batch.graph.launch()?;
+        buffers.batches.push(batch);
         Ok(())
     }
 

@@ -75,8 +75,8 @@ struct Buffers {
     decode: Scratch,
     prefill: PrefillScratch,
     pick: PickScratch,
-    /// The captured step of the last batch of several sequences.
-    batch: Option<BatchGraph>,
+    /// The captured steps of the last batches of several sequences, the latest last.
+    batches: Vec<BatchGraph>,
 }
 
 /// Device memory the backend takes beyond weights and sequence state: the prefill chunk's
@@ -170,7 +170,7 @@ impl CudaBackend {
             decode: Scratch::new(&gpu, &config)?,
             prefill: PrefillScratch::new(&gpu, &config, prefill_chunk)?,
             pick,
-            batch: None,
+            batches: Vec::new(),
         });
         // Every weight is written before the first step: kernels may read weights ahead of their
         // pdl_wait(), which orders them only after the kernel before them.
