@@ -100,7 +100,6 @@ impl CudaBackend {
         for &i in &fresh {
             let row = &mut rows[i];
             self.set_token(row.state, row.token)?;
-            ensure_records(self, row.state)?;
         }
         if !fresh.is_empty() {
             let reads = self.launch_recorded(&mut buffers, rows, &fresh, |_| 0)?;
