@@ -3,7 +3,8 @@
 //! bit, that its sequence gives in a step of its own. Prompts of different lengths (so different
 //! positions and attention splits in one step), greedy and seeded sampled rows side by side (the
 //! sampled ones choosing together in one set of pick launches, each with its own rule),
-//! batches of 2, 3, 8 and 9 (a step of 8, then one of 1), on synthetic:tiny (4-bit, the real
+//! batches of 2, 3, 8, 9 (a step of 8, then one of 1) and 17 (two steps of 8, whose graphs
+//! alternate, then one of 1), on synthetic:tiny (4-bit, the real
 //! vocabulary) and the full-size synthetic model. The same with each next step queued before
 //! the host reads the picks (`DecodeRow::queue_next`), rows joining the batch at different steps.
 //! Needs a CUDA GPU: ignored by a plain `cargo test`, run on the H200 with `--include-ignored`.
@@ -22,7 +23,9 @@ use support::{argmax, options, tokens};
 
 const STEPS: usize = 12;
 /// Prompt lengths of the rows: one position, a split boundary (64, 65), several chunks (300).
-const LENGTHS: [usize; 9] = [1, 2, 7, 64, 65, 33, 300, 17, 130];
+const LENGTHS: [usize; 17] = [
+    1, 2, 7, 64, 65, 33, 300, 17, 130, 5, 66, 129, 3, 250, 40, 63, 12,
+];
 
 fn backend(model: &str) -> CudaBackend {
     let config = synthetic_config(model).unwrap();
@@ -304,7 +307,7 @@ fn check_batches(model: &str, sizes: &[usize]) {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn batched_steps_give_each_sequence_what_it_gives_alone_tiny() {
-    check_batches("tiny", &[2, 3, 8, 9]);
+    check_batches("tiny", &[2, 3, 8, 9, 17]);
 }
 
 #[test]
