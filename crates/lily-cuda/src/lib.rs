@@ -390,10 +390,11 @@ impl Backend for CudaBackend {
             gemm_wgmma::GemmPath::MmaSync => "mma.sync",
             gemm_wgmma::GemmPath::Wgmma => "wgmma",
         };
-        let decode = if self.persistent.is_some() {
-            "persistent"
-        } else {
-            "graph"
+        // A benchmark's record says which decode path made its figures.
+        let decode = match (self.persistent.is_some(), self.queue_steps) {
+            (true, _) => "persistent",
+            (false, false) => "graph",
+            (false, true) => "queued graph",
         };
         format!(
             "{} ({}, {gemm} GEMMs, {decode} decode)",
