@@ -24,7 +24,14 @@ use crate::step::StepRow;
 use crate::{Buffers, CudaBackend};
 
 /// A state's two records: a queued step's pick lands in one while the host reads the other's.
-pub(crate) struct Records([PinnedHostSlice<u32>; 2]);
+pub(crate) struct Records([Record; 2]);
+
+/// Where one step's pick lands: the argmax's token, or the pick kernels' record. Each is the
+/// size of its copy, which takes its length from the destination.
+struct Record {
+    token: PinnedHostSlice<u32>,
+    picked: PinnedHostSlice<u32>,
+}
 
 /// A step queued for a state.
 pub(crate) struct Queued {
@@ -213,7 +220,7 @@ impl CudaBackend {
             } else {
                 (buffers.decode.chosen.slice(j..j + 1), ReadAs::Argmax)
             };
-            copy_record(self, src, &mut *rows[i].state, record(i))?;
+            copy_record(self, src, &mut *rows[i].state, record(i), read)?;
             reads.push(read);
         }
         Ok(reads)
@@ -230,16 +237,17 @@ impl CudaBackend {
         logits_intact: bool,
     ) -> Result<Pick> {
         let records = row.state.records.as_ref().context("no records")?;
-        let words = records.0[pending.record].as_slice()?;
+        let record = &records.0[pending.record];
         let plan = match pending.read {
             ReadAs::Argmax => {
                 return Ok(Pick {
-                    token: words[0],
+                    token: record.token.as_slice()?[0],
                     logprobs: None,
                 });
             }
             ReadAs::Picked(plan) => plan,
         };
+        let words = record.picked.as_slice()?;
         if let Some(pick) = buffers.pick.read(&mut row.choice, &plan, words) {
             return Ok(pick);
         }
@@ -259,27 +267,45 @@ impl CudaBackend {
     }
 }
 
-/// Makes a state's records at its first queued step: two page-locked buffers of one pick each.
+/// Makes a state's records at its first queued step: page-locked buffers of one pick each.
 fn ensure_records(backend: &CudaBackend, state: &mut CudaState) -> Result<()> {
     if state.records.is_none() {
         let ctx = &backend.gpu.ctx;
         // SAFETY: a record is read only after a copy into it has completed (`as_slice` waits
         // for the copy's event), and any bit pattern is a valid u32.
-        let make = || unsafe { ctx.alloc_pinned_with_flags::<u32>(OUT_WORDS, 0) };
-        state.records = Some(Records([make()?, make()?]));
+        let make = |len| unsafe { ctx.alloc_pinned_with_flags::<u32>(len, 0) };
+        let record = || -> Result<Record> {
+            Ok(Record {
+                token: make(1)?,
+                picked: make(OUT_WORDS)?,
+            })
+        };
+        state.records = Some(Records([record()?, record()?]));
     }
     Ok(())
 }
 
-/// Queues the copy of a pick (an argmax's word or a PickOut record) into record `k` of `state`.
+/// Queues the copy of a pick (an argmax's token or a PickOut record, as `read` says) into
+/// record `k` of `state`.
 fn copy_record(
     backend: &CudaBackend,
     src: CudaView<'_, u32>,
     state: &mut CudaState,
     k: usize,
+    read: ReadAs,
 ) -> Result<()> {
     ensure_records(backend, state)?;
-    let records = state.records.as_mut().context("no records")?;
-    backend.gpu.stream.memcpy_dtoh(&src, &mut records.0[k])?;
+    let record = &mut state.records.as_mut().context("no records")?.0[k];
+    let dst = match read {
+        ReadAs::Argmax => &mut record.token,
+        ReadAs::Picked(_) => &mut record.picked,
+    };
+    ensure!(
+        dst.len() == src.len(),
+        "a record of {} words, not {}",
+        dst.len(),
+        src.len()
+    );
+    backend.gpu.stream.memcpy_dtoh(&src, dst)?;
     Ok(())
 }
