@@ -14,7 +14,8 @@
 //! overwrites.
 
 use anyhow::{Context, Result, bail, ensure};
-use cudarc::driver::{CudaView, PinnedHostSlice};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaView, PinnedHostSlice};
 use lily_core::backend::DecodeRow;
 use lily_core::choice::Pick;
 
@@ -27,10 +28,21 @@ use crate::{Buffers, CudaBackend};
 pub(crate) struct Records([Record; 2]);
 
 /// Where one step's pick lands: the argmax's token, or the pick kernels' record. Each is the
-/// size of its copy, which takes its length from the destination.
+/// size of its copy, which takes its length from the destination. `copied` is recorded behind
+/// the copy: the pinned slices' own events are recorded only where cudarc tracks streams, which
+/// the backend turns off (one stream).
 struct Record {
     token: PinnedHostSlice<u32>,
     picked: PinnedHostSlice<u32>,
+    copied: CudaEvent,
+}
+
+impl Drop for Record {
+    /// The page-locked memory is freed only once a copy into it has landed (a state dropped
+    /// with a step queued).
+    fn drop(&mut self) {
+        let _ = self.copied.synchronize();
+    }
 }
 
 /// A step queued for a state.
@@ -238,6 +250,7 @@ impl CudaBackend {
     ) -> Result<Pick> {
         let records = row.state.records.as_ref().context("no records")?;
         let record = &records.0[pending.record];
+        record.copied.synchronize()?;
         let plan = match pending.read {
             ReadAs::Argmax => {
                 return Ok(Pick {
@@ -278,6 +291,7 @@ fn ensure_records(backend: &CudaBackend, state: &mut CudaState) -> Result<()> {
             Ok(Record {
                 token: make(1)?,
                 picked: make(OUT_WORDS)?,
+                copied: ctx.new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?,
             })
         };
         state.records = Some(Records([record()?, record()?]));
@@ -307,5 +321,6 @@ fn copy_record(
         src.len()
     );
     backend.gpu.stream.memcpy_dtoh(&src, dst)?;
+    record.copied.record(&backend.gpu.stream)?;
     Ok(())
 }
