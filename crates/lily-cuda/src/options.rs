@@ -72,7 +72,7 @@ impl Default for CudaOptions {
             // Fused measured +3.5 % prefill at 4K on an H100 (docs/BENCHMARKS.md, sixteenth session).
             gate_up: GateUpRoute::Fused,
             stamps: false,
-            // Off until it has run on a GPU against the plain path (docs/BENCHMARKS.md,
+            // Off until it has run correctly on a GPU beside the plain path (docs/BENCHMARKS.md,
             // twenty-third session).
             queue_steps: false,
         }
