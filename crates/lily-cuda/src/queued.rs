@@ -47,8 +47,8 @@ impl Drop for Record {
 
 /// A step queued for a state.
 pub(crate) struct Queued {
-    /// The pick it feeds on, once the host has read it: the next call must feed the same.
-    fed: Option<u32>,
+    /// The pick it feeds on: the next call must feed the same.
+    fed: u32,
     /// The record its pick lands in, and how to read it.
     record: usize,
     read: ReadAs,
@@ -95,8 +95,8 @@ impl CudaBackend {
         for (i, row) in rows.iter().enumerate() {
             match &row.state.queued {
                 Some(q) => ensure!(
-                    q.fed == Some(row.token),
-                    "a step of this sequence is queued after token {:?}, but {} was fed",
+                    q.fed == row.token,
+                    "a step of this sequence is queued after token {}, but {} was fed",
                     q.fed,
                     row.token
                 ),
@@ -160,7 +160,7 @@ impl CudaBackend {
         for (&i, read) in ahead.iter().zip(queued) {
             let state = &mut rows[i].state;
             state.queued = Some(Queued {
-                fed: Some(picks[i].token),
+                fed: picks[i].token,
                 record: records[i],
                 read,
             });
@@ -226,11 +226,11 @@ impl CudaBackend {
         let mut reads = Vec::with_capacity(which.len());
         let mut plans = plans.into_iter().enumerate();
         for (j, &i) in which.iter().enumerate() {
-            let (src, read) = if picked.iter().any(|&(_, r)| r == i) {
+            let (src, read) = if rows[i].choice.is_raw_greedy() {
+                (buffers.decode.chosen.slice(j..j + 1), ReadAs::Argmax)
+            } else {
                 let (k, plan) = plans.next().context("a picked row without a plan")?;
                 (buffers.pick.record(k), ReadAs::Picked(plan))
-            } else {
-                (buffers.decode.chosen.slice(j..j + 1), ReadAs::Argmax)
             };
             copy_record(self, src, &mut *rows[i].state, record(i), read)?;
             reads.push(read);

@@ -478,8 +478,8 @@ impl<B: Backend> Engine<B> {
         finish: Finish,
     ) -> Result<bool> {
         if choice.ended_turn && finish == Finish::Stop {
-            let reply = [&sequence.job.prompt[..], &choice.tokens].concat();
-            self.snapshot_end_of_turn(reply, choice.next, choice.state)?;
+            let fed = [&sequence.job.prompt[..], &choice.tokens].concat();
+            self.snapshot_end_of_turn(fed, choice.next, choice.state)?;
         }
         sequence.outcome.choices.push(ChoiceOutcome {
             finish,
