@@ -1,5 +1,6 @@
 //! The wgmma path of the prefill GEMM (kernels/gemm_wgmma.cu, sm_90a): which GPUs take it
-//! ([`GemmPath`]) and its block shapes. gemm.rs launches it in place of gemm.cu's 4-bit entries.
+//! ([`GemmPath`]) and its block shapes. gemm.rs and gemm_grouped.rs launch it in place of
+//! gemm.cu's 4-bit entries.
 
 use anyhow::{Result, ensure};
 

@@ -40,7 +40,7 @@ pub struct Gpu {
     /// The GDN prefill route the options force, if any ([`crate::gdn_prefill::route_for`]).
     pub gdn_prefill_route: Option<crate::gdn_prefill::GdnPrefillRoute>,
     /// How prefill runs the routed experts' gate and up projections where it may choose.
-    pub gate_up: crate::gemm::GateUpRoute,
+    pub gate_up: crate::gemm_grouped::GateUpRoute,
     /// Which kernels run the 4-bit prefill GEMMs ([`Gpu::set_gemm_path`]).
     gemm_path: GemmPath,
     /// Partial sums of dense GEMMs split along K ([`crate::gemm::gemm`]); one launch at a time

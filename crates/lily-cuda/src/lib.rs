@@ -14,6 +14,7 @@ pub mod gdn_chunked;
 pub mod gdn_decode;
 pub mod gdn_prefill;
 pub mod gemm;
+pub mod gemm_grouped;
 pub mod gemm_wgmma;
 pub mod gemv;
 pub mod gemv_imma;

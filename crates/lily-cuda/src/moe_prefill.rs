@@ -85,7 +85,7 @@ pub fn max_tiles(pairs: usize, experts: usize, height: MoeTile) -> usize {
 }
 
 /// The expert tiles of a chunk on the device, as `sort` writes them and the grouped GEMMs
-/// (`gemm::gemm_grouped`) read them: `tiles` i32 [3 · max_tiles] holds `{expert, first slot,
+/// (`gemm_grouped::gemm_grouped`) read them: `tiles` i32 [3 · max_tiles] holds `{expert, first slot,
 /// rows (1..=height)}` per tile and `num_tiles` (one i32) how many are live. Sorting and the
 /// GEMMs take the same map, so they cannot disagree on the height.
 #[derive(Clone, Copy, Debug)]

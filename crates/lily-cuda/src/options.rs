@@ -7,7 +7,7 @@ use anyhow::{Result, bail};
 use crate::compile::KvPrecision;
 use crate::decode::DecodePath;
 use crate::gdn_prefill::GdnPrefillRoute;
-use crate::gemm::GateUpRoute;
+use crate::gemm_grouped::GateUpRoute;
 use crate::gemm_wgmma::GemmPath;
 
 /// The kernels of the graph decode step's 4-bit products (gemv.rs, step.rs).

@@ -11,7 +11,8 @@ use lily_core::config::ModelConfig;
 
 use crate::attention_prefill::{self, AttnChunk};
 use crate::gdn_prefill::{GdnPrefillRoute, WindowAt};
-use crate::gemm::{GateUp, GateUpRoute, GemmX, Parts};
+use crate::gemm::{GemmX, Parts};
+use crate::gemm_grouped::{self, GateUp, GateUpRoute};
 use crate::gemm_wgmma::GemmPath;
 use crate::gpu::{Gpu, ptr};
 use crate::kernel_args::{AddRmsNorm, Embed};
@@ -475,7 +476,8 @@ fn encode_moe(
     );
     moe_prefill::sort(gpu, ids, pairs, gather, slot_of, counts, &map)?;
     mark("router + sort")?;
-    let grouped = |w, n, x: GemmX, gather, y| gemm::gemm_grouped(gpu, w, n, x, gather, &map, y);
+    let grouped =
+        |w, n, x: GemmX, gather, y| gemm_grouped::gemm_grouped(gpu, w, n, x, gather, &map, y);
     // The down projections' X: f32 in place of gate, and bf16 where the wgmma kernels read it.
     let act16 = ptr(&s.act16, &gpu.stream);
     let act = |f32| GemmX {
@@ -493,7 +495,7 @@ fn encode_moe(
             // act in f32 only for a down projection that will not read the bf16 copy.
             let down16 = tall && gemm::path_of(gpu, &m.down) == GemmPath::Wgmma;
             let act_f32 = if down16 { 0 } else { p(&s.gate) };
-            gemm::gemm_gate_up(gpu, gate_up, x16, pi(&s.gather), &map, act_f32, act16)?;
+            gemm_grouped::gemm_gate_up(gpu, gate_up, x16, pi(&s.gather), &map, act_f32, act16)?;
         }
         _ => {
             grouped(&m.gate, inter, x, pi(&s.gather), p(&s.gate))?;
@@ -522,7 +524,7 @@ fn encode_moe(
                 GemmPath::MmaSync => p(&s.shared_gate),
             };
             let map = s.shared_map(gpu, t);
-            gemm::gemm_gate_up(gpu, shared_gate_up, x16, 0, &map, act_f32, act16)?;
+            gemm_grouped::gemm_gate_up(gpu, shared_gate_up, x16, 0, &map, act_f32, act16)?;
         }
         _ => {
             gemm::gemm(gpu, sg, x, t, p(&s.shared_gate), shared, 0)?;
