@@ -60,10 +60,14 @@ if [ "$step" = ab ]; then
   # with FAMILIES=1 the chunk's per-family table).
   # VARIANTS=... tools/gpu-build.sh packs the variants' binaries in one archive.
   [ -f .gpu/lilies.txz ] && tar -xJf .gpu/lilies.txz -C .gpu --skip-old-files
-  # TEST_JOBS test binaries at once (they are not timed; the GPU has room for several).
+  # TEST_JOBS test binaries at once (they are not timed; the GPU has room for several). An entry
+  # BINARY:NAME runs only that binary's tests whose names contain NAME (a short lease's choice).
   test_one() {
-    local log="$out/${1//\//-}.log"
-    timeout "${TEST_TIMEOUT:-300}" ".gpu/$1" --include-ignored --nocapture --test-threads 1 > "$log" 2>&1
+    local bin=${1%%:*} filter=${1#*:}
+    [ "$filter" = "$1" ] && filter=
+    local log="$out/${1//[\/:]/-}.log"
+    # shellcheck disable=SC2086
+    timeout "${TEST_TIMEOUT:-300}" ".gpu/$bin" --include-ignored --nocapture --test-threads 1 $filter > "$log" 2>&1
     echo "== $1 rc=$? $(grep -E 'test result' "$log")"
   }
   export -f test_one; export out TEST_TIMEOUT
