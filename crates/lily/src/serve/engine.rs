@@ -8,13 +8,14 @@
 
 mod choice;
 mod prefill;
+mod reuse;
 
 use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use anyhow::{Result, anyhow, bail};
 use lily_chat::TextModel;
-use lily_core::backend::{Backend, LogitRows};
+use lily_core::backend::Backend;
 /// How a generation ended: the one finish type of the engine and of `lily generate --tokens`.
 pub use lily_core::generate::Finish;
 use lily_core::logprobs::TokenLogprobs;
@@ -546,61 +547,6 @@ impl<B: Backend> Engine<B> {
                 sequence.phase = Phase::Ended(Err(e));
             }
         }
-    }
-
-    /// After a reply that ended its turn with `stop`, the state plus `<|im_end|>\n` is where
-    /// the next turn continues when the template renders the reply back as it was generated.
-    /// `fed` is the prompt and the reply's tokens before `stop`; a step queued before the host
-    /// saw `stop` has fed it too, which serves where it is the turn end's first token.
-    fn snapshot_end_of_turn(
-        &mut self,
-        fed: Vec<u32>,
-        stop: u32,
-        mut state: B::State,
-    ) -> Result<()> {
-        let len = fed.len() + self.turn_end.len();
-        if len > self.max_seq || !self.snapshots.fits(self.backend.state_bytes(&state), 0) {
-            return Ok(());
-        }
-        let rest = match self.backend.state_len(&state).checked_sub(fed.len()) {
-            Some(0) => &self.turn_end[..],
-            Some(1) if self.turn_end.first() == Some(&stop) => &self.turn_end[1..],
-            _ => return Ok(()),
-        };
-        if !rest.is_empty() {
-            self.backend.prefill(&mut state, rest, LogitRows::None)?;
-        }
-        let bytes = self.backend.state_bytes(&state);
-        let tokens = [fed, self.turn_end.clone()].concat();
-        self.snapshots.insert(tokens, state, None, bytes);
-        Ok(())
-    }
-
-    /// Whether the cache would keep a snapshot of `state` after `tokens` (with `logits`): it has
-    /// room and holds none as good.
-    fn wants_snapshot(&self, tokens: &[u32], state: &B::State, logits: Option<&Vec<f32>>) -> bool {
-        let (bytes, logit_count) = (self.backend.state_bytes(state), logits.map_or(0, Vec::len));
-        self.snapshots.fits(bytes, logit_count)
-            && !self.snapshots.contains(tokens, logits.is_some())
-    }
-
-    /// Keeps a fork of `state` after `tokens`, where the cache wants it.
-    fn keep_snapshot(
-        &mut self,
-        tokens: &[u32],
-        state: &B::State,
-        logits: Option<&Vec<f32>>,
-    ) -> Result<()> {
-        if self.wants_snapshot(tokens, state, logits) {
-            let snapshot = self.backend.fork(state)?;
-            self.insert_snapshot(tokens, snapshot, logits.cloned());
-        }
-        Ok(())
-    }
-
-    fn insert_snapshot(&mut self, tokens: &[u32], state: B::State, logits: Option<Vec<f32>>) {
-        let bytes = self.backend.state_bytes(&state);
-        self.snapshots.insert(tokens.to_vec(), state, logits, bytes);
     }
 }
 

@@ -7,7 +7,7 @@
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use lily_core::backend::DecodeRow;
+use lily_core::backend::{DecodeRow, LogitRows};
 use lily_core::choice::{Choice, Pick};
 use lily_core::config::ModelConfig;
 use lily_core::sampling::SamplingParams;

@@ -5,6 +5,7 @@ use std::ops::ControlFlow;
 use std::sync::{Arc, OnceLock};
 
 use lily_chat::TextModel;
+use lily_core::backend::LogitRows;
 use lily_core::logprobs::TokenLogprobs;
 use lily_core::sampling::SamplingParams;
 use serde_json::{Map, Value, json};
